@@ -1,0 +1,214 @@
+"""Drive one implementation (`reference` or `fast`) the way the engine's scheduler does.
+
+Operations (each one line of a trace, see `trace.py`):
+  submit(uid, tokens, max_tokens)  queue a request for admission
+  prefill(budget, sample)          admit from the queue head within a token budget, allocate,
+                                   "run" the batch, cache_req(finished=False) or free at finish
+  decode(sample)                   one decode step for every running request
+  finish(uid)                      a running request stops early (EOS)
+  abort(uid)                       drop a request wherever it is, freeing what it holds
+  evict(tokens)                    evict from the prefix cache directly, freeing the pages
+  probe(tokens)                    match, lock, read available_size, unlock
+`sample` gives the sampled tokens in batch order (cycled), so a trace replays identically.
+The driver checks the five ownership invariants after every operation (`check`).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Dict, List, Sequence
+
+from reference.pages import div_ceil, tokens_to_finish
+
+
+class InvalidOp(ValueError):
+    """An operation that makes no sense at its point (a bad trace, not a bug in the manager)."""
+
+
+class InvariantViolation(AssertionError):
+    def __init__(self, invariant: str, message: str) -> None:
+        super().__init__(f"[{invariant}] {message}")
+        self.invariant = invariant
+
+
+def tolist(x: Any) -> List[int]:
+    return x.tolist() if hasattr(x, "tolist") else list(x)
+
+
+class Driver:
+    def __init__(self, impl: ModuleType, *, num_pages: int, page_size: int, cache_type: str,
+                 table_slots: int, max_seq_len: int, device: str = "cpu") -> None:
+        self.impl = impl
+        self.page_size = page_size
+        self.max_seq_len = max_seq_len
+        self.page_table = impl.make_page_table(table_slots, max_seq_len, device=device)
+        self.cm = impl.CacheManager(num_pages, page_size, self.page_table, cache_type)
+        self.tm = impl.TableManager(table_slots, self.page_table)
+        self.dm = impl.DecodeManager(page_size)
+        self.waiting: List[Any] = []
+        self.live: Dict[int, Any] = {}  # uid -> admitted request (running or mid-chunk)
+        self.known: set = set()
+
+    # -- operations ---------------------------------------------------------------------------
+    def submit(self, uid: int, tokens: Sequence[int], max_tokens: int) -> Dict:
+        if uid in self.known:
+            raise InvalidOp(f"submit: uid {uid} was already submitted")
+        if len(tokens) + max_tokens > self.max_seq_len:
+            raise InvalidOp(f"submit: uid {uid} needs {len(tokens) + max_tokens} positions, max_seq_len is {self.max_seq_len}")
+        params = self.impl.SamplingParams(max_tokens=max_tokens)
+        try:
+            pending = self.impl.PendingReq(uid, list(tokens), params)
+        except ValueError as e:
+            raise InvalidOp(f"submit: {e}") from None
+        self.known.add(uid)
+        self.waiting.append(pending)
+        return {}
+
+    def prefill(self, budget: int, sample: Sequence[int] = ()) -> Dict:
+        if budget < 1:
+            raise InvalidOp(f"prefill: budget must be >= 1, got {budget}")
+        adder = self.impl.PrefillAdder(budget, self.dm.inflight_tokens, self.cm, self.tm)
+        batch = []
+        rejected = None
+        for pending in self.waiting:
+            before = self._admission_state() if pending.chunked_req is None else None
+            req = adder.try_add_one(pending)
+            if req is None:
+                if before is not None and adder.token_budget > 0:
+                    rejected = pending.uid
+                    if self._admission_state() != before:
+                        raise InvariantViolation("4-failed-admission",
+                                                 f"rejecting uid {pending.uid} changed locks, free list or table slots")
+                break
+            pending.chunked_req = req if _is_chunked(req) else None
+            batch.append(req)
+        self.waiting = [p for p in self.waiting[: len(batch)] if p.chunked_req is not None] + self.waiting[len(batch):]
+        for req in batch:
+            self.live[req.uid] = req
+        self._run(batch, sample, is_prefill=True)
+        return {"batch": [r.uid for r in batch], "rejected": rejected}
+
+    def decode(self, sample: Sequence[int] = ()) -> Dict:
+        batch = list(self.dm.running_reqs.values())
+        self._run(batch, sample, is_prefill=False)
+        return {"batch": [r.uid for r in batch]}
+
+    def finish(self, uid: int) -> Dict:
+        req = self.dm.running_reqs.get(uid)
+        if req is None:
+            raise InvalidOp(f"finish: uid {uid} is not running")
+        with self.cm.lazy_free_region():
+            self.dm.remove_req(req)
+            self._release(req)
+        return {}
+
+    def abort(self, uid: int) -> Dict:
+        for i, pending in enumerate(self.waiting):
+            if pending.uid == uid:
+                del self.waiting[i]
+                if pending.chunked_req is not None:
+                    self._release(pending.chunked_req)
+                return {"where": "waiting"}
+        req = self.dm.running_reqs.get(uid)
+        if req is None:
+            raise InvalidOp(f"abort: uid {uid} is neither waiting nor running")
+        self.dm.remove_req(req)
+        self._release(req)
+        return {"where": "running"}
+
+    def evict(self, tokens: int) -> Dict:
+        evictable = self.cm.prefix_cache.size_info.evictable_size
+        if not 0 <= tokens <= evictable:
+            raise InvalidOp(f"evict: {tokens} tokens asked, {evictable} evictable")
+        evicted = self.cm.prefix_cache.evict(tokens)
+        self.cm._free(evicted)
+        return {"evicted": tolist(evicted)}
+
+    def probe(self, tokens: Sequence[int]) -> Dict:
+        pending = self.impl.PendingReq(-1, list(tokens) + [0], self.impl.SamplingParams(max_tokens=1))
+        handle = self.cm.match_req(pending).cuda_handle
+        self.cm.lock(handle)
+        locked_available = self.cm.available_size
+        self.cm.unlock(handle)
+        return {"cached_len": handle.cached_len, "indices": tolist(handle.get_matched_indices()),
+                "locked_available": locked_available}
+
+    def apply(self, op: Dict) -> Dict:
+        kind = op.get("op")
+        args = {k: v for k, v in op.items() if k not in ("op", "expect")}
+        fn = {"submit": self.submit, "prefill": self.prefill, "decode": self.decode, "finish": self.finish,
+              "abort": self.abort, "evict": self.evict, "probe": self.probe}.get(kind)
+        if fn is None:
+            raise InvalidOp(f"unknown operation {kind!r}")
+        try:
+            return fn(**args)
+        except TypeError as e:
+            raise InvalidOp(f"{kind}: bad arguments {sorted(args)}: {e}") from None
+
+    # -- the engine's step, without the model ------------------------------------------------
+    def _run(self, batch: List[Any], sample: Sequence[int], is_prefill: bool) -> None:
+        if not batch:
+            return
+        try:
+            self.cm.allocate_paged(batch)
+        except Exception as e:  # a running request found no memory: the worst-case promise broke
+            raise InvariantViolation("3-no-oom", f"allocation failed for uids {[r.uid for r in batch]}: {e}") from e
+        for req in batch:
+            req.complete_one()
+        self.dm.filter_reqs(batch)
+        with self.cm.lazy_free_region():
+            for i, req in enumerate(batch):
+                if _is_chunked(req):
+                    continue
+                req.append_host(int(sample[i % len(sample)]) if sample else 0)
+                if not req.can_decode:
+                    self._release(req)
+                elif is_prefill:
+                    self.cm.cache_req(req, finished=False)
+
+    def _release(self, req: Any) -> None:
+        self.tm.free(req.table_idx)
+        self.cm.cache_req(req, finished=True)
+        self.live.pop(req.uid, None)
+
+    # -- observation --------------------------------------------------------------------------
+    def _admission_state(self) -> tuple:
+        owners = self.cm.page_owners(list(self.live.values()))
+        return (tolist(self.cm.free_slots), sorted(owners.items()), self.tm.free_slots(),
+                tuple(self.cm.prefix_cache.size_info))
+
+    def snapshot(self) -> Dict:
+        ps = self.page_size
+        live = list(self.live.values())
+        return {
+            "free_slots": tolist(self.cm.free_slots),
+            "owners": sorted(self.cm.page_owners(live).items()),
+            "rows": {r.uid: tolist(self.page_table[r.table_idx][: div_ceil(r.cached_len, ps) * ps]) for r in live},
+            "lens": {r.uid: (r.table_idx, r.cached_len, r.device_len, r.cache_handle.cached_len) for r in live},
+            "available_size": self.cm.available_size,
+            "size_info": tuple(self.cm.prefix_cache.size_info),
+            "table_free": self.tm.free_slots(),
+            "waiting": [p.uid for p in self.waiting],
+            "running": list(self.dm.running_reqs),
+            "inflight_tokens": self.dm.inflight_tokens,
+        }
+
+    def check(self) -> None:
+        """The five invariants, on this implementation alone."""
+        live = list(self.live.values())
+        try:
+            self.cm.check_integrity(live)
+        except RuntimeError as e:
+            raise InvariantViolation("1-2-partition", str(e)) from e
+        need = sum(tokens_to_finish(r.cached_len, r.max_device_len, self.page_size) for r in live)
+        if need > self.cm.available_size:
+            raise InvariantViolation("3-no-oom", f"live requests may still need {need} tokens of pages, "
+                                                 f"only {self.cm.available_size} available")
+        if not live:
+            locked = self.cm.prefix_cache.size_info.protected_size
+            if locked:
+                raise InvariantViolation("5-quiescence", f"no live request but {locked} cached tokens locked")
+
+
+def _is_chunked(req: Any) -> bool:
+    return type(req).__name__ == "ChunkedReq"
