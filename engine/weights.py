@@ -208,6 +208,8 @@ def _dequantize_gguf(path: str) -> tuple[ModelConfig, StateDict]:
     hf: StateDict = {}
     for t in reader.tensors:
         w = gguf.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        if not w.flags.writeable:  # F32 tensors come back as read-only views of the memmap
+            w = w.copy()
         if config.arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
             w = _unpermute_rope(w, config.num_heads if ".attn_q." in t.name else config.num_kv_heads)
         hf[_gguf_to_hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(w))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Dict, Iterable, Tuple
 
 from .cache_manager import CacheManager
+from .events import note
 from .pages import tokens_to_finish
 from .prefix_cache import CacheHandle
 from .requests import ChunkedReq, PendingReq, Req
@@ -54,20 +55,24 @@ class PrefillAdder:
 
     def _try_allocate_one(self, req: PendingReq) -> Tuple[CacheHandle, int] | None:
         if self.table_manager.available_size == 0:
+            note("admission: no table slot")
             return None
         cm = self.cache_manager
         handle = cm.match_req(req).cuda_handle
         need = self._need(handle.cached_len, req)
         if need + self.reserved_size > cm.available_size:
+            note("admission: rejected")
             return None
         cm.lock(handle)
         # Locked, the hit is no longer evictable: available_size may have shrunk.
         if need + self.reserved_size > cm.available_size:
+            note("admission: rejected only after locking the hit")
             cm.unlock(handle)
             return None
         table_idx = self.table_manager.allocate()
         n = handle.cached_len
         if n > 0:
+            note("admission: prefix hit")
             self.table_manager.token_pool[table_idx][:n] = req.input_ids[:n]
             self.table_manager.page_table[table_idx][:n] = handle.get_matched_indices()
         return handle, table_idx
@@ -79,6 +84,8 @@ class PrefillAdder:
         self.reserved_size += self._need(cached_len, pending)
         end = cached_len + chunk
         self.table_manager.token_pool[table_idx][cached_len:end] = pending.input_ids[cached_len:end]
+        if is_chunked:
+            note("prefill: chunked")
         cls = ChunkedReq if is_chunked else Req
         return cls(pending.input_ids[:end], table_idx, cached_len, pending.output_len,
                    pending.uid, pending.sampling_params, handle)

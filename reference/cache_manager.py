@@ -9,6 +9,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Dict, Iterator, List, Sequence, Tuple
 
+from .events import note
 from .pages import div_ceil
 from .prefix_cache import CacheHandle, MatchResult, NaivePrefixCache
 from .radix_cache import RadixPrefixCache
@@ -43,6 +44,7 @@ class CacheManager:
     # -- allocation ---------------------------------------------------------------------------
     def _allocate(self, needed_pages: int) -> List[int]:
         if needed_pages > len(self.free_slots):
+            note("allocate: evicts from the prefix cache")
             evicted = self.prefix_cache.evict((needed_pages - len(self.free_slots)) * self.page_size)
             self.free_slots += evicted[:: self.page_size]
         if needed_pages > len(self.free_slots):
@@ -113,8 +115,14 @@ class CacheManager:
         old = req.cache_handle
         hit, new = self.prefix_cache.insert_prefix(req.input_ids[: req.cached_len], locs)
         self.unlock(old)
+        if hit > old.cached_len:
+            note("cache_req: duplicate prefix freed" + (" at finish" if finished else " while running"))
+        if hit < new.cached_len:
+            note("cache_req: new prefix inserted")
         self._free(locs[old.cached_len : hit])
         if finished:
+            if new.cached_len < req.cached_len:
+                note("cache_req: partial tail page freed")
             self._free(locs[new.cached_len :])
             return
         # Deviation from the seed: a running request must not keep pointing at the pages it

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
+from .events import note
 from .pages import align_down
 from .prefix_cache import CacheHandle, InsertResult, MatchResult, SizeInfo
 
@@ -57,6 +58,7 @@ class RadixPrefixCache:
         """Cut `node` at `pos`: a new parent takes the first `pos` tokens and the lock count."""
         parent = node.parent
         assert parent is not None and 0 < pos < node.length
+        note("radix: node split")
         del parent.children[self._edge(node.key)]
         head = self._new_node(node.key[:pos], node.value[:pos], parent)
         head.ref_count = node.ref_count
@@ -124,6 +126,10 @@ class RadixPrefixCache:
         while len(evicted) < size:
             leaves = [n for n in self.nodes() if n.is_leaf() and n.ref_count == 0]
             victim = min(leaves, key=lambda n: (n.last_access, n.id))
+            if evicted:
+                note("radix: one eviction takes several leaves")
+            if victim.parent is not self.root and len(victim.parent.children) == 1 and victim.parent.ref_count == 0:
+                note("radix: eviction makes the parent an evictable leaf")
             del victim.parent.children[self._edge(victim.key)]
             evicted += victim.value
             self.evictable_size -= victim.length

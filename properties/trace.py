@@ -1,0 +1,89 @@
+"""The trace format: JSON lines, one header then one operation per line.
+
+Header: {"kvledger_trace": 1, "num_pages", "page_size", "cache_type", "table_slots",
+"max_seq_len", "seed", "producer"}. Operations are the driver's (see `driver.py`), e.g.
+{"op": "submit", "uid": 3, "tokens": [5, 1, 2], "max_tokens": 4} or
+{"op": "prefill", "budget": 16, "sample": [7]}; an optional "expect" records what the producer
+saw (for example the batch's uids) and is checked on replay.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, Iterable, List, Tuple
+
+VERSION = 1
+OPS = ("submit", "prefill", "decode", "finish", "abort", "evict", "probe")
+
+
+class TraceError(ValueError):
+    pass
+
+
+@dataclass
+class Header:
+    num_pages: int
+    page_size: int
+    cache_type: str
+    table_slots: int
+    max_seq_len: int
+    seed: int | None = None
+    producer: str = "unknown"
+    kvledger_trace: int = field(default=VERSION)
+
+    def validate(self) -> None:
+        for name in ("num_pages", "page_size", "table_slots", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise TraceError(f"header: {name} must be a positive integer, got {value!r}")
+        if self.cache_type not in ("naive", "radix"):
+            raise TraceError(f"header: cache_type must be 'naive' or 'radix', got {self.cache_type!r}")
+        if self.kvledger_trace != VERSION:
+            raise TraceError(f"header: trace version {self.kvledger_trace} is not supported (expected {VERSION})")
+
+    def driver_args(self) -> Dict:
+        return {"num_pages": self.num_pages, "page_size": self.page_size, "cache_type": self.cache_type,
+                "table_slots": self.table_slots, "max_seq_len": self.max_seq_len}
+
+
+def dumps(header: Header, ops: Iterable[Dict]) -> str:
+    head = {"kvledger_trace": VERSION, **{k: v for k, v in asdict(header).items() if k != "kvledger_trace"}}
+    return "\n".join(json.dumps(x, separators=(", ", ": ")) for x in [head, *ops]) + "\n"
+
+
+def write(path: str | Path, header: Header, ops: Iterable[Dict]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(dumps(header, ops))
+
+
+def loads(text: str, source: str = "<trace>") -> Tuple[Header, List[Dict]]:
+    lines = [(i + 1, line) for i, line in enumerate(text.splitlines()) if line.strip()]
+    if not lines:
+        raise TraceError(f"{source}: empty trace (no header line)")
+    records = []
+    for lineno, line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TraceError(f"{source}:{lineno}: not valid JSON: {e.msg}") from None
+        if not isinstance(record, dict):
+            raise TraceError(f"{source}:{lineno}: each line must be a JSON object")
+        records.append(record)
+    head = records[0]
+    if "kvledger_trace" not in head:
+        raise TraceError(f"{source}:1: the first line must be the header with 'kvledger_trace'")
+    try:
+        header = Header(**head)
+    except TypeError as e:
+        raise TraceError(f"{source}:1: bad header: {e}") from None
+    header.validate()
+    for (lineno, _), op in zip(lines[1:], records[1:]):
+        if op.get("op") not in OPS:
+            raise TraceError(f"{source}:{lineno}: unknown op {op.get('op')!r} (expected one of {', '.join(OPS)})")
+    return header, records[1:]
+
+
+def read(path: str | Path) -> Tuple[Header, List[Dict]]:
+    return loads(Path(path).read_text(), str(path))
