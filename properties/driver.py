@@ -16,7 +16,7 @@ The driver checks the five ownership invariants after every operation (`check`).
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 from reference.pages import div_ceil, tokens_to_finish
 
@@ -48,6 +48,8 @@ class Driver:
         self.waiting: List[Any] = []
         self.live: Dict[int, Any] = {}  # uid -> admitted request (running or mid-chunk)
         self.known: set = set()
+        # called after a batch's forward, before its results are processed (as the seed's table prints)
+        self.after_forward: Callable[[str, List[Any]], None] | None = None
 
     # -- operations ---------------------------------------------------------------------------
     def submit(self, uid: int, tokens: Sequence[int], max_tokens: int) -> Dict:
@@ -156,6 +158,8 @@ class Driver:
         for req in batch:
             req.complete_one()
         self.dm.filter_reqs(batch)
+        if self.after_forward is not None:
+            self.after_forward("prefill" if is_prefill else "decode", batch)
         with self.cm.lazy_free_region():
             for i, req in enumerate(batch):
                 if _is_chunked(req):

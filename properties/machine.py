@@ -33,6 +33,23 @@ settings.register_profile("dev", max_examples=40, stateful_step_count=30, deadli
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 ALPHABET = st.integers(0, 3)
+
+# Rare branches the CI profile must reach (tests/test_lockstep_properties.py proves it).
+EXPECTED_EVENTS = frozenset({
+    "admission: prefix hit", "admission: rejected", "admission: rejected only after locking the hit",
+    "admission: no table slot", "prefill: chunked", "radix: node split",
+    "radix: one eviction takes several leaves", "radix: eviction makes the parent an evictable leaf",
+    "allocate: evicts from the prefix cache", "cache_req: new prefix inserted",
+    "cache_req: duplicate prefix freed while running", "cache_req: duplicate prefix freed at finish",
+    "cache_req: partial tail page freed", "driver: rejected request admitted later",
+    "driver: several requests prefill together", "driver: abort mid-chunk", "driver: idle",
+})
+REACHED: set = set()
+
+
+def note(name: str) -> None:
+    REACHED.add(name)
+    event(name)
 SAMPLE = st.lists(st.integers(0, 3), max_size=3)
 BUDGETS = st.sampled_from([1, 2, 3, 5, 8, 16, 64, 1024])
 
@@ -51,7 +68,7 @@ class LockstepMachine(RuleBasedStateMachine):
     )
     def setup(self, page_size: int, num_pages: int, cache_type: str, table_slots: int,
               families: List[List[int]]) -> None:
-        events.set_listener(event)
+        events.set_listener(note)
         self.header = trace.Header(num_pages=num_pages, page_size=page_size, cache_type=cache_type,
                                    table_slots=table_slots, max_seq_len=256, producer="hypothesis")
         self.lock = Lockstep(self.header)
@@ -94,11 +111,11 @@ class LockstepMachine(RuleBasedStateMachine):
     def prefill(self, budget: int, sample: List[int]) -> None:
         result = self._do({"op": "prefill", "budget": budget, "sample": sample})
         if self.rejected & set(result["batch"]):
-            event("driver: rejected request admitted later")
+            note("driver: rejected request admitted later")
         if result["rejected"] is not None:
             self.rejected.add(result["rejected"])
         if len(result["batch"]) > 1:
-            event("driver: several requests prefill together")
+            note("driver: several requests prefill together")
 
     @precondition(lambda self: self.ref.dm.runnable)
     @rule(sample=SAMPLE)
@@ -117,7 +134,7 @@ class LockstepMachine(RuleBasedStateMachine):
         uids = [p.uid for p in self.ref.waiting] + list(self.ref.dm.running_reqs)
         uid = uids[pick % len(uids)]
         if any(p.uid == uid and p.chunked_req is not None for p in self.ref.waiting):
-            event("driver: abort mid-chunk")
+            note("driver: abort mid-chunk")
         self._do({"op": "abort", "uid": uid})
 
     @precondition(lambda self: self.ref.cm.prefix_cache.size_info.evictable_size > 0)
@@ -133,7 +150,7 @@ class LockstepMachine(RuleBasedStateMachine):
     @invariant()
     def quiescent_when_idle(self) -> None:
         if hasattr(self, "lock") and not self.ref.live and not self.ref.waiting:
-            event("driver: idle")
+            note("driver: idle")
 
 
 TestLockstep = LockstepMachine.TestCase

@@ -133,7 +133,7 @@ class CacheManager:
         self.lock(new)
 
     # -- verification -------------------------------------------------------------------------
-    def owned_pages(self, req: Req) -> List[int]:
+    def _owned(self, req: Req) -> List[int]:
         """First locations of the pages `req` owns (between steps): past its cached prefix."""
         ps = self.page_size
         row = self.page_table[req.table_idx]
@@ -156,7 +156,7 @@ class CacheManager:
             for loc in node.value[:: self.page_size]:
                 claim(loc, ("cache", node.ref_count))
         for req in reqs:
-            for loc in self.owned_pages(req):
+            for loc in self._owned(req):
                 claim(loc, ("req", req.uid))
         return {p: tuple(o) for p, o in owners.items()}
 

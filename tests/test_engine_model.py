@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 
 import pytest
@@ -18,6 +19,18 @@ from engine.model import CausalLM
 from engine.weights import convert_hf_state_dict, load_weights
 
 ATOL = 1e-4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread_under_xdist():
+    # Two xdist workers x two OpenMP threads on two cores spin against each other (10x+ slowdowns).
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 POOL_TOKENS = 96
 MAX_SEQ = 32
 

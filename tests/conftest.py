@@ -1,0 +1,27 @@
+import pytest
+
+import fast
+import reference
+
+IMPLS = {"reference": reference, "fast": fast}
+
+
+@pytest.fixture(params=sorted(IMPLS))
+def impl(request):
+    """Run the test once against the model and once against the tensor implementation."""
+    return IMPLS[request.param]
+
+
+def make_manager(impl, *, num_pages, page_size, cache="naive", rows=4, max_seq_len=64):
+    page_table = impl.make_page_table(rows, max_seq_len)
+    cm = impl.CacheManager(num_pages, page_size, page_table, cache)
+    return cm, impl.TableManager(rows, page_table)
+
+
+def row(impl, cm, idx, end):
+    values = cm.page_table[idx][:end]
+    return values.tolist() if hasattr(values, "tolist") else list(values)
+
+
+def as_list(x):
+    return x.tolist() if hasattr(x, "tolist") else list(x)
