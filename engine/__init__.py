@@ -1,1 +1,0 @@
-"""Model side of the kvledger serving engine: weights, tokenizer, model, KV pool, attention."""

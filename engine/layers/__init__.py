@@ -1,6 +1,0 @@
-from engine.layers.embedding import Embedding, LMHead
-from engine.layers.mlp import GatedMLP
-from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
-
-__all__ = ["Embedding", "GatedMLP", "LMHead", "RMSNorm", "RotaryEmbedding"]
