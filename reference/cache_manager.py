@@ -18,7 +18,7 @@ from .requests import PendingReq, Req
 FREE = "free"
 
 
-def create_prefix_cache(type: str, page_size: int):
+def create_prefix_cache(type: str, page_size: int, device: str = "cpu"):
     if type == "naive":
         return NaivePrefixCache(page_size)
     if type == "radix":
