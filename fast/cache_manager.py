@@ -60,24 +60,20 @@ class CacheManager:
     def allocate_paged(self, reqs: Sequence[Req]) -> None:
         """Give each request the pages for positions [cached_len, device_len) it lacks."""
         ps = self.page_size
-        table_idx, first, count = [], [], []
+        rows: List[int] = []
+        cols: List[int] = []
         for req in reqs:
-            lo, hi = div_ceil(req.cached_len, ps), div_ceil(req.device_len, ps)
+            lo, hi = div_ceil(req.cached_len, ps) * ps, div_ceil(req.device_len, ps) * ps
             if hi > lo:
-                table_idx.append(req.table_idx)
-                first.append(lo * ps)
-                count.append((hi - lo) * ps)
-        if not count:
+                rows += [req.table_idx] * (hi - lo)
+                cols += range(lo, hi)
+        if not rows:
             return
-        locs = self._page_to_token(self._allocate(sum(count) // ps))
-        counts = torch.tensor(count)
-        rows = torch.repeat_interleave(torch.tensor(table_idx), counts)
-        # column of the i-th new location: its span's first position plus its offset in the span
-        span_start = torch.cumsum(counts, 0) - counts
-        cols = torch.arange(len(rows)) + torch.repeat_interleave(torch.tensor(first) - span_start, counts)
-        if self._pin:
-            rows, cols = rows.pin_memory(), cols.pin_memory()
-        self.page_table[rows.to(self.device, non_blocking=True), cols.to(self.device, non_blocking=True)] = locs
+        locs = self._page_to_token(self._allocate(len(rows) // ps))
+        # host-side indices (pinned on CUDA), then one indexed assignment on the device
+        index = torch.tensor([rows, cols], dtype=torch.int64, pin_memory=self._pin)
+        index = index.to(self.device, non_blocking=True)
+        self.page_table[index[0], index[1]] = locs
 
     # -- freeing ------------------------------------------------------------------------------
     def _free(self, indices: torch.Tensor) -> None:

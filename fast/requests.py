@@ -22,9 +22,30 @@ def as_token_tensor(ids: Any) -> torch.Tensor:
 
 
 class Req(_ModelReq):
+    """Token ids live in a buffer sized for the request's whole life: appending is one store."""
+
+    def __init__(self, input_ids: Any, table_idx: int, cached_len: int, output_len: int, uid: int,
+                 sampling_params: SamplingParams, cache_handle: Any) -> None:
+        super().__init__(input_ids, table_idx, cached_len, output_len, uid, sampling_params, cache_handle)
+        self._buf = torch.empty(self.max_device_len, dtype=torch.int32)
+        self._buf[: len(input_ids)] = as_token_tensor(input_ids)
+        self._len = len(input_ids)
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self._buf[: self._len]
+
+    @input_ids.setter
+    def input_ids(self, ids: Any) -> None:
+        # the model's constructor assigns input_ids before the buffer exists; ours fills it next
+        if hasattr(self, "_buf"):
+            raise AttributeError("input_ids grows only through append_host")
+
     def append_host(self, next_token: Any) -> None:
-        token = torch.as_tensor(next_token, dtype=torch.int32).reshape(1)
-        self.input_ids = torch.cat([self.input_ids, token])
+        if self._len >= self.max_device_len:
+            raise RuntimeError(f"request {self.uid}: no room for another token ({self.max_device_len} max)")
+        self._buf[self._len] = int(next_token)
+        self._len += 1
 
 
 class ChunkedReq(Req):

@@ -177,9 +177,11 @@ class Driver:
 
     # -- observation --------------------------------------------------------------------------
     def _admission_state(self) -> tuple:
-        owners = self.cm.page_owners(list(self.live.values()))
-        return (tolist(self.cm.free_slots), sorted(owners.items()), self.tm.free_slots(),
-                tuple(self.cm.prefix_cache.size_info))
+        # per cached page, not per node: a match may split a node, which moves no page and no lock
+        ps = self.page_size
+        locks = sorted((loc, node.ref_count) for node in self.cm.prefix_cache.nodes()
+                       for loc in tolist(node.value)[::ps])
+        return (tolist(self.cm.free_slots), locks, self.tm.free_slots(), tuple(self.cm.prefix_cache.size_info))
 
     def snapshot(self) -> Dict:
         ps = self.page_size

@@ -1,0 +1,1 @@
+"""kvledger: a verified KV-cache manager (reference model, tensor CacheManager, properties)."""

@@ -1,0 +1,31 @@
+"""`kvledger check`: the lockstep property run, with a report of what it reached."""
+
+from __future__ import annotations
+
+import time
+
+from hypothesis import settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from .lockstep import Divergence
+from .machine import EXPECTED_EVENTS, REACHED, LockstepMachine, failures_dir
+
+
+def run_check(profile: str, examples: int | None = None) -> int:
+    settings.load_profile(profile)
+    chosen = settings(settings.default, max_examples=examples) if examples else settings.default
+    print(f"kvledger check: profile {profile}, {chosen.max_examples} sequences of up to "
+          f"{chosen.stateful_step_count} operations, reference vs fast in lockstep")
+    REACHED.clear()
+    start = time.perf_counter()
+    try:
+        run_state_machine_as_test(LockstepMachine, settings=chosen)
+    except Divergence as e:
+        print(f"FAILED after {time.perf_counter() - start:.1f}s: {e}")
+        print(f"the failing trace is in {failures_dir()}/ (replay it with: kvledger replay FILE)")
+        return 1
+    elapsed = time.perf_counter() - start
+    print(f"passed in {elapsed:.1f}s; rare branches reached ({len(REACHED & EXPECTED_EVENTS)}/{len(EXPECTED_EVENTS)}):")
+    for name in sorted(EXPECTED_EVENTS):
+        print(f"  [{'x' if name in REACHED else ' '}] {name}")
+    return 0

@@ -1,0 +1,32 @@
+"""`kvledger replay TRACE`: run a trace on reference and fast in lockstep and report."""
+
+from __future__ import annotations
+
+import sys
+
+from .driver import InvalidOp
+from .lockstep import Divergence, replay
+from .trace import TraceError, read
+
+
+def replay_file(path: str, device: str = "cpu") -> int:
+    try:
+        header, ops = read(path)
+    except (OSError, TraceError) as e:
+        print(f"kvledger replay: {e}", file=sys.stderr)
+        return 2
+    try:
+        lock = replay(header, ops, device=device)
+    except InvalidOp as e:
+        print(f"kvledger replay: {path}: operation {e.step} is invalid at that point: {e}", file=sys.stderr)
+        return 2
+    except Divergence as e:
+        print(f"DIVERGED at step {e.step} ({e.op.get('op')}): {e.kind}")
+        print(f"  operation: {e.op}")
+        print(f"  {e.detail}")
+        return 1
+    ref = lock.ref
+    print(f"OK: {len(ops)} operations agree on reference and fast ({header.cache_type} cache, page size "
+          f"{header.page_size}, {header.num_pages} pages); live requests at the end: {len(ref.live)}, "
+          f"free pages: {len(ref.cm.free_slots)}, cached tokens: {ref.cm.prefix_cache.size_info.total_size}")
+    return 0
