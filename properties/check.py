@@ -22,7 +22,7 @@ def run_check(profile: str, examples: int | None = None) -> int:
         run_state_machine_as_test(LockstepMachine, settings=chosen)
     except Divergence as e:
         print(f"FAILED after {time.perf_counter() - start:.1f}s: {e}")
-        print(f"the failing trace is in {failures_dir()}/ (replay it with: kvledger replay FILE)")
+        print(f"the shrunk failing trace: {failures_dir()}/hypothesis-last-failure.jsonl (kvledger replay it)")
         return 1
     elapsed = time.perf_counter() - start
     print(f"passed in {elapsed:.1f}s; rare branches reached ({len(REACHED & EXPECTED_EVENTS)}/{len(EXPECTED_EVENTS)}):")
