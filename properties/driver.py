@@ -2,14 +2,16 @@
 
 Operations (each one line of a trace, see `trace.py`):
   submit(uid, tokens, max_tokens)  queue a request for admission
-  prefill(budget, sample)          admit from the queue head within a token budget, allocate,
+  prefill(budget, sample, stop)    admit from the queue head within a token budget, allocate,
                                    "run" the batch, cache_req(finished=False) or free at finish
-  decode(sample)                   one decode step for every running request
+  decode(sample, stop)             one decode step for every running request
   finish(uid)                      a running request stops early (EOS)
   abort(uid)                       drop a request wherever it is, freeing what it holds
   evict(tokens)                    evict from the prefix cache directly, freeing the pages
   probe(tokens)                    match, lock, read available_size, unlock
-`sample` gives the sampled tokens in batch order (cycled), so a trace replays identically.
+`sample` gives the sampled tokens in batch order (cycled), so a trace replays identically;
+`stop` names requests whose sampled token ends them (EOS or a stop token).
+The engine runs the same steps with its model between `allocate` and `complete`.
 The driver checks the five ownership invariants after every operation (`check`).
 """
 
@@ -66,7 +68,20 @@ class Driver:
         self.waiting.append(pending)
         return {}
 
-    def prefill(self, budget: int, sample: Sequence[int] = ()) -> Dict:
+    def prefill(self, budget: int, sample: Sequence[int] = (), stop: Sequence[int] = ()) -> Dict:
+        batch, rejected = self.admit(budget)
+        self._run(batch, sample, stop, is_prefill=True)
+        return {"batch": [r.uid for r in batch], "rejected": rejected}
+
+    def decode(self, sample: Sequence[int] = (), stop: Sequence[int] = ()) -> Dict:
+        batch = list(self.dm.running_reqs.values())
+        self._run(batch, sample, stop, is_prefill=False)
+        return {"batch": [r.uid for r in batch]}
+
+    def admit(self, budget: int) -> tuple[List[Any], int | None]:
+        """Admit from the head of the queue within `budget` tokens until one does not fit.
+        Returns the prefill batch (requests mid-chunk go back to the queue front) and the uid
+        of the request that was turned away, if any."""
         if budget < 1:
             raise InvalidOp(f"prefill: budget must be >= 1, got {budget}")
         adder = self.impl.PrefillAdder(budget, self.dm.inflight_tokens, self.cm, self.tm)
@@ -87,13 +102,7 @@ class Driver:
         self.waiting = [p for p in self.waiting[: len(batch)] if p.chunked_req is not None] + self.waiting[len(batch):]
         for req in batch:
             self.live[req.uid] = req
-        self._run(batch, sample, is_prefill=True)
-        return {"batch": [r.uid for r in batch], "rejected": rejected}
-
-    def decode(self, sample: Sequence[int] = ()) -> Dict:
-        batch = list(self.dm.running_reqs.values())
-        self._run(batch, sample, is_prefill=False)
-        return {"batch": [r.uid for r in batch]}
+        return batch, rejected
 
     def finish(self, uid: int) -> Dict:
         req = self.dm.running_reqs.get(uid)
@@ -147,14 +156,26 @@ class Driver:
         except TypeError as e:
             raise InvalidOp(f"{kind}: bad arguments {sorted(args)}: {e}") from None
 
-    # -- the engine's step, without the model ------------------------------------------------
-    def _run(self, batch: List[Any], sample: Sequence[int], is_prefill: bool) -> None:
-        if not batch:
-            return
+    # -- one step: admit or pick the decode batch, allocate, (the model runs), complete ------
+    def _run(self, batch: List[Any], sample: Sequence[int], stop: Sequence[int], is_prefill: bool) -> None:
+        if batch:
+            self.allocate(batch)
+            self.complete(batch, sample, stop, is_prefill)
+
+    def allocate(self, batch: List[Any]) -> None:
         try:
             self.cm.allocate_paged(batch)
         except Exception as e:  # a running request found no memory: the worst-case promise broke
             raise InvariantViolation("3-no-oom", f"allocation failed for uids {[r.uid for r in batch]}: {e}") from e
+
+    def complete(self, batch: List[Any], sample: Sequence[int], stop: Sequence[int], is_prefill: bool) -> None:
+        """After the forward: every request computed its tokens; the sampled ones get their token
+        (`sample`, in batch order, cycled); those that reached max_tokens or are in `stop` (EOS)
+        finish, in one lazy-free region; a prefill hands its prompt KV to the prefix cache."""
+        stop = set(stop)
+        bad = stop - {r.uid for r in batch if not _is_chunked(r)}
+        if bad:
+            raise InvalidOp(f"stop names uids {sorted(bad)} that sampled no token in this batch")
         for req in batch:
             req.complete_one()
         self.dm.filter_reqs(batch)
@@ -165,7 +186,8 @@ class Driver:
                 if _is_chunked(req):
                     continue
                 req.append_host(int(sample[i % len(sample)]) if sample else 0)
-                if not req.can_decode:
+                if not req.can_decode or req.uid in stop:
+                    self.dm.remove_req(req)
                     self._release(req)
                 elif is_prefill:
                     self.cm.cache_req(req, finished=False)

@@ -43,6 +43,19 @@ def _state_diff(ref: Dict, fst: Dict) -> tuple[str, str] | None:
     return None
 
 
+def compare(ref: Driver, fst: Driver, step: int, op: Dict) -> None:
+    """Invariants on each side, then the whole observable state side by side."""
+    for name, driver in (("reference", ref), ("fast", fst)):
+        try:
+            driver.check()
+        except InvariantViolation as e:
+            prefix = "reference-invariant" if name == "reference" else "invariant"
+            raise Divergence(step, op, f"{prefix}:{e.invariant}", str(e)) from e
+    diff = _state_diff(ref.snapshot(), fst.snapshot())
+    if diff is not None:
+        raise Divergence(step, op, f"state:{diff[0]}", diff[1])
+
+
 class Lockstep:
     def __init__(self, header: Header, device: str = "cpu", fast_impl: Any = fast) -> None:
         self.header = header
@@ -71,15 +84,7 @@ class Lockstep:
         expect = op.get("expect")
         if expect is not None and {k: result.get(k) for k in expect} != expect:
             raise Divergence(self.step, op, f"expect:{op['op']}", f"recorded {expect}, replayed {result}")
-        for name, driver in (("reference", self.ref), ("fast", self.fast)):
-            try:
-                driver.check()
-            except InvariantViolation as e:
-                prefix = "reference-invariant" if name == "reference" else "invariant"
-                raise Divergence(self.step, op, f"{prefix}:{e.invariant}", str(e)) from e
-        diff = _state_diff(self.ref.snapshot(), self.fast.snapshot())
-        if diff is not None:
-            raise Divergence(self.step, op, f"state:{diff[0]}", diff[1])
+        compare(self.ref, self.fast, self.step, op)
         return result
 
 
