@@ -1,3 +1,7 @@
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts its thread pool
+
 import pytest
 
 import fast

@@ -1,0 +1,53 @@
+"""Paged KV storage with page size 1: every token location owns one K and one V row per layer."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_tokens: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.num_tokens = num_tokens
+        shape = (num_layers, num_tokens, num_kv_heads, head_dim)
+        # One allocation each for K and V; k[layer] is a [num_tokens, kv_heads, head_dim] view.
+        self.k_buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = list(self.k_buffer.unbind(0))
+        self.v = list(self.v_buffer.unbind(0))
+
+    @classmethod
+    def for_model(
+        cls,
+        config: ModelConfig,
+        num_tokens: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> KVPool:
+        return cls(config.num_layers, num_tokens, config.num_kv_heads, config.head_dim, dtype, device)
+
+    @staticmethod
+    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k_buffer.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_buffer.device
+
+    def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v ([T, kv_heads, head_dim]) at token locations loc ([T])."""
+        self.k[layer][loc] = k.to(self.dtype)
+        self.v[layer][loc] = v.to(self.dtype)

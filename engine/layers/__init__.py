@@ -1,0 +1,6 @@
+from engine.layers.embedding import Embedding, LMHead
+from engine.layers.mlp import GatedMLP
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+
+__all__ = ["Embedding", "GatedMLP", "LMHead", "RMSNorm", "RotaryEmbedding"]

@@ -1,0 +1,176 @@
+"""`LLM`: load a model, then generate text for prompts or token-id lists on the kvledger engine."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional, Sequence, Union
+
+import torch
+
+from engine.attention.torch_native import TorchNativeBackend
+from engine.kv_pool import KVPool
+from engine.model import CausalLM
+from engine.observers import ShadowVerifier, TraceRecorder
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.tokenizer import Tokenizer
+from engine.weights import load_weights
+from fast import SamplingParams
+
+Prompt = Union[str, Sequence[int]]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RequestOutput:
+    uid: int
+    prompt_token_ids: List[int]
+    token_ids: List[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: Optional[str] = None  # "length", "stop", "error"
+    error: Optional[Exception] = None  # the ValueError (naming the field) of a rejected request
+
+
+class LLM:
+    def __init__(
+        self,
+        model: Optional[str] = None,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        page_size: int = 16,
+        cache_type: str = "radix",
+        kv_cache_tokens: int = 32768,
+        max_running_reqs: int = 64,
+        max_seq_len: Optional[int] = None,
+        max_prefill_tokens: int = 2048,
+        verify: bool = False,
+        trace: Optional[str] = None,
+        seed: int = 0,
+        dummy_weights: bool = False,
+        threads: Optional[int] = None,
+    ) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if threads:
+            torch.set_num_threads(threads)
+        config, state = load_weights(model, dummy=dummy_weights, seed=seed)
+        self.config = config
+        self.tokenizer = None if dummy_weights else Tokenizer.load(model)
+        self.model = CausalLM.from_state_dict(config, state, dtype=DTYPES[dtype], device=device)
+        self.model.attn_backend = _attention_backend(device)
+        del state
+        num_pages = max(1, kv_cache_tokens // page_size)
+        self.model.kv_pool = KVPool.for_model(config, num_pages * page_size, DTYPES[dtype], device)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else config.eos_token_ids
+        sched = SchedulerConfig(
+            num_pages=num_pages, page_size=page_size, cache_type=cache_type, max_running_reqs=max_running_reqs,
+            max_seq_len=max_seq_len or min(config.max_position_embeddings, 4096),
+            max_prefill_tokens=max_prefill_tokens, seed=seed)
+        self.scheduler = Scheduler(self.model, sched, eos, device)
+        self.shadow = ShadowVerifier(self.scheduler.header) if verify else None
+        if self.shadow:
+            self.scheduler.observers.append(self.shadow)
+        self.recorder = TraceRecorder(trace, self.scheduler.header) if trace else None
+        if self.recorder:
+            self.scheduler.observers.append(self.recorder)
+        self._next_uid = 0
+
+    # -- prompts ------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> List[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text prompts need a tokenizer (dummy weights have none); pass token ids")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def chat(self, message: str) -> List[int]:
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer")
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": message}])
+
+    def _submit(self, prompt: Prompt, params: SamplingParams) -> RequestOutput:
+        uid, self._next_uid = self._next_uid, self._next_uid + 1
+        try:
+            out = RequestOutput(uid, self.encode(prompt))
+            self.scheduler.submit(uid, out.prompt_token_ids, params)
+        except ValueError as e:
+            out = RequestOutput(uid, [] if isinstance(prompt, str) else list(prompt), finish_reason="error", error=e)
+        return out
+
+    def _decode(self, ids: List[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer else ""
+
+    # -- generation ---------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: Optional[bool] = None,
+    ) -> List[RequestOutput]:
+        """Generate for every prompt together (continuous batching). A request that can never
+        run comes back with `finish_reason == "error"` and `error` set; the others still run."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = _per_request(sampling_params, len(prompts))
+        outputs = [self._submit(p, sp) for p, sp in zip(prompts, params)]
+        by_uid = {o.uid: o for o in outputs if o.error is None}
+        bar = _progress(len(by_uid), use_tqdm)
+        while self.scheduler.has_work:
+            for ev in self.scheduler.step():
+                out = by_uid[ev.uid]
+                out.token_ids.append(ev.token)
+                if ev.finished:
+                    out.finish_reason = ev.finish_reason
+                    out.text = self._decode(out.token_ids)
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return outputs
+
+    def stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None) -> Iterator[str]:
+        """Yield text pieces as tokens are generated (one request)."""
+        out = self._submit(prompt, sampling_params or SamplingParams())
+        if out.error is not None:
+            raise out.error
+        shown = ""
+        while self.scheduler.has_work:
+            for ev in self.scheduler.step():
+                if ev.uid != out.uid:
+                    continue
+                out.token_ids.append(ev.token)
+                text = self._decode(out.token_ids)
+                if not text.endswith("\ufffd"):  # wait for a whole character
+                    yield text[len(shown):]
+                    shown = text
+
+    def close(self) -> None:
+        if self.recorder:
+            self.recorder.close()
+
+
+def _per_request(params, n: int) -> List[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"sampling_params: {len(params)} given for {n} prompts")
+    return params
+
+
+def _progress(total: int, enabled: Optional[bool]):
+    if enabled is None:
+        enabled = sys.stderr.isatty() and total > 1
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req", file=sys.stderr)
+
+
+def _attention_backend(device: str):
+    return TorchNativeBackend()

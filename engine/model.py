@@ -1,0 +1,105 @@
+"""Llama / Qwen3 decoder over a flat batch of tokens, with paged KV through an attention backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention.base import AttentionBackend, AttentionBatch
+from engine.attention.torch_native import TorchNativeBackend
+from engine.config import ModelConfig
+from engine.kv_pool import KVPool
+from engine.layers import Embedding, GatedMLP, LMHead, RMSNorm, RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        if config.qk_norm:  # Qwen3 normalizes each head of q and k before rope
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend, pool: KVPool
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        o = backend.forward(q, k, v, self.layer, pool)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config, layer)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos, sin, backend: AttentionBackend, pool: KVPool) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin, backend, pool)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class CausalLM(nn.Module):
+    """forward() runs one engine step; set `kv_pool` (and optionally `attn_backend`) first."""
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = LMHead(
+            config.vocab_size, config.hidden_size, tie_to=self.embed_tokens if config.tie_word_embeddings else None
+        )
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.attn_backend = attn_backend or TorchNativeBackend()
+        self.kv_pool: KVPool | None = None
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        config: ModelConfig,
+        state: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> CausalLM:
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_state_dict(state, strict=True, assign=True)
+        model.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)  # built on meta above
+        return model.to(device=device, dtype=dtype).eval()
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch, all_logits: bool = False
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] for the batch's new tokens, request after request.
+
+        Returns logits [B, vocab] for each request's last new token, or [T, vocab] with all_logits.
+        """
+        if self.kv_pool is None:
+            raise RuntimeError("assign model.kv_pool before calling forward")
+        self.attn_backend.plan(attn)
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, self.attn_backend, self.kv_pool)
+        if not all_logits:
+            x = x[attn.last_token_idx]
+        return self.lm_head(self.norm(x)).float()

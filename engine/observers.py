@@ -1,0 +1,61 @@
+"""Watchers of the engine's cache operations: a trace recorder and the shadow verifier.
+
+Both see the same stream of driver operations (see `properties/driver.py`) the engine performs on
+`fast`: the recorder writes them as a trace, the shadow applies each to the `reference` model and
+compares the full ownership state after each one.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import IO, Dict
+
+import reference
+from properties.driver import Driver, InvalidOp
+from properties.lockstep import Divergence, compare
+from properties.trace import Header, dumps
+
+
+class TraceRecorder:
+    def __init__(self, path: str, header: Header) -> None:
+        self._file: IO[str] = open(path, "w")
+        self._file.write(dumps(header, []))
+        self._file.flush()
+
+    def __call__(self, step: int, op: Dict, engine_driver: Driver) -> None:
+        self._file.write(json.dumps(op, separators=(", ", ": ")) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class ShadowDivergence(RuntimeError):
+    def __init__(self, step: int, op: Dict, kind: str, detail: str) -> None:
+        super().__init__(f"shadow verification failed at step {step}, operation {op.get('op')} "
+                         f"({json.dumps(op)[:300]}): {kind}: {detail}")
+        self.step, self.op, self.kind, self.detail = step, op, kind, detail
+
+
+class ShadowVerifier:
+    """Mirrors every cache operation into the reference model and compares after each."""
+
+    def __init__(self, header: Header) -> None:
+        self.model = Driver(reference, **header.driver_args())
+        self.steps = 0
+
+    def __call__(self, step: int, op: Dict, engine_driver: Driver) -> None:
+        try:
+            result = self.model.apply(op)
+            expect = op.get("expect")
+            if expect is not None and {k: result.get(k) for k in expect} != expect:
+                raise Divergence(step, op, f"result:{op['op']}", f"engine {expect}, reference {result}")
+            compare(self.model, engine_driver, step, op)
+        except Divergence as e:
+            raise ShadowDivergence(step, op, e.kind, e.detail) from e
+        except InvalidOp as e:
+            raise ShadowDivergence(step, op, "invalid-op", str(e)) from e
+        self.steps += 1
+
+    def close(self) -> None:
+        pass
