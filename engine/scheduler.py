@@ -61,6 +61,7 @@ class Scheduler:
         self.params: Dict[int, fast.SamplingParams] = {}
         self.observers: List[Observer] = []
         self.step_no = 0
+        self.prefix_hit_tokens: Dict[int, int] = {}  # uid -> prompt tokens found in the prefix cache
 
     # -- requests -----------------------------------------------------------------------------
     def validate(self, token_ids: Sequence[int], params: fast.SamplingParams) -> None:
@@ -104,6 +105,8 @@ class Scheduler:
         batch, phase = [], "prefill"
         if d.waiting:
             batch, _ = d.admit(self.config.max_prefill_tokens)
+            for req in batch:
+                self.prefix_hit_tokens.setdefault(req.uid, req.cached_len)
         if not batch:
             batch, phase = list(d.dm.running_reqs.values()), "decode"
         if not batch:
