@@ -57,7 +57,7 @@ class LLM:
             torch.set_num_threads(threads)
         config, state = load_weights(model, dummy=dummy_weights, seed=seed)
         self.config = config
-        self.tokenizer = None if dummy_weights else Tokenizer.load(model)
+        self.tokenizer = None if dummy_weights or not _has_tokenizer(model) else Tokenizer.load(model)
         self.model = CausalLM.from_state_dict(config, state, dtype=DTYPES[dtype], device=device)
         self.model.attn_backend = _attention_backend(device)
         del state
@@ -170,6 +170,13 @@ def _progress(total: int, enabled: Optional[bool]):
     from tqdm import tqdm
 
     return tqdm(total=total, desc="generate", unit="req", file=sys.stderr)
+
+
+def _has_tokenizer(model: Optional[str]) -> bool:
+    """GGUF files carry their tokenizer; a Hugging Face directory may hold weights only."""
+    if model is None or not os.path.isdir(model):
+        return True
+    return any(os.path.exists(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
 
 
 def _attention_backend(device: str):
