@@ -6,7 +6,8 @@ import argparse
 import sys
 
 ENGINE_OPTIONS = ("model", "dtype", "page_size", "cache_type", "kv_cache_tokens", "max_running_reqs",
-                  "max_seq_len", "max_prefill_tokens", "verify", "trace", "seed", "dummy_weights", "threads")
+                  "max_seq_len", "max_prefill_tokens", "verify", "trace", "seed", "dummy_weights", "threads",
+                  "device", "attention")
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -23,6 +24,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dummy-weights", dest="dummy_weights", action="store_true")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"],
+                   help="attention backend (auto: Triton on CUDA, torch-native on the CPU)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -50,6 +50,7 @@ class LLM:
         seed: int = 0,
         dummy_weights: bool = False,
         threads: Optional[int] = None,
+        attention: str = "auto",
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -59,7 +60,7 @@ class LLM:
         self.config = config
         self.tokenizer = None if dummy_weights or not _has_tokenizer(model) else Tokenizer.load(model)
         self.model = CausalLM.from_state_dict(config, state, dtype=DTYPES[dtype], device=device)
-        self.model.attn_backend = _attention_backend(device)
+        self.model.attn_backend = _attention_backend(attention, device)
         del state
         num_pages = max(1, kv_cache_tokens // page_size)
         self.model.kv_pool = KVPool.for_model(config, num_pages * page_size, DTYPES[dtype], device)
@@ -179,5 +180,14 @@ def _has_tokenizer(model: Optional[str]) -> bool:
     return any(os.path.exists(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
 
 
-def _attention_backend(device: str):
-    return TorchNativeBackend()
+def _attention_backend(name: str, device: str):
+    """auto: the Triton kernel on CUDA, torch-native (gathered KV + SDPA) on the CPU."""
+    if name == "auto":
+        name = "triton" if torch.device(device).type == "cuda" else "torch"
+    if name == "torch":
+        return TorchNativeBackend()
+    if name == "triton":
+        from engine.attention.triton_paged import TritonPagedBackend
+
+        return TritonPagedBackend()
+    raise ValueError(f"attention must be 'auto', 'torch' or 'triton', got {name!r}")

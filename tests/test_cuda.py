@@ -69,3 +69,16 @@ def test_engine_on_cuda_matches_transformers_greedy_float32(tmp_path):
                   max_seq_len=256, max_prefill_tokens=budget, verify=True)
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
         assert [o.token_ids for o in outs] == expected, (page_size, cache)
+
+
+def test_engine_on_cuda_both_attention_backends_agree(tmp_path):
+    from engine.llm import LLM
+    from fast import SamplingParams
+
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(n)] for i, n in enumerate((5, 70, 33, 129))]
+    outs = {}
+    for attention in ("torch", "triton"):
+        llm = LLM("smollm2-135m", dummy_weights=True, device="cuda", attention=attention, page_size=16,
+                  kv_cache_tokens=8192, max_seq_len=512, max_prefill_tokens=64)
+        outs[attention] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
+    assert outs["torch"] == outs["triton"]

@@ -1,0 +1,118 @@
+"""CUDA attention over the page table: one Triton kernel for prefill, chunked extend and decode.
+
+Each program takes one request, one query head and a block of that request's new tokens, and
+streams the request's keys and values straight from the KV pool through its token locations
+(no gathered copy), with an online softmax. The new tokens' K/V are stored first, so prefix and
+new tokens are read the same way; the causal mask is key position <= query position.
+GQA: query head h reads KV head h // (heads // kv_heads).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the backend is simply unavailable
+    triton = None
+
+from engine.attention.base import AttentionBackend, AttentionBatch
+from engine.kv_pool import KVPool
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_attention_kernel(
+        Q, K, V, O, LOCS, Q_START, Q_LEN, SEQ_LEN,
+        stride_qt, stride_qh, stride_kn, stride_kh, stride_ot, stride_oh, stride_lb,
+        MAX_LEN, sm_scale, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        req = tl.program_id(0)
+        head = tl.program_id(1)
+        block = tl.program_id(2)
+        q_len = tl.load(Q_LEN + req)
+        if block * BLOCK_M >= q_len:
+            return
+        seq_len = tl.load(SEQ_LEN + req)
+        q_start = tl.load(Q_START + req)
+        cached = seq_len - q_len
+        kv_head = head // GROUP
+
+        offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)  # index among this request's new tokens
+        offs_d = tl.arange(0, HEAD_DIM)
+        m_mask = offs_m < q_len
+        q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                    mask=m_mask[:, None], other=0.0)
+        q_pos = cached + offs_m
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        end = tl.minimum(seq_len, cached + (block + 1) * BLOCK_M)  # causal: later keys are never seen
+        # the bound is a plain argument (the batch's longest sequence) so the loop also runs under
+        # Triton's interpreter; blocks past this request's end are skipped
+        for start in range(0, MAX_LEN, BLOCK_N):
+            if start < end:
+                offs_n = start + tl.arange(0, BLOCK_N)
+                n_mask = offs_n < end
+                loc = tl.load(LOCS + req * stride_lb + offs_n, mask=n_mask, other=0).to(tl.int64)
+                k = tl.load(K + loc[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :],
+                            mask=n_mask[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(k)).to(tl.float32) * sm_scale
+                keep = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+                s = tl.where(keep, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp(s - m_safe[:, None])
+                alpha = tl.exp(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(V + loc[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :],
+                            mask=n_mask[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+                m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=m_mask[:, None])
+
+
+class TritonPagedBackend(AttentionBackend):
+    """The CUDA backend (also runs under TRITON_INTERPRET=1 on CPU tensors, for tests)."""
+
+    def __init__(self, block_m: int = 16, block_n: int = 64) -> None:
+        if triton is None:
+            raise RuntimeError("the Triton attention backend needs the `triton` package")
+        self.block_m, self.block_n = block_m, block_n
+        self._batch: AttentionBatch | None = None
+
+    def plan(self, batch: AttentionBatch) -> None:
+        device = batch.locs.device
+        q_lens = torch.tensor(batch.q_lens, dtype=torch.int32)
+        self._q_len = q_lens.to(device)
+        self._seq_len = torch.tensor(batch.seq_lens, dtype=torch.int32).to(device)
+        self._q_start = (torch.cumsum(q_lens, 0) - q_lens).to(torch.int32).to(device)
+        self._locs = batch.locs.contiguous()
+        self._out_loc = batch.out_loc
+        self._grid_m = triton.cdiv(max(batch.q_lens), self.block_m)
+        self._max_len = max(batch.seq_lens)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, pool: KVPool) -> torch.Tensor:
+        pool.store(layer, self._out_loc, k, v)
+        kp, vp = pool.k[layer], pool.v[layer]
+        token_dim = _token_dim(kp, pool.num_tokens)
+        q = q.to(kp.dtype).contiguous()
+        out = torch.empty_like(q)
+        heads, head_dim = q.shape[1], q.shape[2]
+        grid = (len(self._q_len), heads, self._grid_m)
+        _paged_attention_kernel[grid](
+            q, kp, vp, out, self._locs, self._q_start, self._q_len, self._seq_len,
+            q.stride(0), q.stride(1), kp.stride(token_dim), kp.stride(1 - token_dim),
+            out.stride(0), out.stride(1), self._locs.stride(0),
+            self._max_len, head_dim ** -0.5, GROUP=heads // kp.shape[1 - token_dim], HEAD_DIM=head_dim, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
+        )
+        return out
+
+
+def _token_dim(layer_kv: torch.Tensor, num_tokens: int) -> int:
+    """Which dimension of a layer's [tokens, heads, dim] or [heads, tokens, dim] K/V is tokens."""
+    return 1 if layer_kv.shape[1] == num_tokens and layer_kv.shape[0] != num_tokens else 0
