@@ -26,7 +26,7 @@ if triton is not None:
     def _paged_attention_kernel(
         Q, K, V, O, LOCS, Q_START, Q_LEN, SEQ_LEN,
         stride_qt, stride_qh, stride_kn, stride_kh, stride_ot, stride_oh, stride_lb,
-        MAX_LEN, sm_scale, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        MAX_LEN, sm_scale, PRECISION: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         req = tl.program_id(0)
         head = tl.program_id(1)
@@ -59,7 +59,7 @@ if triton is not None:
                 loc = tl.load(LOCS + req * stride_lb + offs_n, mask=n_mask, other=0).to(tl.int64)
                 k = tl.load(K + loc[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :],
                             mask=n_mask[:, None], other=0.0)
-                s = tl.dot(q, tl.trans(k)).to(tl.float32) * sm_scale
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * sm_scale
                 keep = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
                 s = tl.where(keep, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -69,7 +69,7 @@ if triton is not None:
                 l_i = l_i * alpha + tl.sum(p, 1)
                 v = tl.load(V + loc[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :],
                             mask=n_mask[:, None], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
                 m_i = m_new
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -108,7 +108,9 @@ class TritonPagedBackend(AttentionBackend):
             q, kp, vp, out, self._locs, self._q_start, self._q_len, self._seq_len,
             q.stride(0), q.stride(1), kp.stride(token_dim), kp.stride(1 - token_dim),
             out.stride(0), out.stride(1), self._locs.stride(0),
-            self._max_len, head_dim ** -0.5, GROUP=heads // kp.shape[1 - token_dim], HEAD_DIM=head_dim, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
+            self._max_len, head_dim ** -0.5,
+            # float32 stays float32 (Hopper would otherwise round dot inputs to TF32)
+            PRECISION="ieee" if kp.dtype == torch.float32 else "tf32", GROUP=heads // kp.shape[1 - token_dim], HEAD_DIM=head_dim, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
         )
         return out
 
