@@ -18,8 +18,10 @@ class KVPool:
         device: torch.device | str = "cpu",
     ) -> None:
         self.num_tokens = num_tokens
-        shape = (num_layers, num_tokens, num_kv_heads, head_dim)
-        # One allocation each for K and V; k[layer] is a [num_tokens, kv_heads, head_dim] view.
+        # Head-major: k[layer] is a [kv_heads, num_tokens, head_dim] view, so gathering a request's
+        # rows yields [kv_heads, len, head_dim] blocks that attention matmuls read without a transpose.
+        # One allocation each for K and V.
+        shape = (num_layers, num_kv_heads, num_tokens, head_dim)
         self.k_buffer = torch.zeros(shape, dtype=dtype, device=device)
         self.v_buffer = torch.zeros(shape, dtype=dtype, device=device)
         self.k = list(self.k_buffer.unbind(0))
@@ -49,5 +51,9 @@ class KVPool:
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v ([T, kv_heads, head_dim]) at token locations loc ([T])."""
-        self.k[layer][loc] = k.to(self.dtype)
-        self.v[layer][loc] = v.to(self.dtype)
+        self.k[layer].index_copy_(1, loc, k.transpose(0, 1).to(self.dtype))
+        self.v[layer].index_copy_(1, loc, v.transpose(0, 1).to(self.dtype))
+
+    def gather(self, layer: int, loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the tokens at loc ([S]), each [kv_heads, S, head_dim]."""
+        return self.k[layer].index_select(1, loc), self.v[layer].index_select(1, loc)

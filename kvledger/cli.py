@@ -30,7 +30,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         main()
         return 0
-    print(f"kvledger bench: unknown benchmark {args.what!r} (available: cache)", file=sys.stderr)
+    if args.what == "engine":
+        from engine.bench import main_bench
+
+        return main_bench(args)
+    print(f"kvledger bench: unknown benchmark {args.what!r} (available: engine, cache)", file=sys.stderr)
     return 2
 
 
@@ -38,6 +42,36 @@ def _zoo(args: argparse.Namespace) -> int:
     from properties.zoo_run import main_zoo
 
     return main_zoo(args.bugs, args.fuzz_seconds, args.out, args.hypothesis_seconds)
+
+
+def _fuzz(args: argparse.Namespace) -> int:
+    from properties.fuzz import fuzz
+
+    try:
+        result = fuzz(args.seconds, workers=args.workers, seed=args.seed, out_dir=args.out, bug=args.bug,
+                      minimize_budget=args.minimize_budget)
+    except (KeyError, ValueError) as e:
+        print(f"kvledger fuzz: {e}", file=sys.stderr)
+        return 2
+    return result.exit_code
+
+
+def _minimize(args: argparse.Namespace) -> int:
+    from properties.minimize import main_minimize
+
+    return main_minimize(args.trace, args.output, args.budget, args.bug)
+
+
+def _show(args: argparse.Namespace) -> int:
+    from properties.show import main_show
+
+    return main_show(args.trace, args.output, args.bug)
+
+
+def _coverage(args: argparse.Namespace) -> int:
+    from properties.coverage_report import main_coverage
+
+    return main_coverage(args.examples)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
 
     p = sub.add_parser("bench", help="benchmarks that print numbers")
-    p.add_argument("what", choices=["cache"])
+    p.add_argument("what", nargs="?", default="engine", choices=["engine", "cache"],
+                   help="engine: this engine vs transformers on one workload (default); cache: the cache manager")
+    from engine.bench import add_bench_arguments
+
+    add_bench_arguments(p)
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("zoo", help="run the bug zoo: which property run catches each known bug")
@@ -68,6 +106,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hypothesis-seconds", type=float, default=45.0, help="time cap per bug for the CI profile")
     p.add_argument("--out", default=None, help="where to keep each bug's failing traces (default: a temp dir)")
     p.set_defaults(func=_zoo)
+
+    p = sub.add_parser("fuzz", help="random-walk differential fuzzing of reference vs fast")
+    p.add_argument("--seconds", type=float, required=True, help="how long to fuzz")
+    p.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="same seed and workers give the same cases")
+    p.add_argument("--out", default=".kvledger/fuzz", help="where failing traces go (default .kvledger/fuzz)")
+    p.add_argument("--bug", default=None, help="patch a bug-zoo bug into fast in every worker")
+    p.add_argument("--minimize-budget", type=float, default=60.0, help="seconds to minimize a failure")
+    p.set_defaults(func=_fuzz)
+
+    p = sub.add_parser("minimize", help="shrink a failing trace, keeping its divergence kind")
+    p.add_argument("trace")
+    p.add_argument("-o", "--output", required=True, help="where to write the minimized trace")
+    p.add_argument("--budget", type=float, default=60.0, help="time budget in seconds (default 60)")
+    p.add_argument("--bug", default=None, help="patch a bug-zoo bug into fast first")
+    p.set_defaults(func=_minimize)
+
+    p = sub.add_parser("show", help="draw a trace's page ownership over time (PNG)")
+    p.add_argument("trace")
+    p.add_argument("-o", "--output", required=True, help="the PNG to write")
+    p.add_argument("--bug", default=None, help="patch a bug-zoo bug into fast first")
+    p.set_defaults(func=_show)
+
+    p = sub.add_parser("coverage", help="line and branch coverage of fast/ by the property run (ci profile)")
+    p.add_argument("--examples", type=int, default=None, help="override the profile's number of examples")
+    p.set_defaults(func=_coverage)
     return parser
 
 

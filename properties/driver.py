@@ -43,7 +43,8 @@ class Driver:
         self.impl = impl
         self.page_size = page_size
         self.max_seq_len = max_seq_len
-        self.page_table = impl.make_page_table(table_slots, max_seq_len, device=device)
+        # rows hold whole pages: a request near max_seq_len still fills its last page
+        self.page_table = impl.make_page_table(table_slots, div_ceil(max_seq_len, page_size) * page_size, device=device)
         self.cm = impl.CacheManager(num_pages, page_size, self.page_table, cache_type)
         self.tm = impl.TableManager(table_slots, self.page_table)
         self.dm = impl.DecodeManager(page_size)

@@ -83,3 +83,19 @@ def test_quiescence_every_page_back_and_no_lock(impl):
     info = d.cm.prefix_cache.size_info
     assert info.protected_size == 0
     assert len(d.cm.free_slots) * 2 + info.total_size == 32
+
+
+def test_page_table_rows_must_hold_whole_pages(impl):
+    with pytest.raises(ValueError, match="multiple of page_size"):
+        impl.CacheManager(4, 4, impl.make_page_table(2, 10), "naive")
+
+
+def test_a_request_ending_near_max_seq_len_fills_its_last_page(impl):
+    """Found by the fuzzer: with max_seq_len 10 and page size 4 the last page reaches column 11."""
+    d = Driver(impl, num_pages=8, page_size=4, cache_type="radix", table_slots=2, max_seq_len=10)
+    d.submit(0, [1, 2, 3, 4, 5, 6, 7], 3)
+    d.prefill(64)
+    for _ in range(2):
+        d.decode([1])
+        d.check()
+    assert not d.live

@@ -1,0 +1,452 @@
+"""`kvledger fuzz`: a random-walk differential fuzzer over the lockstep harness.
+
+Faster than the Hypothesis machine (no shrinking bookkeeping, no strategies): each worker
+process runs "cases", each a fresh random configuration weighted toward the edges (tiny pools,
+eviction pressure, shared prefixes over a small alphabet, every page size, both caches, small
+prefill budgets that chunk) and a few hundred operations chosen from the model's state.
+
+Case k of worker w under seed s is generated from a seed derived from (s, w, k) alone, so the
+same seed and worker count give the same cases; time only decides how many run. On the first
+divergence every worker stops, the failing trace is written, minimized, and the command that
+replays it is printed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import multiprocessing as mp
+import queue as queue_mod
+import random
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+
+from .driver import Driver
+from .trace import Header
+
+PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# the in-progress driver may name requests whose sampled token ends them (EOS)
+_HAS_STOP = "stop" in inspect.signature(Driver.decode).parameters
+
+# events the fuzzer notes itself, on top of the model's `reference.events`
+FUZZ_EVENTS = frozenset({
+    "driver: rejected request admitted later", "driver: several requests prefill together",
+    "driver: abort mid-chunk", "driver: idle", "fuzz: pool exhausted (no free page)",
+    "fuzz: request larger than the pool", "fuzz: evict everything evictable",
+    "fuzz: every table slot in use",
+})
+
+
+def case_seed(seed: int, worker: int, case: int) -> int:
+    digest = hashlib.sha256(f"kvledger-fuzz/{seed}/{worker}/{case}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+# -- one case: a configuration and a random walk ------------------------------------------------
+@dataclass
+class Case:
+    header: Header
+    families: List[List[int]]  # shared prompt prefixes
+    alphabet: int
+    weights: Dict[str, float]
+    budgets: List[int]
+    max_prompt: int
+    max_new: int
+    length: int  # operations to run
+
+
+def make_case(seed: int) -> Case:
+    rng = random.Random(seed)
+    ps = rng.choice(PAGE_SIZES)
+    num_pages = rng.choice([1, 2, 3, 4, 5, 6, 8, 8, 12, 16, 16, 24, 32, 64, 256])
+    table_slots = rng.choice([1, 2, 3, 4, 4, 6, 8, 16])
+    pages_per_req = rng.choice([1, 1, 2, 3, 4, 8])
+    max_new = rng.choice([1, 2, 3, 4, 8, 2 * ps])
+    max_prompt = max(2, pages_per_req * ps + 1)
+    # max_seq_len is a multiple of the page size: a page-table row holds whole pages
+    max_seq_len = -(-(max_prompt + max_new) // ps) * ps
+    alphabet = rng.choice([1, 2, 3, 4, 8])
+    families = [[rng.randrange(alphabet) for _ in range(max_prompt)] for _ in range(rng.randint(1, 3))]
+    weights = {"submit": 3.0, "prefill": 3.0, "decode": 4.0, "finish": 0.5, "abort": 0.5, "evict": 0.5,
+               "probe": 0.5}
+    for name in ("finish", "evict", "probe"):
+        weights[name] *= rng.choice([0.0, 1.0, 2.0, 4.0])
+    weights["abort"] *= rng.choice([0.2, 1.0, 2.0, 4.0])  # aborts unblock a queue head that never fits
+    if rng.random() < 0.3:  # chunking: budgets around a page
+        budgets = sorted({max(1, b) for b in (1, 2, ps - 1, ps, ps + 1, 2 * ps + 1)})
+    else:
+        budgets = [max_prompt, 4 * max_prompt, 1 << 20]
+    header = Header(num_pages=num_pages, page_size=ps, cache_type=rng.choice(["radix", "naive"]),
+                    table_slots=table_slots, max_seq_len=max_seq_len, seed=seed, producer="fuzz")
+    return Case(header, families, alphabet, weights, budgets, max_prompt, max_new, rng.randint(100, 500))
+
+
+class Walker:
+    """Chooses the next valid operation from the model's (reference driver's) state."""
+
+    def __init__(self, case: Case, rng: random.Random, note: Callable[[str], None]) -> None:
+        self.case, self.rng, self.note = case, rng, note
+        self.next_uid = 0
+        self.rejected: Set[int] = set()
+
+    def _length(self, limit: int) -> int:
+        ps, rng = self.case.header.page_size, self.rng
+        if rng.random() < 0.6:  # near a page boundary
+            return max(1, min(limit, rng.randint(0, limit // ps + 1) * ps + rng.choice([-1, 0, 1])))
+        return rng.randint(1, max(1, limit))
+
+    def _tokens(self, limit: int) -> List[int]:
+        rng = self.rng
+        n = self._length(limit)
+        if rng.random() < 0.8:
+            keep = rng.randint(0, n)
+            prefix = rng.choice(self.case.families)[:keep]
+        else:
+            prefix = []
+        return prefix + [rng.randrange(self.case.alphabet) for _ in range(n - len(prefix))]
+
+    def _sample(self) -> List[int]:
+        return [self.rng.randrange(self.case.alphabet) for _ in range(self.rng.randint(0, 3))]
+
+    def next_op(self, ref: Driver) -> Dict:
+        rng, case = self.rng, self.case
+        running = list(ref.dm.running_reqs)
+        waiting = [p.uid for p in ref.waiting]
+        evictable = ref.cm.prefix_cache.size_info.evictable_size
+        choices = {"submit": True, "prefill": bool(waiting), "decode": bool(running), "finish": bool(running),
+                   "abort": bool(running or waiting), "evict": evictable > 0, "probe": True}
+        names = [n for n, ok in choices.items() if ok and case.weights[n] > 0]
+        kind = rng.choices(names, [case.weights[n] for n in names])[0]
+        if kind == "submit":
+            tokens = self._tokens(case.max_prompt)
+            max_tokens = rng.randint(1, case.max_new)
+            pool = case.header.num_pages * case.header.page_size
+            if len(tokens) + max_tokens > pool + 1:  # can never be admitted: mostly trim it to fit
+                if rng.random() < 0.9 and pool > max_tokens:
+                    tokens = tokens[: pool + 1 - max_tokens]
+                else:
+                    self.note("fuzz: request larger than the pool")
+            self.next_uid += 1
+            return {"op": "submit", "uid": self.next_uid - 1, "tokens": tokens, "max_tokens": max_tokens}
+        if kind == "prefill":
+            return {"op": "prefill", "budget": rng.choice(case.budgets), "sample": self._sample()}
+        if kind == "decode":
+            op: Dict[str, Any] = {"op": "decode", "sample": self._sample()}
+            if _HAS_STOP and rng.random() < 0.1:
+                op["stop"] = rng.sample(running, rng.randint(1, len(running)))
+            return op
+        if kind == "finish":
+            return {"op": "finish", "uid": rng.choice(running)}
+        if kind == "abort":
+            uid = rng.choice(waiting + running)
+            if any(p.uid == uid and p.chunked_req is not None for p in ref.waiting):
+                self.note("driver: abort mid-chunk")
+            return {"op": "abort", "uid": uid}
+        if kind == "evict":
+            tokens = rng.choice([1, case.header.page_size, evictable, rng.randint(1, evictable)])
+            tokens = min(tokens, evictable)
+            if tokens == evictable:
+                self.note("fuzz: evict everything evictable")
+            return {"op": "evict", "tokens": tokens}
+        return {"op": "probe", "tokens": self._tokens(case.max_prompt)}
+
+    def observe(self, op: Dict, result: Dict, ref: Driver) -> None:
+        if op["op"] == "prefill":
+            if self.rejected & set(result["batch"]):
+                self.note("driver: rejected request admitted later")
+            if result["rejected"] is not None:
+                self.rejected.add(result["rejected"])
+            if len(result["batch"]) > 1:
+                self.note("driver: several requests prefill together")
+        if not ref.live and not ref.waiting and len(ref.known) > 0:
+            self.note("driver: idle")
+        if len(ref.cm.free_slots) == 0:
+            self.note("fuzz: pool exhausted (no free page)")
+        if ref.tm.available_size == 0:
+            self.note("fuzz: every table slot in use")
+
+
+def walk(seed: int, lock: Any, note: Callable[[str], None], keep_going: Callable[[], bool],
+         length: Optional[int] = None) -> Iterator[None]:
+    """Run case `seed` on `lock` (a Lockstep built from make_case(seed).header), one operation
+    per iteration, for the case's length (or `length`); Divergence propagates."""
+    case = make_case(seed)
+    walker = Walker(case, random.Random(seed + 1), note)
+    for _ in range(length or case.length):
+        if not keep_going():
+            return
+        op = walker.next_op(lock.ref)
+        walker.observe(op, lock.apply(op), lock.ref)
+        yield
+
+
+def case_trace(seed: int, worker: int, case: int, max_ops: Optional[int] = None) -> Tuple[Header, List[Dict]]:
+    """Case `case` of worker `worker` under `seed`, run here (apply a bug with zoo.patched
+    around it): the trace up to its end, `max_ops` (which may also lengthen the case), or its
+    divergence (included)."""
+    from .lockstep import Divergence, Lockstep
+
+    cseed = case_seed(seed, worker, case)
+    lock = Lockstep(make_case(cseed).header)
+    try:
+        for n, _ in enumerate(walk(cseed, lock, lambda name: None, lambda: True, length=max_ops), 1):
+            if max_ops is not None and n >= max_ops:
+                break
+    except Divergence:
+        pass
+    return lock.header, list(lock.ops)
+
+
+# -- worker processes ---------------------------------------------------------------------------
+REPORT_EVERY = 0.25  # seconds between a worker's progress messages
+
+
+def _worker(index: int, seed: int, seconds: float, bug: Optional[str], out: Any, stop: Any) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # tiny tensors; workers share the cores
+    from reference import events
+
+    from .lockstep import Divergence, Lockstep
+    from .zoo import patched
+
+    reached: Set[str] = set()
+    sent: Set[str] = set()
+    ops = cases = 0
+    last = time.monotonic()
+
+    def flush(force: bool = False) -> None:
+        nonlocal ops, cases, last
+        now = time.monotonic()
+        if force or now - last >= REPORT_EVERY:
+            out.put(("progress", index, ops, cases, sorted(reached - sent)))
+            sent.update(reached)
+            ops = cases = 0
+            last = now
+
+    def keep_going() -> bool:
+        return not stop.is_set() and time.monotonic() < deadline
+
+    events.set_listener(reached.add)
+    # the clock starts once imports are done: a loaded machine may take seconds to spawn us
+    deadline = time.monotonic() + seconds
+    out.put(("ready", index))
+    with patched(bug):
+        number = 0
+        while keep_going():
+            cseed = case_seed(seed, index, number)
+            lock = Lockstep(make_case(cseed).header)
+            try:
+                for _ in walk(cseed, lock, reached.add, keep_going):
+                    ops += 1
+                    flush()
+            except Divergence as e:
+                flush(force=True)
+                out.put(("divergence", index, number, asdict(lock.header), list(lock.ops), e.kind, e.step, e.detail))
+                return
+            except Exception:
+                flush(force=True)
+                out.put(("crash", index, number, asdict(lock.header), list(lock.ops), traceback.format_exc()))
+                return
+            cases += 1
+            number += 1
+    flush(force=True)
+    out.put(("done", index))
+
+
+# -- the parent ---------------------------------------------------------------------------------
+@dataclass
+class FuzzFailure:
+    kind: str  # the divergence kind, or "crash"
+    step: int
+    detail: str
+    worker: int
+    case: int
+    trace_path: Path
+    minimized_path: Optional[Path] = None
+    minimized_ops: Optional[int] = None
+    minimized_kind: Optional[str] = None
+
+
+@dataclass
+class FuzzResult:
+    ops: int
+    cases: int
+    seconds: float
+    workers: int
+    seed: int
+    bug: Optional[str] = None
+    events: List[str] = field(default_factory=list)
+    failure: Optional[FuzzFailure] = None
+    seconds_to_find: Optional[float] = None  # from the first worker ready to the first failure
+
+    @property
+    def ops_per_s(self) -> float:
+        return self.ops / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def exit_code(self) -> int:
+        if self.failure is None:
+            return 0
+        return 2 if self.failure.kind == "crash" else 1
+
+
+def _expected_events() -> Set[str]:
+    from .machine import EXPECTED_EVENTS  # the rare branches the property run must reach
+
+    return set(EXPECTED_EVENTS) | FUZZ_EVENTS
+
+
+def _progress_line(elapsed: float, seconds: float, ops: int, cases: int, reached: Set[str],
+                   expected: Set[str]) -> str:
+    rate = ops / elapsed if elapsed > 0 else 0.0
+    return (f"fuzz {elapsed:5.1f}/{seconds:g}s  {ops:,} ops ({rate:,.0f} ops/s)  {cases:,} cases  "
+            f"events {len(reached & expected)}/{len(expected)} (+{len(reached - expected)} other)")
+
+
+def fuzz(seconds: float, workers: int = 1, seed: int = 0, out_dir: str | Path = ".kvledger/fuzz",
+         bug: Optional[str] = None, progress: bool = True, minimize_budget: float = 60.0) -> FuzzResult:
+    """Fuzz reference vs fast for `seconds` on `workers` processes; see the module docstring."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    if bug is not None:
+        from .zoo import BUGS
+
+        if bug not in BUGS:
+            raise KeyError(f"unknown bug {bug!r}; known: {', '.join(sorted(BUGS))}")
+    expected = _expected_events()
+    ctx = mp.get_context("spawn")  # fresh interpreters: no inherited torch threads or patches
+    messages = ctx.Queue()
+    stop = ctx.Event()
+    start = time.monotonic()
+    procs = [ctx.Process(target=_worker, args=(i, seed, seconds, bug, messages, stop), daemon=True)
+             for i in range(workers)]
+    for p in procs:
+        p.start()
+    ops = cases = 0
+    reached: Set[str] = set()
+    failure_msg = None
+    found_at = None
+    fuzz_start: Optional[float] = None  # when the first worker was ready
+    done = 0
+    tty = sys.stderr.isatty()
+    last_print = start
+    try:
+        while done < workers and failure_msg is None:
+            try:
+                msg = messages.get(timeout=0.2)
+            except queue_mod.Empty:
+                msg = None
+                if not any(p.is_alive() for p in procs) and messages.empty():
+                    break  # a worker died without a word (killed); stop
+            if msg is not None:
+                if msg[0] == "progress":
+                    ops += msg[2]
+                    cases += msg[3]
+                    reached.update(msg[4])
+                elif msg[0] == "ready":
+                    fuzz_start = fuzz_start or time.monotonic()
+                elif msg[0] == "done":
+                    done += 1
+                else:
+                    failure_msg = msg
+                    found_at = time.monotonic() - (fuzz_start or start)
+            now = time.monotonic()
+            if progress and fuzz_start is not None and now - last_print >= (1.0 if tty else 5.0):
+                line = _progress_line(now - fuzz_start, seconds, ops, cases, reached, expected)
+                print(("\r" + line + "\x1b[K") if tty else line, end="" if tty else "\n",
+                      file=sys.stderr, flush=True)
+                last_print = now
+    finally:
+        stop.set()
+        ops, cases = _drain_and_join(procs, messages, ops, cases, reached)
+    elapsed = time.monotonic() - (fuzz_start or start)
+    if progress and tty:
+        print(file=sys.stderr)
+    result = FuzzResult(ops, cases, elapsed, workers, seed, bug, sorted(reached), seconds_to_find=found_at)
+    if failure_msg is not None:
+        result.failure = _handle_failure(failure_msg, Path(out_dir), seed, bug, minimize_budget, progress)
+    if progress:
+        print(format_summary(result, expected))
+    return result
+
+
+def _drain_and_join(procs: List[Any], messages: Any, ops: int, cases: int, reached: Set[str]) -> tuple:
+    # A process that has queued messages exits only once they are read: drain while joining.
+    end = time.monotonic() + 10.0
+    while any(p.is_alive() for p in procs) and time.monotonic() < end:
+        try:
+            msg = messages.get(timeout=0.1)
+            if msg[0] == "progress":
+                ops, cases = ops + msg[2], cases + msg[3]
+                reached.update(msg[4])
+        except queue_mod.Empty:
+            pass
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+        p.join(timeout=5.0)
+    return ops, cases
+
+
+def _handle_failure(msg: tuple, out_dir: Path, seed: int, bug: Optional[str], budget: float,
+                    progress: bool) -> FuzzFailure:
+    from . import trace
+    from .minimize import MinimizeError, minimize
+    from .zoo import patched
+
+    kind_of_msg, worker, case_no, header_dict, ops = msg[:5]
+    header = Header(**header_dict)
+    name = f"fuzz-s{seed}-w{worker}-c{case_no}"
+    path = out_dir / f"{name}.jsonl"
+    trace.write(path, header, ops)
+    if kind_of_msg == "crash":
+        return FuzzFailure("crash", len(ops), msg[5], worker, case_no, path)
+    kind, step, detail = msg[5:8]
+    failure = FuzzFailure(kind, step, detail, worker, case_no, path)
+    if progress:
+        print(f"DIVERGED in worker {worker}, case {case_no}, step {step}: {kind}\n  {detail}\n"
+              f"  trace: {path} ({len(ops)} ops); minimizing (budget {budget:g}s)...", file=sys.stderr)
+    log = (lambda line: print(line, file=sys.stderr)) if progress else None
+    try:
+        with patched(bug):
+            m_header, m_ops, m_kind = minimize(header, ops, budget=budget, log=log)
+    except MinimizeError as e:  # the divergence did not reproduce in this process
+        failure.detail += f" (could not minimize: {e})"
+        return failure
+    failure.minimized_path = out_dir / f"{name}-min.jsonl"
+    trace.write(failure.minimized_path, m_header, m_ops)
+    failure.minimized_ops, failure.minimized_kind = len(m_ops), m_kind
+    return failure
+
+
+def format_summary(result: FuzzResult, expected: Set[str] | None = None) -> str:
+    expected = expected if expected is not None else _expected_events()
+    reached = set(result.events)
+    lines = [f"{result.ops:,} operations in {result.cases:,} complete cases, {result.seconds:.1f}s on "
+             f"{result.workers} worker(s) (seed {result.seed}): {result.ops_per_s:,.0f} ops/s"]
+    lines.append(f"rare events reached ({len(reached & expected)}/{len(expected)}):")
+    lines += [f"  [{'x' if name in reached else ' '}] {name}" for name in sorted(expected)]
+    others = sorted(reached - expected)
+    if others:
+        lines.append("other events: " + ", ".join(others))
+    f = result.failure
+    if f is None:
+        lines.append("no divergence")
+    elif f.kind == "crash":
+        lines.append(f"CRASH in worker {f.worker}, case {f.case} (not a divergence):\n{f.detail}")
+        lines.append(f"trace up to the crash: {f.trace_path}")
+    else:
+        lines.append(f"DIVERGENCE {f.kind} at step {f.step} (worker {f.worker}, case {f.case}): {f.detail}")
+        lines.append(f"failing trace: {f.trace_path}")
+        if f.minimized_path is not None:
+            lines.append(f"minimized ({f.minimized_ops} ops, {f.minimized_kind}): {f.minimized_path}")
+        lines.append(f"replay it: kvledger replay {f.minimized_path or f.trace_path}")
+        if result.bug is not None:
+            lines.append(f"  (it diverges only with bug {result.bug!r} patched in: "
+                         f"kvledger minimize/show ... --bug {result.bug})")
+    return "\n".join(lines)

@@ -1,0 +1,70 @@
+"""The random-walk differential fuzzer: quiet on the real code, fast to catch a zoo bug,
+reproducible from its seed."""
+
+from properties.fuzz import PAGE_SIZES, case_seed, case_trace, format_summary, fuzz, make_case
+from properties.lockstep import Divergence, replay
+from properties.trace import read
+from properties.zoo import patched
+
+BUG = "no-remap-on-duplicate"
+
+
+def test_fuzz_finds_nothing_on_the_real_code_and_reports_throughput(tmp_path):
+    result = fuzz(3, workers=2, seed=11, out_dir=tmp_path, progress=False)
+    assert result.failure is None and result.exit_code == 0
+    assert result.ops > 0 and result.ops_per_s > 0
+    assert "prefill: chunked" in result.events
+    assert not list(tmp_path.iterdir())
+    summary = format_summary(result)
+    assert "no divergence" in summary and "ops/s" in summary
+
+
+def test_fuzz_catches_a_zoo_bug_and_writes_a_minimized_trace(tmp_path):
+    result = fuzz(30, workers=1, seed=0, out_dir=tmp_path, bug=BUG, progress=False, minimize_budget=20)
+    failure = result.failure
+    assert failure is not None and result.exit_code == 1
+    assert result.seconds_to_find is not None and result.seconds_to_find < 30
+    assert failure.trace_path.exists() and failure.minimized_path is not None
+    header, ops = read(failure.minimized_path)
+    assert header.producer == "minimize" and len(ops) <= 10
+    with patched(BUG):
+        try:
+            replay(header, ops)
+        except Divergence as e:
+            assert e.kind == failure.kind == failure.minimized_kind
+        else:
+            raise AssertionError("the minimized trace does not diverge")
+    assert f"kvledger replay {failure.minimized_path}" in format_summary(result)
+
+
+def test_cases_come_from_the_seed_alone():
+    assert case_seed(0, 1, 5) == case_seed(0, 1, 5)
+    assert len({case_seed(0, w, c) for w in range(3) for c in range(50)}) == 150
+    a = make_case(case_seed(3, 0, 2))
+    assert a == make_case(case_seed(3, 0, 2))
+    assert case_trace(3, 0, 2, max_ops=120) == case_trace(3, 0, 2, max_ops=120)
+
+
+def test_cases_cover_the_edges():
+    cases = [make_case(case_seed(0, 0, c)) for c in range(300)]
+    headers = [c.header for c in cases]
+    assert {h.page_size for h in headers} == set(PAGE_SIZES)
+    assert {h.cache_type for h in headers} == {"radix", "naive"}
+    assert min(h.num_pages for h in headers) == 1
+    assert any(c.budgets[0] == 1 for c in cases)  # chunking
+    assert all(h.max_seq_len % h.page_size == 0 for h in headers)
+    assert all(100 <= c.length <= 500 for c in cases)
+
+
+def test_a_case_trace_replays_identically():
+    header, ops = case_trace(0, 0, 0)
+    assert len(ops) == make_case(header.seed).length
+    lock = replay(header, ops)
+    assert lock.step == len(ops)
+
+
+def test_cli_rejects_an_unknown_bug(capsys):
+    from kvledger.cli import main
+
+    assert main(["fuzz", "--seconds", "1", "--bug", "no-such-bug"]) == 2
+    assert "unknown bug" in capsys.readouterr().err
