@@ -1,7 +1,7 @@
 """Regressions for the places where the seed's code breaks an invariant (README, "Deviations").
 
-Each test first shows the seed's behaviour breaking the invariant (by patching it back in),
-then shows ours holding it.
+Each deviation has a test that patches the seed's behaviour back into `fast` (it is in the bug
+zoo) and watches the invariant break, and one that shows ours holding it on both implementations.
 """
 
 import pytest
@@ -9,11 +9,8 @@ import torch
 
 import fast
 from properties.driver import Driver, InvariantViolation
+from properties.zoo import patched
 from tests.conftest import as_list
-
-
-def _seed_need(self, cached_len, req):  # the seed: tokens, not pages
-    return req.input_len - cached_len + req.output_len
 
 
 def _tiny_requests(d):
@@ -21,11 +18,10 @@ def _tiny_requests(d):
         d.submit(uid, [uid, uid], 1)
 
 
-def test_seed_reservation_in_tokens_overcommits_pages(impl, monkeypatch):
-    monkeypatch.setattr(impl.PrefillAdder, "_need", _seed_need)
-    d = Driver(impl, num_pages=3, page_size=4, cache_type="naive", table_slots=4, max_seq_len=16)
+def test_seed_reservation_in_tokens_overcommits_pages():
+    d = Driver(fast, num_pages=3, page_size=4, cache_type="naive", table_slots=4, max_seq_len=16)
     _tiny_requests(d)
-    with pytest.raises(InvariantViolation, match="3-no-oom"):
+    with patched("reservation-in-tokens"), pytest.raises(InvariantViolation, match="3-no-oom"):
         d.prefill(100)  # 4 x 3 tokens <= 12 admits all four; they need 4 pages
 
 
@@ -36,20 +32,6 @@ def test_reservation_in_pages_admits_only_what_fits(impl):
     d.check()
 
 
-def _seed_cache_req(self, req, *, finished):  # the seed: frees duplicates, keeps pointing at them
-    row = self.page_table[req.table_idx]
-    locs = row[: req.cached_len]
-    old = req.cache_handle
-    hit, new = self.prefix_cache.insert_prefix(req.input_ids[: req.cached_len], locs)
-    self.unlock(old)
-    self._free(locs[old.cached_len : hit])
-    if finished:
-        self._free(locs[new.cached_len :])
-        return
-    req.cache_handle = new
-    self.lock(new)
-
-
 def _same_prefix_pair(impl):
     d = Driver(impl, num_pages=16, page_size=2, cache_type="radix", table_slots=4, max_seq_len=32)
     d.submit(0, [1, 2, 3, 4, 5], 4)
@@ -58,9 +40,9 @@ def _same_prefix_pair(impl):
     return d
 
 
-def test_seed_cache_req_leaves_a_running_row_on_freed_pages(impl, monkeypatch):
-    monkeypatch.setattr(impl.CacheManager, "cache_req", _seed_cache_req)
-    d = _same_prefix_pair(impl)
+def test_seed_cache_req_leaves_a_running_row_on_freed_pages():
+    with patched("no-remap-on-duplicate"):
+        d = _same_prefix_pair(fast)
     with pytest.raises(InvariantViolation, match="row does not match its locked prefix"):
         d.check()
 
@@ -76,14 +58,23 @@ def test_cache_req_remaps_a_running_row_to_the_cached_copy(impl):
     assert not d.live and len(d.cm.free_slots) * 2 + d.cm.prefix_cache.size_info.total_size == 32
 
 
-def test_lazy_free_keeps_copies_not_views_of_the_page_table():
+def _free_then_rewrite_row():
     page_table = fast.make_page_table(2, 8)
     cm = fast.CacheManager(8, 1, page_table, "naive")
     page_table[0, :3] = torch.tensor([5, 6, 7], dtype=torch.int32)
     with cm.lazy_free_region():
         cm._free(page_table[0, :3])
         page_table[0, :3] = torch.tensor([0, 1, 2], dtype=torch.int32)  # the row is rewritten
-    assert as_list(cm.free_slots)[-3:] == [5, 6, 7]
+    return as_list(cm.free_slots)[-3:]
+
+
+def test_seed_lazy_free_of_views_frees_the_rewritten_row():
+    with patched("lazy-free-holds-views"):
+        assert _free_then_rewrite_row() == [0, 1, 2]
+
+
+def test_lazy_free_keeps_copies_not_views_of_the_page_table():
+    assert _free_then_rewrite_row() == [5, 6, 7]
 
 
 def test_decode_order_is_admission_order_so_traces_replay(impl):
