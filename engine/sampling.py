@@ -52,7 +52,8 @@ class Sampler:
         for i, (uid, p) in enumerate(zip(uids, params)):
             if p.is_greedy:
                 continue
-            row = _filter_top_k_top_p(logits[i].float().cpu() / p.temperature, p.top_k, p.top_p)
+            # a vanishing temperature would overflow the logits: treat it as the smallest sane one
+            row = _filter_top_k_top_p(logits[i].float().cpu() / max(p.temperature, 1e-5), p.top_k, p.top_p)
             probs = torch.softmax(row, -1)
             tokens[i] = int(torch.multinomial(probs, 1, generator=self._generators[uid]))
         return tokens

@@ -25,6 +25,10 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if getattr(args, "serve", None):
+        from engine.server.bench_online import main_online_bench
+
+        return main_online_bench(args)
     if args.what == "cache":
         from properties.bench_cache import main
 
@@ -91,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.cli import add_generate_parser
 
     add_generate_parser(sub)
+    from engine.server.serve import add_serve_parser
+
+    add_serve_parser(sub)
 
     p = sub.add_parser("bench", help="benchmarks that print numbers")
     p.add_argument("what", nargs="?", default="engine", choices=["engine", "cache"],
@@ -98,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.bench import add_bench_arguments
 
     add_bench_arguments(p)
+    from engine.server.bench_online import add_online_bench_arguments
+
+    add_online_bench_arguments(p)
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("zoo", help="run the bug zoo: which property run catches each known bug")
