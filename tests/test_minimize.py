@@ -130,3 +130,36 @@ def test_the_budget_is_respected():
         assert time.monotonic() - start < 5.0
         assert _kind(m_header, m_ops) == _kind(header, ops)
         assert len(m_ops) <= len(ops)
+
+
+def test_a_1000_op_fuzz_walk_of_a_zoo_bug_minimizes_to_at_most_10_ops_within_a_minute():
+    # the measurement's trace (python -m properties.minimize_bench): fuzz-walk segments that
+    # agree with the model, each drained, then a walk until the bug fires
+    from properties.minimize_bench import build_trace
+
+    bug = "lru-evicts-mru"
+    header, ops = build_trace(bug, n_ops=1000)
+    assert len(ops) >= 950
+    with patched(bug):
+        kind = _kind(header, ops)
+        assert kind is not None and kind != "invalid"
+        start = time.monotonic()
+        m_header, m_ops, fingerprint = minimize(header, ops, budget=60.0)  # ~3 s unloaded
+        elapsed = time.monotonic() - start
+        assert fingerprint == kind
+        assert elapsed < 60.0
+        assert len(m_ops) <= 10
+        assert _kind(m_header, m_ops) == kind
+
+
+def test_a_long_plain_fuzz_walk_minimizes_to_at_most_10_ops():
+    """The hard case: a 1,259-op fuzz walk (64 pages of 64 tokens) failing with evict-counts-pages."""
+    from properties.fuzz import case_trace
+    from properties.minimize import minimize
+    from properties.zoo import patched
+
+    with patched("evict-counts-pages"):
+        header, ops = case_trace(0, 0, 55, max_ops=1500)
+        assert len(ops) > 1000
+        _, small, fingerprint = minimize(header, ops, budget=60)
+    assert fingerprint == "invariant:3-no-oom" and len(small) <= 10
