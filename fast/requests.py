@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
+from reference.requests import PendingReq as _ModelPendingReq
 from reference.requests import Req as _ModelReq
 from reference.requests import SamplingParams, validate_pending
 
@@ -57,21 +57,9 @@ class ChunkedReq(Req):
         raise RuntimeError(f"request {self.uid}: a chunked prefill produces no token")
 
 
-@dataclass(eq=False)
-class PendingReq:
-    uid: int
-    input_ids: Any  # anything token-like; stored as an int32 CPU tensor
-    sampling_params: SamplingParams
-    chunked_req: Req | None = None
+class PendingReq(_ModelPendingReq):
+    """The model's pending request, with token ids held as an int32 CPU tensor."""
 
     def __post_init__(self) -> None:
         self.input_ids = as_token_tensor(self.input_ids)
         validate_pending(self.uid, len(self.input_ids), self.sampling_params)
-
-    @property
-    def input_len(self) -> int:
-        return len(self.input_ids)
-
-    @property
-    def output_len(self) -> int:
-        return self.sampling_params.max_tokens

@@ -9,10 +9,8 @@ import time
 
 import pytest
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
+import openai  # noqa: E402  (a declared dependency: a missing install must fail, not skip)
+import httpx  # noqa: E402
 
 from engine.server.launch import ServerProcess  # noqa: E402
 from engine.server.metrics import parse as parse_metrics  # noqa: E402

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("fastapi")
 
 from engine.server.protocol import (  # noqa: E402
     APIError, SamplingOptions, check_lengths, param_from_message, parse_chat_request, parse_completion_request,

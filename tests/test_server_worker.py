@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-pytest.importorskip("fastapi")
 
 from engine.server.detok import TextStream  # noqa: E402
 from engine.server.worker import Accepted, EngineWorker, Failed, Token  # noqa: E402
