@@ -282,17 +282,19 @@ def add_bench_arguments(parser) -> None:
     parser.add_argument("--min-len", type=int, default=32, help="shortest prompt, tokens")
     parser.add_argument("--max-len", type=int, default=256, help="longest prompt, tokens")
     parser.add_argument("--output-len", type=int, default=64, help="tokens generated per request")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                        help="default float32; with --workload nano-vllm: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-transformers", action="store_true", help="run this engine only")
-    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the embedded model)")
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the embedded model; "
+                        "with --workload nano-vllm: real weights instead of --model-config's random ones)")
 
 
 def main_bench(args) -> int:
     run_bench(
         prompts=args.prompts, min_len=args.min_len, max_len=args.max_len, output_len=args.output_len,
-        dtype=args.dtype, threads=args.threads, seed=args.seed, skip_transformers=args.skip_transformers,
+        dtype=args.dtype or "float32", threads=args.threads, seed=args.seed, skip_transformers=args.skip_transformers,
         model_path=args.model,
     )
     return 0

@@ -29,6 +29,10 @@ def _bench(args: argparse.Namespace) -> int:
         from engine.server.bench_online import main_online_bench
 
         return main_online_bench(args)
+    if getattr(args, "workload", None):
+        from engine.bench_nano import main_nano_bench
+
+        return main_nano_bench(args)
     if args.what == "cache":
         from properties.bench_cache import main
 
@@ -108,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.server.bench_online import add_online_bench_arguments
 
     add_online_bench_arguments(p)
+    from engine.bench_nano import add_nano_bench_arguments
+
+    add_nano_bench_arguments(p)
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("zoo", help="run the bug zoo: which property run catches each known bug")

@@ -1,0 +1,873 @@
+"""`kvledger bench --workload nano-vllm`: nano-vllm's offline throughput benchmark on this engine.
+
+The workload is the one nano-vllm publishes (its bench.py): `random.seed(0)`, 256 requests, prompts of
+`randint(100, 1024)` token ids drawn with `randint(0, 10000)` (first loop), then one
+`max_tokens = randint(100, 1024)` per request (second loop); greedy, EOS ignored. That is exactly
+142,827 input and 133,966 output tokens. `--num-requests`, `--max-input-len` and `--max-output-len`
+scale it down (the lower length bounds scale with the upper ones) for smoke runs on the CPU.
+
+It runs on this engine (random weights of a shipped config, or `--model` for real weights) and,
+with `--compare transformers`, on transformers' continuous batching with the same model shape and
+dtype, each request with its own `max_new_tokens`. Throughput is output tokens over wall time
+(prefill included); each system first runs a few warm-up requests, outside the timing.
+
+Besides the table it prints:
+
+* the memory-bandwidth floor: the bytes decode must read if all requests decode together from the
+  first step (every step reads the weights once, and every running request's KV context), over a
+  bandwidth measured in the same run with a device-to-device copy;
+* a profiler breakdown of decode steps (a second, decode-heavy batch under torch.profiler): GPU
+  kernel time by kind (attention, GEMM, sampling, other) and the host's `kvledger.*` ranges.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import inspect
+import json
+import logging
+import math
+import platform
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from engine.config import BUILTIN_CONFIG_DIR, ModelConfig
+
+WORKLOAD = "nano-vllm"
+ENGINE_ROW = "kvledger"
+HF_ROW = "transformers continuous batching"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# nano-vllm's bench.py
+NANO_NUM_REQUESTS = 256
+NANO_MIN_LEN = 100
+NANO_MAX_LEN = 1024
+NANO_VOCAB_MAX = 10000  # randint(0, 10000): inclusive, so the model needs a vocabulary of at least 10,001
+
+CATEGORIES = ("attention", "gemm", "sampling", "other")
+HOST_RANGES = ("kvledger.schedule", "kvledger.complete", "kvledger.wait")
+
+
+# ------------------------------------------------------------------------------------ workload
+
+
+@dataclass
+class NanoWorkload:
+    prompts: List[List[int]]
+    max_tokens: List[int]
+    seed: int = 0
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+    def describe(self) -> Dict[str, Any]:
+        lens = [len(p) for p in self.prompts]
+        return {
+            "name": WORKLOAD, "num_requests": len(self.prompts), "seed": self.seed,
+            "input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
+            "input_len_range": [min(lens), max(lens)] if lens else [0, 0],
+            "output_len_range": [min(self.max_tokens), max(self.max_tokens)] if lens else [0, 0],
+        }
+
+
+def scaled_min_len(max_len: int) -> int:
+    """nano-vllm's lower length bound (100 of 1024), scaled with the upper bound."""
+    return max(1, min(max_len, round(NANO_MIN_LEN * max_len / NANO_MAX_LEN)))
+
+
+def make_nano_workload(
+    num_requests: int = NANO_NUM_REQUESTS,
+    max_input_len: int = NANO_MAX_LEN,
+    max_output_len: int = NANO_MAX_LEN,
+    seed: int = 0,
+    min_input_len: Optional[int] = None,
+    min_output_len: Optional[int] = None,
+) -> NanoWorkload:
+    """nano-vllm's workload, drawn in nano-vllm's order (all prompts, then all max_tokens)."""
+    lo_in = scaled_min_len(max_input_len) if min_input_len is None else min_input_len
+    lo_out = scaled_min_len(max_output_len) if min_output_len is None else min_output_len
+    if num_requests < 1 or not 1 <= lo_in <= max_input_len or not 1 <= lo_out <= max_output_len:
+        raise ValueError(f"bad workload shape: {num_requests=} input {lo_in}-{max_input_len} output {lo_out}-{max_output_len}")
+    rng = random.Random(seed)  # the same stream as random.seed(seed) + the module-level randint
+    prompts = [[rng.randint(0, NANO_VOCAB_MAX) for _ in range(rng.randint(lo_in, max_input_len))]
+               for _ in range(num_requests)]
+    max_tokens = [rng.randint(lo_out, max_output_len) for _ in range(num_requests)]
+    return NanoWorkload(prompts, max_tokens, seed)
+
+
+def warmup_requests(max_input_len: int, n: int = 8, seed: int = 0) -> tuple[List[List[int]], List[int]]:
+    """A few short requests of varied lengths, not prefixes of the workload (no prefix-cache hits)."""
+    rng = random.Random(f"warmup-{seed}")
+    top = max(1, min(max_input_len, 256))
+    prompts = [[rng.randint(0, NANO_VOCAB_MAX) for _ in range(rng.randint(max(1, top // 8), top))] for _ in range(n)]
+    return prompts, [8] * n
+
+
+# ------------------------------------------------------------------------------------ model config
+
+
+def resolve_model_config(name_or_path: str) -> tuple[ModelConfig, Dict[str, Any], Path]:
+    """A shipped config name ("qwen3-0.6b", "smollm2-135m"), a config .json, or a directory holding one."""
+    p = Path(name_or_path)
+    if p.is_dir():
+        p = p / "config.json"
+    elif p.suffix != ".json":
+        p = BUILTIN_CONFIG_DIR / f"{name_or_path}.json"
+    if not p.is_file():
+        shipped = sorted(f.stem for f in BUILTIN_CONFIG_DIR.glob("*.json"))
+        raise FileNotFoundError(f"no model config {name_or_path!r} (shipped: {', '.join(shipped)}, or a config .json)")
+    hf = json.loads(p.read_text())
+    return ModelConfig.from_hf_config(hf), hf, p
+
+
+# ------------------------------------------------------------------------------------ the floor
+
+
+def param_count(c: ModelConfig) -> int:
+    """Parameters of the model (the engine's shapes; tied embeddings counted once)."""
+    h = c.hidden_size
+    layer = (2 * h  # input and post-attention norms
+             + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim * h  # q, k, v
+             + h * c.num_heads * c.head_dim  # o
+             + (2 * c.head_dim if c.qk_norm else 0)
+             + 2 * c.intermediate_size * h + h * c.intermediate_size)  # gate+up, down
+    vocab = c.vocab_size * h * (1 if c.tie_word_embeddings else 2)
+    return vocab + h + c.num_layers * layer
+
+
+def weight_bytes_per_step(c: ModelConfig, itemsize: int) -> int:
+    """Weight bytes one decode step reads: every weight once, the vocabulary matrix once (the LM head).
+
+    An untied input embedding table is not counted: a step gathers only its batch's rows."""
+    untied_embedding = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
+    return (param_count(c) - untied_embedding) * itemsize
+
+
+def kv_bytes_per_token(c: ModelConfig, itemsize: int) -> int:
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * itemsize
+
+
+def decode_floor(
+    c: ModelConfig, itemsize: int, prompt_lens: Sequence[int], max_tokens: Sequence[int], bytes_per_s: float
+) -> Dict[str, Any]:
+    """The memory-bandwidth floor of the workload's decode.
+
+    Schedule (analytic): every request decodes from step 1; request i runs max_tokens[i] steps and at
+    step s reads its context of prompt_lens[i] + s tokens. Every step reads all weights once.
+    """
+    steps = max(max_tokens) if max_tokens else 0
+    # sum over s = 1..m of (p + s) = m * p + m (m + 1) / 2
+    kv_tokens = sum(m * p + m * (m + 1) // 2 for p, m in zip(prompt_lens, max_tokens))
+    w = weight_bytes_per_step(c, itemsize)
+    kvb = kv_bytes_per_token(c, itemsize)
+    total = steps * w + kv_tokens * kvb
+    seconds = total / bytes_per_s if bytes_per_s > 0 else float("nan")
+    out_tokens = sum(max_tokens)
+    return {
+        "params": param_count(c), "itemsize": itemsize, "weight_bytes_per_step": w, "kv_bytes_per_token": kvb,
+        "decode_steps": steps, "kv_tokens_read": kv_tokens, "weight_bytes": steps * w, "kv_bytes": kv_tokens * kvb,
+        "total_bytes": total, "bandwidth_bytes_per_s": bytes_per_s, "seconds": seconds,
+        "tok_per_s": out_tokens / seconds if seconds and seconds > 0 else float("nan"),
+    }
+
+
+def measure_bandwidth(device: str, nbytes: int, repeats: int = 5) -> Dict[str, Any]:
+    """Copy bandwidth, (read + write) bytes over time of one dst.copy_(src), best of `repeats`."""
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t0)
+    del src, dst
+    _free_memory(device)
+    return {"source": "measured", "method": f"{dev.type} copy of {nbytes} bytes, read+write, best of {repeats}",
+            "copy_bytes": nbytes, "seconds": best, "bytes_per_s": 2 * nbytes / best}
+
+
+# ------------------------------------------------------------------------------------ systems
+
+
+@dataclass
+class SystemRun:
+    name: str
+    input_tokens: int
+    output_tokens: int  # tokens actually generated
+    expected_output_tokens: int
+    seconds: float
+    mismatched_requests: int = 0  # requests that did not produce exactly their max_tokens
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatched_requests == 0 and self.output_tokens == self.expected_output_tokens
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"name": self.name, "input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
+                "expected_output_tokens": self.expected_output_tokens, "seconds": self.seconds,
+                "tok_per_s": self.tok_per_s, "token_counts_ok": self.ok,
+                "mismatched_requests": self.mismatched_requests, **self.extra}
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _free_memory(device: str) -> None:
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _pages(tokens: int, page: int) -> int:
+    return -(-tokens // page)
+
+
+def kv_tokens_for(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], page: int) -> int:
+    """KV tokens for every request to run at once, whole pages each (one spare token per request)."""
+    return sum(_pages(len(p) + m + 1, page) * page for p, m in zip(prompts, max_tokens))
+
+
+def build_engine(opts: "NanoOptions", kv_tokens_needed: int, max_seq_len: int):
+    """This engine's LLM; options the installed LLM lacks (cuda_graphs, overlap) are left out."""
+    from engine.llm import LLM
+
+    params = inspect.signature(LLM).parameters
+    cuda = torch.device(opts.device).type == "cuda"
+    kw: Dict[str, Any] = dict(dummy_weights=opts.model is None, device=opts.device, dtype=opts.dtype,
+                              page_size=opts.page_size, max_running_reqs=opts.max_running_reqs,
+                              max_seq_len=max_seq_len, max_prefill_tokens=opts.max_prefill_tokens, seed=opts.seed)
+    if opts.kv_cache_tokens is not None:
+        kw["kv_cache_tokens"] = opts.kv_cache_tokens
+    elif cuda and "kv_cache_tokens" in params and params["kv_cache_tokens"].default is None:
+        kw["kv_cache_tokens"] = None  # the engine sizes the KV pool from free GPU memory
+    else:
+        kw["kv_cache_tokens"] = kv_tokens_needed
+    if "cuda_graphs" in params:
+        kw["cuda_graphs"] = opts.cuda_graphs
+    if "overlap" in params:
+        kw["overlap"] = opts.overlap
+    if "attention" in params:
+        kw["attention"] = opts.attention
+    if opts.threads and "threads" in params:
+        kw["threads"] = opts.threads
+    source = opts.model if opts.model is not None else str(opts.model_config_path)
+    llm = LLM(source, **kw)
+    return llm, {k: v for k, v in kw.items()}
+
+
+def run_engine(llm, workload: NanoWorkload, warmup: tuple[List[List[int]], List[int]], device: str) -> SystemRun:
+    from fast import SamplingParams
+
+    def params(ms: Sequence[int]) -> List[Any]:
+        return [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m) for m in ms]
+
+    wp, wm = warmup
+    for o in llm.generate(wp, params(wm), use_tqdm=False):
+        if o.error is not None:
+            raise o.error
+    _sync(device)
+    start = time.perf_counter()
+    outs = llm.generate(workload.prompts, params(workload.max_tokens), use_tqdm=False)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    for o in outs:
+        if o.error is not None:
+            raise o.error
+    bad = sum(len(o.token_ids) != m for o, m in zip(outs, workload.max_tokens))
+    return SystemRun(ENGINE_ROW, workload.input_tokens, sum(len(o.token_ids) for o in outs), workload.output_tokens,
+                     seconds, bad)
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _accepted(fn: Callable, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The kwargs fn's signature names (transformers' continuous batching API moves between releases)."""
+    names = {n for n, p in inspect.signature(fn).parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+def make_cb_config(**wanted: Any):
+    """transformers' ContinuousBatchingConfig with the fields this release has (page_size was block_size)."""
+    try:
+        from transformers.generation import ContinuousBatchingConfig
+    except ImportError:  # pragma: no cover - older layouts
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    names = set(inspect.signature(ContinuousBatchingConfig).parameters)
+    if "page_size" in wanted and "page_size" not in names and "block_size" in names:
+        wanted["block_size"] = wanted.pop("page_size")
+    return ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in names})
+
+
+def build_hf_model(opts: "NanoOptions"):
+    """transformers' model: random weights from the same config.json (or --model's real weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with _quiet_transformers():
+        if opts.model is not None:
+            from engine.bench import load_hf_model
+
+            model = load_hf_model(opts.dtype, opts.model, attn_implementation=opts.hf_attn)
+            return model.to(opts.device).eval()
+        cfg = dict(opts.hf_config)
+        cfg.pop("torch_dtype", None)
+        cfg.pop("dtype", None)
+        config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        with torch.device(opts.device):
+            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[opts.dtype],
+                                                     attn_implementation=opts.hf_attn)
+        return model.to(opts.device).eval()
+
+
+def _collect(manager, ids: Sequence[str], timeout_s: float) -> Dict[str, Any]:
+    pending, done = set(ids), {}
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        r = manager.get_result(timeout=1)
+        if r is None:
+            if not manager.is_running():
+                raise RuntimeError(f"transformers' generation loop stopped with {len(pending)} requests unfinished")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"transformers: {len(pending)} requests unfinished after {timeout_s:.0f} s")
+            continue
+        if r.request_id in pending and r.is_finished():
+            if r.error:
+                raise RuntimeError(f"transformers request {r.request_id} failed: {r.error}")
+            pending.discard(r.request_id)
+            done[r.request_id] = r
+    return done
+
+
+@torch.no_grad()
+def run_transformers(model, workload: NanoWorkload, warmup: tuple[List[List[int]], List[int]],
+                     opts: "NanoOptions") -> SystemRun:
+    """transformers continuous batching, each request with its own max_new_tokens (add_request)."""
+    from transformers import GenerationConfig
+
+    cuda = torch.device(opts.device).type == "cuda"
+    longest = max(workload.max_tokens)
+    gen = GenerationConfig(max_new_tokens=longest, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    if cuda:
+        # transformers' own choices on a GPU: cache from free memory, batch budget, CUDA graphs, flash if installed
+        cb = make_cb_config(max_batch_tokens=opts.hf_max_batch_tokens) if opts.hf_max_batch_tokens else make_cb_config()
+    else:
+        # size the paged cache for the workload: left to itself it sizes from free memory and takes gigabytes
+        page = 64
+        blocks = sum(_pages(len(p) + m, page) for p, m in zip(workload.prompts, workload.max_tokens))
+        blocks += sum(_pages(len(p) + m, page) for p, m in zip(*warmup)) + 2
+        cb = make_cb_config(page_size=page, num_blocks=blocks, max_batch_tokens=opts.hf_max_batch_tokens or 2048,
+                            auto_switch_to_flash=False)
+    cm_kwargs: Dict[str, Any] = dict(generation_config=gen, continuous_batching_config=cb, block=True, timeout=60,
+                                     warmup=cuda)
+    try:
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        cm_kwargs["workload_hints"] = WorkloadHints(
+            max_prompt_length=max(len(p) for p in workload.prompts), max_generated_length=longest,
+            num_requests=len(workload.prompts))
+    except ImportError:  # pragma: no cover - releases without hints
+        pass
+    cm_kwargs = _accepted(model.continuous_batching_context_manager, cm_kwargs)
+
+    def submit(manager, prompts, max_tokens, prefix: str) -> List[str]:
+        ids = []
+        for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+            rid = f"{prefix}{i}"
+            got = manager.add_request(input_ids=list(p), request_id=rid, max_new_tokens=m, eos_token_id=-1)
+            if got is None and not manager.is_running():
+                raise RuntimeError("transformers' manager refused a request")
+            ids.append(rid)
+        return ids
+
+    timeout_s = 3600.0
+    with _quiet_transformers(), model.continuous_batching_context_manager(**cm_kwargs) as manager:
+        _collect(manager, submit(manager, warmup[0], warmup[1], "warmup_"), timeout_s)  # same manager, warm
+        _sync(opts.device)
+        start = time.perf_counter()
+        ids = submit(manager, workload.prompts, workload.max_tokens, "req_")
+        results = _collect(manager, ids, timeout_s)
+        _sync(opts.device)
+        seconds = time.perf_counter() - start
+        attn = getattr(model.config, "_attn_implementation", None)
+    lens = [len(results[rid].generated_tokens) for rid in ids]
+    bad = sum(n != m for n, m in zip(lens, workload.max_tokens))
+    return SystemRun(HF_ROW, workload.input_tokens, sum(lens), workload.output_tokens, seconds, bad,
+                     {"attn_implementation": attn})
+
+
+# ------------------------------------------------------------------------------------ profile
+
+_ATTENTION = ("attention", "attn", "_fwd_kernel", "paged", "flash", "fmha", "scaled_dot_product", "sdpa")
+_GEMM = ("gemm", "gemv", "cutlass", "sm90", "nvjet", "cublas", "matmul", "xmma", "splitk",
+         "aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::baddbmm")
+_SAMPLING = ("argmax", "argmin", "topk", "top_k", "sort", "softmax", "multinomial", "sampl", "gumbel")
+
+
+def classify_kernel(name: str) -> str:
+    """attention, gemm, sampling or other, from a GPU kernel's (or on the CPU, an op's) name."""
+    n = name.lower()
+    if any(k in n for k in _ATTENTION):
+        return "attention"
+    if any(k in n for k in _GEMM):
+        return "gemm"
+    if any(k in n for k in _SAMPLING):
+        return "sampling"
+    return "other"
+
+
+def _union_us(intervals: List[tuple[float, float]]) -> float:
+    total, end = 0.0, -math.inf
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def summarize_profile(events, decode_steps: int, wall_s: float, cuda: bool) -> Dict[str, Any]:
+    """Per-decode-step time by kernel kind and by host `kvledger.*` range, from profiler events."""
+    from torch.autograd import DeviceType
+
+    cats = {c: 0.0 for c in CATEGORIES}
+    kernels: List[tuple[float, float]] = []
+    host: Dict[str, float] = {}
+    host_intervals: List[tuple[float, float]] = []
+    top: Dict[str, float] = {}
+    for e in events:
+        name = e.name
+        is_annotation = bool(getattr(e, "is_user_annotation", False))
+        if e.device_type == DeviceType.CPU and name.startswith("kvledger."):
+            host[name] = host.get(name, 0.0) + e.time_range.elapsed_us()
+            host_intervals.append((e.time_range.start, e.time_range.end))
+            continue
+        if is_annotation or name.startswith("ProfilerStep"):
+            continue
+        if cuda:
+            if e.device_type != DeviceType.CUDA:
+                continue
+            dur = e.time_range.elapsed_us()
+            kernels.append((e.time_range.start, e.time_range.end))
+        else:
+            if e.device_type != DeviceType.CPU or getattr(e, "is_python_function", False):
+                continue
+            dur = e.self_cpu_time_total
+        cats[classify_kernel(name)] += dur
+        top[name] = top.get(name, 0.0) + dur
+    steps = max(decode_steps, 1)
+    kernel_total = sum(cats.values())
+    wall_ms = wall_s * 1e3 / steps
+    per = lambda us: us / 1e3 / steps  # noqa: E731
+    return {
+        "decode_steps": decode_steps,
+        "device_activity": "cuda kernels" if cuda else "cpu ops (self time; CUDA activity unavailable)",
+        "wall_ms_per_step": wall_ms,
+        "categories": {c: {"ms_per_step": per(us), "percent": 100.0 * us / kernel_total if kernel_total else 0.0}
+                       for c, us in cats.items()},
+        "device_total_ms_per_step": per(kernel_total),
+        "device_busy_ms_per_step": per(_union_us(kernels)) if cuda else None,
+        "host_ranges": {n: {"ms_per_step": per(us), "percent_of_wall": 100.0 * per(us) / wall_ms if wall_ms else 0.0}
+                        for n, us in sorted(host.items())},
+        "host_total_ms_per_step": per(_union_us(host_intervals)),
+        "top_kernels": [{"name": n, "ms_per_step": per(us), "category": classify_kernel(n)}
+                        for n, us in sorted(top.items(), key=lambda kv: -kv[1])[:15]],
+    }
+
+
+def profile_decode(llm, prompts: List[List[int]], max_tokens: List[int], device: str) -> Dict[str, Any]:
+    """Profile the decode steps of one batch: the profiler starts once every request has its first
+    token (prefill done), by wrapping the scheduler's step; falls back to the whole generate."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fast import SamplingParams
+
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m) for m in max_tokens]
+    prof = profile(activities=activities)
+    state: Dict[str, Any] = {"seen": set(), "started": False, "steps": 0, "t0": 0.0}
+    sched = getattr(llm, "scheduler", None)
+    step = getattr(sched, "step", None)
+
+    def profiled_step():
+        if not state["started"] and len(state["seen"]) >= len(prompts):
+            _sync(device)
+            prof.start()
+            state["started"], state["t0"] = True, time.perf_counter()
+        events = step()
+        if state["started"]:
+            state["steps"] += 1
+        else:
+            state["seen"].update(ev.uid for ev in events)
+        return events
+
+    scope = "decode steps only"
+    if step is not None:
+        sched.step = profiled_step
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        if step is not None:
+            del sched.step  # back to the class's method
+        wall = 0.0
+        if state["started"]:
+            _sync(device)
+            wall = time.perf_counter() - state["t0"]
+            prof.stop()
+    steps = state["steps"]
+    if not state["started"] or steps == 0:  # generate no longer goes through scheduler.step
+        scope = "whole generate (prefill included)"
+        with profile(activities=activities) as prof:
+            _sync(device)
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            _sync(device)
+            wall = time.perf_counter() - t0
+        steps = max(max_tokens)
+    for o in outs:
+        if o.error is not None:
+            raise o.error
+    summary = summarize_profile(prof.events(), steps, wall, cuda)
+    summary.update({"scope": scope, "requests": len(prompts),
+                    "prompt_tokens": sum(len(p) for p in prompts), "max_tokens": max(max_tokens)})
+    return summary
+
+
+# ------------------------------------------------------------------------------------ report
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_table(runs: Sequence[SystemRun]) -> List[str]:
+    ours = next((r for r in runs if r.name == ENGINE_ROW), None)
+    header = (f"{'system':<34} {'input tokens':>12} {'output tokens':>13} {'time (s)':>9} "
+              f"{'throughput (tok/s)':>18} {'ours/this':>9}")
+    lines = [header, "-" * len(header)]
+    for r in runs:
+        ratio = ours.tok_per_s / r.tok_per_s if ours and r.tok_per_s else float("nan")
+        lines.append(f"{r.name:<34} {r.input_tokens:>12,} {r.output_tokens:>13,} {r.seconds:>9.2f} "
+                     f"{r.tok_per_s:>18,.1f} {ratio:>8.2f}x")
+    for r in runs:
+        status = "OK" if r.ok else f"MISMATCH ({r.mismatched_requests} requests off)"
+        lines.append(f"token counts {r.name}: {status} ({r.output_tokens:,} of {r.expected_output_tokens:,})")
+    return lines
+
+
+def format_floor(floor: Dict[str, Any], bandwidth: Dict[str, Any], our_seconds: Optional[float]) -> List[str]:
+    lines = [
+        "memory-bandwidth floor (every request decoding from step 1; each step reads all weights and all KV):",
+        f"  weights per step      {_fmt_bytes(floor['weight_bytes_per_step'])} "
+        f"({floor['params']:,} params x {floor['itemsize']} B, tied embeddings once)",
+        f"  KV per token          {floor['kv_bytes_per_token']:,} B",
+        f"  decode steps          {floor['decode_steps']:,}; KV tokens read {floor['kv_tokens_read']:,}",
+        f"  bytes to read         {_fmt_bytes(floor['total_bytes'])} (weights {_fmt_bytes(floor['weight_bytes'])}, "
+        f"KV {_fmt_bytes(floor['kv_bytes'])})",
+        f"  bandwidth             {bandwidth['bytes_per_s'] / 1e9:,.1f} GB/s ({bandwidth['method']})",
+    ]
+    frac = floor["seconds"] / our_seconds if our_seconds else float("nan")
+    lines.append(f"  floor                 {floor['seconds']:.3f} s = {floor['tok_per_s']:,.0f} tok/s; "
+                 f"{ENGINE_ROW} reaches {frac:.3f} of it (floor s / our s)")
+    return lines
+
+
+def format_breakdown(b: Dict[str, Any], top: int = 8) -> List[str]:
+    lines = [f"decode profile ({ENGINE_ROW}): {b['requests']} requests, {b['decode_steps']} steps profiled "
+             f"({b['scope']}); {b['device_activity']}",
+             f"  {'kind':<22} {'ms/step':>9} {'%':>7}"]
+    for c in CATEGORIES:
+        d = b["categories"][c]
+        lines.append(f"  {c:<22} {d['ms_per_step']:>9.3f} {d['percent']:>6.1f}%")
+    lines.append(f"  {'total':<22} {b['device_total_ms_per_step']:>9.3f}")
+    wall = b["wall_ms_per_step"]
+    if b.get("device_busy_ms_per_step") is not None:
+        busy = b["device_busy_ms_per_step"]
+        lines.append(f"  GPU busy {busy:.3f} ms of {wall:.3f} ms wall per step "
+                     f"({100 * busy / wall if wall else 0:.1f}%; wall includes profiler overhead)")
+    else:
+        lines.append(f"  wall {wall:.3f} ms per step (profiler overhead included)")
+    lines.append(f"  {'host range':<22} {'ms/step':>9} {'% wall':>7}")
+    names = list(HOST_RANGES) + [n for n in b["host_ranges"] if n not in HOST_RANGES]
+    for n in names:
+        d = b["host_ranges"].get(n)
+        if d is None:
+            lines.append(f"  {n:<22} {'n/a':>9} {'n/a':>7}")
+        else:
+            lines.append(f"  {n:<22} {d['ms_per_step']:>9.3f} {d['percent_of_wall']:>6.1f}%")
+    tot = b["host_total_ms_per_step"]
+    lines.append(f"  {'kvledger.* (union)':<22} {tot:>9.3f} {100 * tot / wall if wall else 0:>6.1f}%")
+    if b["device_activity"].startswith("cuda") and not b["device_total_ms_per_step"]:
+        lines.append("  no GPU kernels were recorded (kernels replayed from CUDA graphs untraced?): "
+                     "try --no-cuda-graphs")
+    lines.append("  top kernels (ops on the CPU), ms/step and kind:")
+    for k in b["top_kernels"][:top]:
+        lines.append(f"    {k['ms_per_step']:>9.3f}  {k['category']:<9}  {_shorten(k['name'])}")
+    return lines
+
+
+def _shorten(name: str, width: int = 100) -> str:
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+# ------------------------------------------------------------------------------------ driver
+
+
+@dataclass
+class NanoOptions:
+    model_config: str = "qwen3-0.6b"
+    model: Optional[str] = None  # real weights (GGUF or HF directory) instead of random ones
+    device: Optional[str] = None  # default: cuda if available
+    dtype: Optional[str] = None  # default: bfloat16 on CUDA, float32 on CPU
+    num_requests: int = NANO_NUM_REQUESTS
+    max_input_len: int = NANO_MAX_LEN
+    max_output_len: int = NANO_MAX_LEN
+    seed: int = 0
+    compare: str = "none"
+    page_size: int = 16
+    kv_cache_tokens: Optional[int] = None
+    max_running_reqs: int = 256
+    max_prefill_tokens: int = 16384
+    cuda_graphs: Optional[bool] = None  # default: on CUDA only
+    overlap: Optional[bool] = None
+    attention: str = "auto"
+    threads: Optional[int] = None
+    hf_attn: str = "sdpa"
+    hf_max_batch_tokens: Optional[int] = None
+    bandwidth_bytes: Optional[int] = None  # default: 2 GiB on CUDA, 64 MiB on CPU
+    bandwidth_gbs: Optional[float] = None  # use this instead of measuring
+    profile_requests: int = 256
+    profile_output_len: int = 32
+    warmup_requests: int = 8
+    out: Optional[str] = None
+    # resolved
+    model_config_path: Optional[Path] = None
+    hf_config: Dict[str, Any] = field(default_factory=dict)
+
+    def resolve(self) -> "NanoOptions":
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        cuda = torch.device(self.device).type == "cuda"
+        if self.dtype is None:
+            self.dtype = "bfloat16" if cuda else "float32"
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.cuda_graphs is None:
+            self.cuda_graphs = cuda
+        if self.bandwidth_bytes is None:
+            self.bandwidth_bytes = (2 << 30) if cuda else (64 << 20)
+        if self.compare not in ("none", "transformers"):
+            raise ValueError(f"compare must be 'none' or 'transformers', got {self.compare!r}")
+        return self
+
+
+def _versions() -> Dict[str, Optional[str]]:
+    try:
+        import transformers
+
+        tv: Optional[str] = transformers.__version__
+    except ImportError:
+        tv = None
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": tv,
+            "cuda": torch.version.cuda}
+
+
+def _device_name(device: str) -> str:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} torch threads)"
+
+
+def run_nano_bench(opts: NanoOptions, print_fn: Callable[[str], None] = print) -> Dict[str, Any]:
+    """Run the workload (and transformers with --compare), print everything; returns the raw numbers."""
+    opts.resolve()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    cuda = torch.device(opts.device).type == "cuda"
+    workload = make_nano_workload(opts.num_requests, opts.max_input_len, opts.max_output_len, opts.seed)
+    warm = warmup_requests(opts.max_input_len, min(opts.warmup_requests, opts.num_requests), opts.seed)
+    k = min(opts.profile_requests, len(workload.prompts))
+    prof_prompts = workload.prompts[:k]
+    prof_tokens = [opts.profile_output_len] * k
+
+    if opts.model is None:
+        config, hf_config, path = resolve_model_config(opts.model_config)
+        opts.model_config_path, opts.hf_config = path, hf_config
+    d = workload.describe()
+    print_fn(f"workload {WORKLOAD}: {d['num_requests']} requests, input {d['input_len_range'][0]}-"
+             f"{d['input_len_range'][1]} tokens ({d['input_tokens']:,} total), output {d['output_len_range'][0]}-"
+             f"{d['output_len_range'][1]} tokens ({d['output_tokens']:,} total), greedy, ignore EOS, seed {opts.seed}")
+
+    # bandwidth first, while the device memory is free
+    if opts.bandwidth_gbs:
+        bandwidth = {"source": "given", "method": "--bandwidth-gbs", "bytes_per_s": opts.bandwidth_gbs * 1e9}
+    else:
+        bandwidth = measure_bandwidth(opts.device, opts.bandwidth_bytes)
+
+    page = opts.page_size
+    longest = max(len(p) + m for p, m in zip(workload.prompts + warm[0] + prof_prompts,
+                                                workload.max_tokens + warm[1] + prof_tokens))
+    max_seq_len = _pages(max(longest, opts.max_input_len + opts.max_output_len) + 1, page) * page
+    need = max(kv_tokens_for(workload.prompts, workload.max_tokens, page), kv_tokens_for(*warm, page),
+               kv_tokens_for(prof_prompts, prof_tokens, page))
+    llm, engine_kwargs = build_engine(opts, need, max_seq_len)
+    config = llm.config
+    model_desc = opts.model if opts.model is not None else f"{opts.model_config} (random weights)"
+    print_fn(f"model {model_desc}: {param_count(config):,} params, {opts.dtype} on {opts.device} "
+             f"({_device_name(opts.device)}); torch {torch.__version__}, transformers {_versions()['transformers']}")
+
+    runs = [run_engine(llm, workload, warm, opts.device)]
+    kv_pool_tokens = None
+    with contextlib.suppress(AttributeError):
+        kv_pool_tokens = llm.scheduler.config.num_pages * llm.scheduler.config.page_size
+    runs[0].extra["kv_pool_tokens"] = kv_pool_tokens
+    breakdown = profile_decode(llm, prof_prompts, prof_tokens, opts.device) if k and opts.profile_output_len > 1 else None
+    del llm
+    _free_memory(opts.device)
+
+    if opts.compare == "transformers":
+        hf = build_hf_model(opts)
+        try:
+            runs.append(run_transformers(hf, workload, warm, opts))
+        finally:
+            del hf
+            _free_memory(opts.device)
+
+    itemsize = DTYPES[opts.dtype].itemsize
+    floor = decode_floor(config, itemsize, [len(p) for p in workload.prompts], workload.max_tokens,
+                         bandwidth["bytes_per_s"])
+    for line in format_table(runs):
+        print_fn(line)
+    for line in format_floor(floor, bandwidth, runs[0].seconds):
+        print_fn(line)
+    if breakdown is not None:
+        for line in format_breakdown(breakdown):
+            print_fn(line)
+
+    opts_dict = {k2: (str(v) if isinstance(v, Path) else v) for k2, v in asdict(opts).items() if k2 != "hf_config"}
+    report = {
+        "workload": d,
+        "options": opts_dict,
+        "model": {"source": model_desc, "config": asdict(config), "params": param_count(config)},
+        "dtype": opts.dtype,
+        "device": opts.device,
+        "device_name": _device_name(opts.device),
+        "versions": _versions(),
+        "engine_kwargs": engine_kwargs,
+        "systems": [r.as_dict() for r in runs],
+        "ratio_ours_over_transformers": (runs[0].tok_per_s / runs[1].tok_per_s) if len(runs) > 1 else None,
+        "bandwidth": bandwidth,
+        "floor": {**floor, "fraction_of_floor_reached": floor["seconds"] / runs[0].seconds if runs[0].seconds else None},
+        "breakdown": breakdown,
+        "ok": all(r.ok for r in runs),
+    }
+    if opts.out:
+        Path(opts.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        print_fn(f"wrote {opts.out}")
+    if cuda:
+        _free_memory(opts.device)
+    return report
+
+
+# ------------------------------------------------------------------------------------ command line
+
+
+def add_nano_bench_arguments(p) -> None:
+    """Options of `kvledger bench --workload nano-vllm`. --dtype, --seed, --threads and --model come from
+    engine.bench's add_bench_arguments."""
+    g = p.add_argument_group("--workload nano-vllm (GPU throughput benchmark)")
+    g.add_argument("--workload", default=None, choices=[WORKLOAD],
+                   help="nano-vllm: its offline workload (256 requests, 142,827 in / 133,966 out tokens)")
+    g.add_argument("--num-requests", dest="num_requests", type=int, default=NANO_NUM_REQUESTS)
+    g.add_argument("--max-input-len", dest="max_input_len", type=int, default=NANO_MAX_LEN,
+                   help="longest prompt (shortest: 100/1024 of it)")
+    g.add_argument("--max-output-len", dest="max_output_len", type=int, default=NANO_MAX_LEN,
+                   help="largest max_tokens (smallest: 100/1024 of it)")
+    g.add_argument("--model-config", dest="model_config", default="qwen3-0.6b",
+                   help="shipped config (qwen3-0.6b, smollm2-135m) or a config.json, random weights")
+    g.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    g.add_argument("--compare", default="none", choices=["none", "transformers"],
+                   help="also run transformers' continuous batching")
+    g.add_argument("--out", default=None, metavar="FILE.json", help="write every raw number as JSON")
+    g.add_argument("--page-size", dest="page_size", type=int, default=16)
+    g.add_argument("--kv-cache-tokens", dest="kv_cache_tokens", type=int, default=None,
+                   help="KV pool size (default: from free GPU memory where the engine can, else the workload's need)")
+    g.add_argument("--max-running-reqs", dest="max_running_reqs", type=int, default=256)
+    g.add_argument("--max-prefill-tokens", dest="max_prefill_tokens", type=int, default=16384)
+    g.add_argument("--cuda-graphs", dest="cuda_graphs", default=None, action="store_const", const=True,
+                   help="engine CUDA graphs on (default: on for CUDA, where the engine has the option)")
+    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False,
+                   help="engine CUDA graphs off")
+    g.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],
+                   help="engine CPU/GPU overlap (auto: the engine's choice)")
+    g.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"], help="engine attention")
+    g.add_argument("--hf-attn", dest="hf_attn", default="sdpa",
+                   help="transformers attn_implementation (continuous batching may switch sdpa to flash)")
+    g.add_argument("--hf-max-batch-tokens", dest="hf_max_batch_tokens", type=int, default=None,
+                   help="transformers' max_batch_tokens (default: its own on CUDA, 2048 on CPU)")
+    g.add_argument("--bandwidth-bytes", dest="bandwidth_bytes", type=int, default=None,
+                   help="bytes copied to measure bandwidth (default 2 GiB on CUDA, 64 MiB on CPU)")
+    g.add_argument("--bandwidth-gbs", dest="bandwidth_gbs", type=float, default=None,
+                   help="use this bandwidth (GB/s) for the floor instead of measuring")
+    g.add_argument("--profile-requests", dest="profile_requests", type=int, default=256,
+                   help="requests in the profiled decode batch, the workload's first prompts (0: no profile)")
+    g.add_argument("--profile-output-len", dest="profile_output_len", type=int, default=32,
+                   help="tokens each profiled request generates")
+
+
+def options_from_args(args) -> NanoOptions:
+    overlap = {"auto": None, "on": True, "off": False}[getattr(args, "overlap", "auto")]
+    names = {f for f in NanoOptions.__dataclass_fields__ if f not in ("model_config_path", "hf_config", "overlap")}
+    kw = {n: getattr(args, n) for n in names if hasattr(args, n)}
+    return NanoOptions(overlap=overlap, **kw)
+
+
+def main_nano_bench(args) -> int:
+    try:
+        report = run_nano_bench(options_from_args(args))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kvledger bench --workload {WORKLOAD}: {e}", file=sys.stderr)
+        return 2
+    return 0 if report["ok"] else 1
