@@ -7,7 +7,7 @@ import sys
 
 ENGINE_OPTIONS = ("model", "dtype", "page_size", "cache_type", "kv_cache_tokens", "max_running_reqs",
                   "max_seq_len", "max_prefill_tokens", "verify", "trace", "seed", "dummy_weights", "threads",
-                  "device", "attention")
+                  "device", "attention", "cuda_graphs", "overlap")
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -15,7 +15,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--page-size", dest="page_size", type=int, default=16)
     p.add_argument("--cache", dest="cache_type", default="radix", choices=["radix", "naive"])
-    p.add_argument("--kv-cache-tokens", dest="kv_cache_tokens", type=int, default=32768)
+    p.add_argument("--kv-cache-tokens", dest="kv_cache_tokens", type=int, default=None,
+                   help="KV pool size in tokens (default: 32768 on the CPU, from free memory on CUDA)")
     p.add_argument("--max-running-reqs", dest="max_running_reqs", type=int, default=64)
     p.add_argument("--max-seq-len", dest="max_seq_len", type=int, default=None)
     p.add_argument("--max-prefill-tokens", dest="max_prefill_tokens", type=int, default=2048)
@@ -27,6 +28,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"],
                    help="attention backend (auto: Triton on CUDA, torch-native on the CPU)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run decode steps eagerly")
+    p.add_argument("--overlap", dest="overlap", action="store_true", default=None,
+                   help="schedule the next step while the current one runs (default on CUDA)")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -18,10 +18,13 @@ class KVPool:
         device: torch.device | str = "cpu",
     ) -> None:
         self.num_tokens = num_tokens
+        # One more row than the cache manager hands out: padded rows of a CUDA-graph batch write
+        # their K/V there, never into a page some request owns.
+        self.scratch_loc = num_tokens
         # Head-major: k[layer] is a [kv_heads, num_tokens, head_dim] view, so gathering a request's
         # rows yields [kv_heads, len, head_dim] blocks that attention matmuls read without a transpose.
         # One allocation each for K and V.
-        shape = (num_layers, num_kv_heads, num_tokens, head_dim)
+        shape = (num_layers, num_kv_heads, num_tokens + 1, head_dim)
         self.k_buffer = torch.zeros(shape, dtype=dtype, device=device)
         self.v_buffer = torch.zeros(shape, dtype=dtype, device=device)
         self.k = list(self.k_buffer.unbind(0))
@@ -40,6 +43,15 @@ class KVPool:
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
         return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
+
+    @classmethod
+    def tokens_that_fit(cls, config: ModelConfig, dtype: torch.dtype, free_bytes: int, fraction: float = 0.9,
+                        reserve_bytes: int = 0) -> int:
+        """How many KV tokens a pool may hold given free device memory: `fraction` of what is free
+        after `reserve_bytes` (activations, logits, CUDA graphs) are set aside."""
+        return max(0, int((free_bytes - reserve_bytes) * fraction) // cls.bytes_per_token(config, dtype))
+
+    token_dim = 1  # of each layer's [kv_heads, tokens, head_dim] view
 
     @property
     def dtype(self) -> torch.dtype:

@@ -41,7 +41,7 @@ class LLM:
         device: str = "cpu",
         page_size: int = 16,
         cache_type: str = "radix",
-        kv_cache_tokens: int = 32768,
+        kv_cache_tokens: Optional[int] = None,
         max_running_reqs: int = 64,
         max_seq_len: Optional[int] = None,
         max_prefill_tokens: int = 2048,
@@ -51,7 +51,13 @@ class LLM:
         dummy_weights: bool = False,
         threads: Optional[int] = None,
         attention: str = "auto",
+        cuda_graphs: bool = True,
+        overlap: Optional[bool] = None,
     ) -> None:
+        """kv_cache_tokens: the KV pool's size in tokens; None sizes it from free memory on CUDA
+        (90% of what is free after the weights and a reserve for activations) and means 32,768
+        on the CPU. cuda_graphs: capture decode steps (CUDA). overlap: schedule the next step
+        while the GPU runs the current one (default: on for CUDA)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if threads:
@@ -62,6 +68,8 @@ class LLM:
         self.model = CausalLM.from_state_dict(config, state, dtype=DTYPES[dtype], device=device)
         self.model.attn_backend = _attention_backend(attention, device)
         del state
+        if kv_cache_tokens is None:
+            kv_cache_tokens = _auto_kv_tokens(config, DTYPES[dtype], device, max_running_reqs, max_prefill_tokens)
         num_pages = max(1, kv_cache_tokens // page_size)
         self.model.kv_pool = KVPool.for_model(config, num_pages * page_size, DTYPES[dtype], device)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else config.eos_token_ids
@@ -69,7 +77,8 @@ class LLM:
             num_pages=num_pages, page_size=page_size, cache_type=cache_type, max_running_reqs=max_running_reqs,
             max_seq_len=max_seq_len or min(config.max_position_embeddings, 4096),
             max_prefill_tokens=max_prefill_tokens, seed=seed)
-        self.scheduler = Scheduler(self.model, sched, eos, device)
+        self.scheduler = Scheduler(self.model, sched, eos, device, overlap=overlap, cuda_graphs=cuda_graphs)
+        self.scheduler.capture_graphs()
         self.shadow = ShadowVerifier(self.scheduler.header) if verify else None
         if self.shadow:
             self.scheduler.observers.append(self.shadow)
@@ -171,6 +180,19 @@ def _progress(total: int, enabled: Optional[bool]):
     from tqdm import tqdm
 
     return tqdm(total=total, desc="generate", unit="req", file=sys.stderr)
+
+
+def _auto_kv_tokens(config, dtype: torch.dtype, device: str, max_running_reqs: int, max_prefill_tokens: int) -> int:
+    if torch.device(device).type != "cuda":
+        return 32768
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    # logits in float32 (and the model dtype) for a full decode batch or a prefill's last tokens,
+    # a prefill's activations, and the CUDA graphs' pool
+    batch = max(max_running_reqs, 256)
+    logits = batch * config.vocab_size * (4 + dtype.itemsize) * 2
+    activations = max_prefill_tokens * (config.hidden_size * 8 + config.intermediate_size * 6) * 4
+    reserve = logits + activations + (2 << 30)
+    return KVPool.tokens_that_fit(config, dtype, free, fraction=0.9, reserve_bytes=reserve)
 
 
 def _has_tokenizer(model: Optional[str]) -> bool:

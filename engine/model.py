@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine import fused_ops
 from engine.attention.base import AttentionBackend, AttentionBatch
 from engine.attention.torch_native import TorchNativeBackend
 from engine.config import ModelConfig
@@ -41,6 +42,21 @@ class Attention(nn.Module):
         o = backend.forward(q, k, v, self.layer, pool)
         return self.o_proj(o.reshape(t, self.q_size))
 
+    def forward_fused(
+        self, x: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor, inv_freq: torch.Tensor,
+        backend: AttentionBackend, pool: KVPool,
+    ) -> torch.Tensor:
+        """The CUDA path: norms, rotary and the KV store in one kernel, then attention over the pool."""
+        qkv = self.qkv_proj(x)
+        k_cache, v_cache = pool.k[self.layer], pool.v[self.layer]
+        q = fused_ops.qk_norm_rope_store(
+            qkv, positions, inv_freq, self.q_norm.weight if self.q_norm is not None else None,
+            self.k_norm.weight if self.k_norm is not None else None,
+            self.q_norm.eps if self.q_norm is not None else 0.0,
+            self.num_heads, self.num_kv_heads, k_cache, v_cache, pool.token_dim, out_loc)
+        o = backend.forward_stored(q, self.layer, pool)
+        return self.o_proj(o.reshape(x.shape[0], self.q_size))
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
@@ -53,6 +69,14 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos, sin, backend: AttentionBackend, pool: KVPool) -> torch.Tensor:
         x = x + self.attn(self.input_norm(x), cos, sin, backend, pool)
         return x + self.mlp(self.post_attn_norm(x))
+
+    def forward_fused(self, x, residual, positions, out_loc, inv_freq, backend, pool):
+        """Returns (this layer's MLP output, the residual stream before it); their sum is the
+        layer's output, added by the next layer's fused norm."""
+        h, residual = fused_ops.add_rmsnorm(x, residual, self.input_norm.weight, self.input_norm.eps)
+        x = self.attn.forward_fused(h, positions, out_loc, inv_freq, backend, pool)
+        h, residual = fused_ops.add_rmsnorm(x, residual, self.post_attn_norm.weight, self.post_attn_norm.eps)
+        return self.mlp.down_proj(fused_ops.silu_mul(self.mlp.gate_up_proj(h))), residual
 
 
 class CausalLM(nn.Module):
@@ -96,10 +120,37 @@ class CausalLM(nn.Module):
         if self.kv_pool is None:
             raise RuntimeError("assign model.kv_pool before calling forward")
         self.attn_backend.plan(attn)
+        last = None if all_logits or attn.is_decode else attn.last_token_idx
+        return self.run(input_ids, positions, attn.out_loc, last)
+
+    def uses_fused_path(self) -> bool:
+        """CUDA with Triton and a backend that attends over already-stored KV."""
+        return fused_ops.available(self.embed_tokens.weight) and hasattr(self.attn_backend, "forward_stored")
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
+        last_token_idx: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The step after the backend's plan: only device tensors, so a CUDA graph can capture it.
+
+        Logits [T, vocab] float32, or [B, vocab] for the rows in last_token_idx.
+        """
         x = self.embed_tokens(input_ids)
+        if self.uses_fused_path():
+            inv_freq = self.rotary.inv_freq
+            if inv_freq.device != x.device:
+                inv_freq = self.rotary.inv_freq = inv_freq.to(x.device)
+            residual = None
+            for layer in self.layers:
+                x, residual = layer.forward_fused(x, residual, positions, out_loc, inv_freq,
+                                                  self.attn_backend, self.kv_pool)
+            if last_token_idx is not None:
+                x, residual = x[last_token_idx], residual[last_token_idx]
+            x, _ = fused_ops.add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)
+            return self.lm_head(x).float()
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, self.attn_backend, self.kv_pool)
-        if not all_logits:
-            x = x[attn.last_token_idx]
+        if last_token_idx is not None:
+            x = x[last_token_idx]
         return self.lm_head(self.norm(x)).float()

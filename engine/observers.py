@@ -40,6 +40,10 @@ class ShadowDivergence(RuntimeError):
 class ShadowVerifier:
     """Mirrors every cache operation into the reference model and compares after each."""
 
+    # compares the engine's state right after each operation: the scheduler hands it every step's
+    # operation before launching the next one (see engine/scheduler.py, overlap)
+    needs_state = True
+
     def __init__(self, header: Header) -> None:
         self.model = Driver(reference, **header.driver_args())
         self.steps = 0

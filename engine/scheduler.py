@@ -6,17 +6,31 @@ runs the model over the page table, samples, and completes the step (finishes in
 region, `cache_req` after prefill and at finish). The cache-side steps are those of
 `properties.driver.Driver`, so every step is one trace operation that replays on both
 implementations; observers (trace recorder, shadow verifier) see each operation.
+
+Overlap: sampled tokens stay on the device (`next_tokens`, one entry per table row, feeds the next
+decode step), so step N+1 can be scheduled and launched while the GPU still runs step N. Step N's
+bookkeeping (`complete`) needs the sampled values only to decide stops; when no request in the
+batch can stop on a token (EOS ignored, no stop ids) and every one is greedy, it runs right after
+the launch with placeholder tokens, and the real tokens are patched into the requests' host ids
+one step later, before any cache operation reads them (a finishing request's KV ends at the token
+of the step before). The cache operations therefore happen in exactly the order of the serial
+schedule: a trace recorded with overlap replays on both implementations, and the shadow verifier
+(which waits for each step's tokens, since it compares state after every operation) checks the same
+operation sequence. Steps that need their values (stops, CPU sampling) wait for them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
 
 import torch
+from torch.profiler import record_function
 
 import fast
 from engine.attention.base import AttentionBatch
+from engine.cuda_graphs import DecodeGraphs
 from engine.model import CausalLM
 from engine.sampling import Sampler, validate_sampling
 from properties.driver import Driver, _is_chunked
@@ -45,9 +59,27 @@ class TokenEvent:
     finish_reason: Optional[str]  # "length", "stop" (EOS or a stop token), or None
 
 
+@dataclass
+class _Step:
+    """One launched batch, until its tokens are known on the host."""
+
+    batch: List[Any]
+    phase: str
+    sampled: List[int]  # batch indices that sample a token (not mid-chunk)
+    logits: torch.Tensor  # [len(sampled), vocab] on the device
+    tokens: torch.Tensor  # greedy tokens of the sampled rows, on the device
+    host: Optional[torch.Tensor] = None  # tokens copied to the host (non-blocking on CUDA)
+    ready: Optional[torch.cuda.Event] = None
+    values: Optional[List[int]] = None  # sampled tokens, once known
+    op: Dict = field(default_factory=dict)
+    patch_at: List[int] = field(default_factory=list)  # per sampled row: its placeholder's index in input_ids
+    finished: Dict[int, Optional[str]] = field(default_factory=dict)  # uid -> finish reason
+
+
 class Scheduler:
     def __init__(self, model: CausalLM, config: SchedulerConfig, eos_token_ids: Sequence[int] = (),
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", overlap: Optional[bool] = None,
+                 cuda_graphs: bool = True) -> None:
         self.model = model
         self.config = config
         self.device = torch.device(device)
@@ -62,6 +94,21 @@ class Scheduler:
         self.observers: List[Observer] = []
         self.step_no = 0
         self.prefix_hit_tokens: Dict[int, int] = {}  # uid -> prompt tokens found in the prefix cache
+        # per table row, the token its request feeds to the next decode step (last entry: scratch)
+        self.next_tokens = torch.zeros(config.max_running_reqs + 1, dtype=torch.long, device=self.device)
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap
+        self.graphs: Optional[DecodeGraphs] = None
+        if cuda_graphs and self.device.type == "cuda" and model.uses_fused_path():
+            self.graphs = DecodeGraphs(model, self.driver.page_table, self.next_tokens,
+                                       min(config.max_running_reqs, 256))
+        self._inflight: Optional[_Step] = None
+        self._finishing: Dict[int, Optional[str]] = {}  # finished in bookkeeping, tokens not yet delivered
+        self._ops: Deque[List] = deque()  # [op, ready]: observers see operations in order, with values
+
+    def capture_graphs(self) -> None:
+        """Capture the decode CUDA graphs (needs model.kv_pool); a no-op without graphs."""
+        if self.graphs is not None and not self.graphs.graphs:
+            self.graphs.capture()
 
     # -- requests -----------------------------------------------------------------------------
     def validate(self, token_ids: Sequence[int], params: fast.SamplingParams) -> None:
@@ -92,64 +139,170 @@ class Scheduler:
 
     def abort(self, uid: int) -> None:
         """Drop a waiting or running request and free its slot and pages at once."""
+        if uid in self._finishing:  # already released by its last step; its tokens are not delivered
+            self._forget(uid)
+            return
         self._do({"op": "abort", "uid": uid})
         self._forget(uid)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.driver.waiting or self.driver.dm.runnable)
+        return bool(self.driver.waiting or self.driver.dm.runnable or self._inflight is not None)
 
     # -- one step -----------------------------------------------------------------------------
     def step(self) -> List[TokenEvent]:
-        d = self.driver
-        batch, phase = [], "prefill"
-        if d.waiting:
-            batch, _ = d.admit(self.config.max_prefill_tokens)
-            for req in batch:
-                self.prefix_hit_tokens.setdefault(req.uid, req.cached_len)
-        if not batch:
-            batch, phase = list(d.dm.running_reqs.values()), "decode"
-        if not batch:
-            self.check_idle()
-            return []
-        d.allocate(batch)
-        logits = self._forward(batch)
-        sampled = [i for i, r in enumerate(batch) if not _is_chunked(r)]
-        tokens = self.sampler.sample(logits[sampled], [batch[i].uid for i in sampled],
-                                     [self.params[batch[i].uid] for i in sampled])
-        sample = [0] * len(batch)
-        for i, t in zip(sampled, tokens):
-            sample[i] = t
-        stop = [batch[i].uid for i, t in zip(sampled, tokens) if self._stops(batch[i].uid, t)]
-        d.complete(batch, sample, stop, phase == "prefill")
-        op: Dict = {"op": phase, "sample": sample, "stop": stop, "expect": {"batch": [r.uid for r in batch]}}
-        if phase == "prefill":
-            op = {"op": "prefill", "budget": self.config.max_prefill_tokens, **{k: v for k, v in op.items() if k != "op"}}
-        self._notify(op)
-        events = []
-        for i, t in zip(sampled, tokens):
-            req = batch[i]
-            stopped = req.uid in stop
-            finished = stopped or not req.can_decode
-            events.append(TokenEvent(req.uid, t, finished, "stop" if stopped else ("length" if finished else None)))
-            if finished:
-                self._forget(req.uid)
+        """Launch the next batch, then deliver the tokens of the previous one (with overlap) or of
+        this one (without). Returns the delivered tokens."""
+        events: List[TokenEvent] = []
+        launched = self._launch()
+        if self._inflight is not None:
+            events += self._land(self._inflight)
+            self._inflight = None
+        if launched is not None:
+            wait = not self.overlap or self._needs_values(launched)
+            if wait:
+                self._resolve(launched)
+            with record_function("kvledger.complete"):
+                self._complete(launched)
+            if wait:
+                events += self._land(launched)
+            else:
+                self._inflight = launched
         if not self.has_work:
             self.check_idle()
         return events
 
     def check_idle(self) -> None:
         """With nothing live: every page is free or cached, no lock held, and the partition holds."""
-        if not self.driver.live:
+        if not self.driver.live and self._inflight is None:
             self.driver.cm.check_integrity()
             self.driver.check()
 
     # -- internals ----------------------------------------------------------------------------
-    def _forward(self, batch: List) -> torch.Tensor:
-        ids = torch.cat([r.input_ids[r.cached_len : r.device_len] for r in batch]).to(self.device, torch.long)
-        attn = AttentionBatch.from_page_table(self.driver.page_table, [r.table_idx for r in batch],
+    def _launch(self) -> Optional[_Step]:
+        d = self.driver
+        with record_function("kvledger.schedule"):
+            batch, phase = [], "prefill"
+            if d.waiting:
+                batch, _ = d.admit(self.config.max_prefill_tokens)
+                for req in batch:
+                    self.prefix_hit_tokens.setdefault(req.uid, req.cached_len)
+            if not batch:
+                batch, phase = list(d.dm.running_reqs.values()), "decode"
+            if not batch:
+                return None
+            d.allocate(batch)
+            sampled = [i for i, r in enumerate(batch) if not _is_chunked(r)]
+            logits, tokens = self._forward(batch, phase, sampled)
+            step = _Step(batch, phase, sampled, logits, tokens)
+            if self.device.type == "cuda":
+                step.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+                step.host.copy_(tokens, non_blocking=True)
+                step.ready = torch.cuda.Event()
+                step.ready.record()
+            else:
+                step.host = tokens
+        return step
+
+    def _forward(self, batch: List, phase: str, sampled: List[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the model; returns (logits, greedy tokens) of the sampled rows, on the device.
+        The tokens are also left in next_tokens for the next decode step."""
+        rows = [r.table_idx for r in batch]
+        if phase == "decode" and self.graphs is not None and self.graphs.fits(len(batch)):
+            return self.graphs.run(rows, [r.device_len for r in batch])
+        attn = AttentionBatch.from_page_table(self.driver.page_table, rows,
                                               [r.cached_len for r in batch], [r.device_len for r in batch])
-        return self.model(ids, attn.positions, attn)
+        if phase == "decode":
+            ids = self.next_tokens[attn.rows]  # the previous step's tokens, still on the device
+        else:
+            ids = torch.cat([r.input_ids[r.cached_len : r.device_len] for r in batch])
+            ids = ids.pin_memory() if self.device.type == "cuda" else ids
+            ids = ids.to(self.device, torch.long, non_blocking=True)
+        logits = self.model(ids, attn.positions, attn)
+        if len(sampled) != len(batch):
+            keep = torch.tensor(sampled, dtype=torch.long, device=self.device)
+            logits = logits[keep]
+            sampled_rows = attn.rows[keep]
+        else:
+            sampled_rows = attn.rows
+        tokens = logits.argmax(-1)
+        self.next_tokens[sampled_rows] = tokens
+        return logits, tokens
+
+    def _needs_values(self, step: _Step) -> bool:
+        """Whether the step's bookkeeping must see its tokens: a stop on a sampled token, sampling
+        on the CPU, or an observer that compares state after every operation."""
+        if any(getattr(o, "needs_state", False) for o in self.observers):
+            return True
+        for i in step.sampled:
+            p = self.params[step.batch[i].uid]
+            if not p.is_greedy or p.stop_token_ids or (not p.ignore_eos and self.eos_token_ids):
+                return True
+        return False
+
+    def _resolve(self, step: _Step) -> None:
+        """Wait for the step's tokens; sample the non-greedy rows on the CPU."""
+        with record_function("kvledger.wait"):
+            if step.ready is not None:
+                step.ready.synchronize()
+            uids = [step.batch[i].uid for i in step.sampled]
+            params = [self.params[u] for u in uids]
+            if all(p.is_greedy for p in params):
+                step.values = step.host.tolist()
+                return
+            step.values = self.sampler.sample(step.logits, uids, params)
+            rows = torch.tensor([step.batch[i].table_idx for i in step.sampled], device=self.device)
+            self.next_tokens[rows] = torch.tensor(step.values, device=self.device)
+
+    def _complete(self, step: _Step) -> None:
+        batch, values = step.batch, step.values
+        sample = [0] * len(batch)  # placeholders until the values are known
+        if values is not None:
+            for i, t in zip(step.sampled, values):
+                sample[i] = t
+        stop = [] if values is None else [batch[i].uid for i, t in zip(step.sampled, values)
+                                          if self._stops(batch[i].uid, t)]
+        self.driver.complete(batch, sample, stop, step.phase == "prefill")
+        step.patch_at = [len(batch[i].input_ids) - 1 for i in step.sampled]
+        for i in step.sampled:
+            req = batch[i]
+            if req.uid in stop:
+                step.finished[req.uid] = "stop"
+            elif not req.can_decode:
+                step.finished[req.uid] = "length"
+        self._finishing.update(step.finished)
+        op: Dict = {"op": step.phase, "sample": sample, "stop": stop, "expect": {"batch": [r.uid for r in batch]}}
+        if step.phase == "prefill":
+            op = {"op": "prefill", "budget": self.config.max_prefill_tokens, **{k: v for k, v in op.items() if k != "op"}}
+        step.op = op
+        self._ops.append([op, values is not None])
+        self._flush_ops()
+
+    def _land(self, step: _Step) -> List[TokenEvent]:
+        """The step's tokens are known: patch placeholders, tell observers, emit the tokens."""
+        if step.values is None:
+            with record_function("kvledger.wait"):
+                if step.ready is not None:
+                    step.ready.synchronize()
+                step.values = step.host.tolist()
+            for i, at, t in zip(step.sampled, step.patch_at, step.values):
+                step.batch[i].input_ids[at] = t
+                step.op["sample"][i] = t
+            for entry in self._ops:
+                if entry[0] is step.op:
+                    entry[1] = True
+            self._flush_ops()
+        events = []
+        for i, t in zip(step.sampled, step.values):
+            uid = step.batch[i].uid
+            reason = step.finished.get(uid)
+            self._finishing.pop(uid, None)
+            if uid not in self.params:  # aborted while its last step was in flight
+                continue
+            events.append(TokenEvent(uid, t, reason is not None, reason))
+            if reason is not None:
+                self._forget(uid)
+        return events
 
     def _stops(self, uid: int, token: int) -> bool:
         p = self.params[uid]
@@ -157,12 +310,15 @@ class Scheduler:
 
     def _do(self, op: Dict) -> None:
         self.driver.apply(op)
-        self._notify(op)
+        self._ops.append([op, True])
+        self._flush_ops()
 
-    def _notify(self, op: Dict) -> None:
-        self.step_no += 1
-        for observer in self.observers:
-            observer(self.step_no, op, self.driver)
+    def _flush_ops(self) -> None:
+        while self._ops and self._ops[0][1]:
+            op = self._ops.popleft()[0]
+            self.step_no += 1
+            for observer in self.observers:
+                observer(self.step_no, op, self.driver)
 
     def _forget(self, uid: int) -> None:
         self.params.pop(uid, None)

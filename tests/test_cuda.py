@@ -71,3 +71,94 @@ def test_engine_on_cuda_matches_transformers_greedy_float32(tmp_path, attention)
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
         assert [o.token_ids for o in outs] == expected, (attention, page_size, cache)
 
+
+
+def _qwen_tiny():
+    from engine.config import ModelConfig
+
+    return ModelConfig(arch="qwen3", vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=3,
+                       num_heads=8, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6,
+                       tie_word_embeddings=True, max_position_embeddings=2048, bos_token_id=None, eos_token_ids=(5,))
+
+
+def _nano_like(n=40, seed=0):
+    import random
+
+    from fast import SamplingParams
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1024) for _ in range(rng.randint(1, 200))] for _ in range(n)]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=rng.randint(1, 60)) for _ in range(n)]
+    return prompts, params
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graphs_and_overlap_match_the_eager_serial_engine(dtype, tmp_path):
+    """Decode steps replayed from CUDA graphs, scheduled one step ahead, give the tokens of eager
+    serial steps; batch sizes cross several captured sizes (40 requests, 6 slots .. 40)."""
+    from engine.llm import LLM
+    from properties.lockstep import replay
+    from properties.trace import read
+
+    prompts, params = _nano_like()
+    kw = dict(dummy_weights=True, device="cuda", dtype=dtype, page_size=16, kv_cache_tokens=20000,
+              max_running_reqs=40, max_seq_len=512, max_prefill_tokens=512)
+    eager = LLM(_qwen_tiny(), cuda_graphs=False, overlap=False, **kw)
+    assert eager.scheduler.graphs is None and eager.model.uses_fused_path()
+    expected = [o.token_ids for o in eager.generate(prompts, params)]
+    trace = tmp_path / "overlap.jsonl"
+    fast_llm = LLM(_qwen_tiny(), cuda_graphs=True, overlap=True, trace=str(trace), **kw)
+    assert fast_llm.scheduler.graphs is not None and fast_llm.scheduler.graphs.graphs
+    got = [o.token_ids for o in fast_llm.generate(prompts, params)]
+    fast_llm.close()
+    assert got == expected
+    header, ops = read(str(trace))
+    replay(header, ops)  # the overlapped schedule's cache operations, on reference and fast
+
+
+def test_overlap_with_graphs_under_shadow_verification():
+    from engine.llm import LLM
+    from fast import SamplingParams
+
+    prompts, params = _nano_like(n=24, seed=1)
+    params = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens) if i % 4 == 0 else p
+              for i, p in enumerate(params)]  # some may stop at EOS (token 5)
+    llm = LLM(_qwen_tiny(), dummy_weights=True, device="cuda", dtype="bfloat16", page_size=4, kv_cache_tokens=3000,
+              max_running_reqs=12, max_seq_len=512, max_prefill_tokens=256, verify=True)
+    outs = llm.generate(prompts, params)
+    assert all(o.finish_reason in ("length", "stop") for o in outs)
+    assert llm.shadow.steps > 50
+    llm.scheduler.check_idle()
+
+
+def test_a_graph_decode_launch_never_waits_for_the_gpu():
+    """Scheduling and launching a decode step (allocation included) makes no synchronizing call."""
+    from engine.llm import LLM
+
+    prompts, params = _nano_like(n=16, seed=2)
+    llm = LLM(_qwen_tiny(), dummy_weights=True, device="cuda", dtype="bfloat16", page_size=16, kv_cache_tokens=20000,
+              max_running_reqs=16, max_seq_len=512, max_prefill_tokens=4096)
+    s = llm.scheduler
+    for p, sp in zip(prompts, params):
+        llm._submit(p, sp)
+    while s.driver.waiting:
+        s.step()
+    s.step()
+    s.step()
+    launched = 0
+    for _ in range(20):
+        if s._inflight is None or not s.driver.dm.runnable:
+            break
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step = s._launch()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert step is not None and step.phase == "decode"
+        s._land(s._inflight)
+        s._complete(step)
+        s._inflight = step
+        launched += 1
+    assert launched >= 5
+    while s.has_work:
+        s.step()

@@ -27,6 +27,8 @@ class AttentionBatch:
     out_loc: torch.Tensor  # [T] int64, where the new tokens' K/V go
     positions: torch.Tensor  # [T] int64, position of each new token
     last_token_idx: torch.Tensor  # [B] int64, index in T of each request's last new token
+    table: torch.Tensor | None = None  # the request-to-token table the rows index (decode kernels read it)
+    rows: torch.Tensor | None = None  # [B] int64 table row of each request
 
     @property
     def batch_size(self) -> int:
@@ -76,6 +78,8 @@ class AttentionBatch:
             out_loc=locs[new],
             positions=col.expand_as(locs)[new],
             last_token_idx=torch.as_tensor(q_lens, device=device).cumsum(0) - 1,
+            table=page_table,
+            rows=rows,
         )
 
 

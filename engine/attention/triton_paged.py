@@ -18,6 +18,7 @@ except ImportError:  # CPU-only installs: the backend is simply unavailable
     triton = None
 
 from engine.attention.base import AttentionBackend, AttentionBatch
+from engine.attention.triton_decode import DecodeWorkspace, decode_attention, num_splits_for
 from engine.kv_pool import KVPool
 
 if triton is not None:
@@ -77,32 +78,64 @@ if triton is not None:
 
 
 class TritonPagedBackend(AttentionBackend):
-    """The CUDA backend (also runs under TRITON_INTERPRET=1 on CPU tensors, for tests)."""
+    """The CUDA backend (also runs under TRITON_INTERPRET=1 on CPU tensors, for tests).
 
-    def __init__(self, block_m: int = 16, block_n: int = 64) -> None:
+    Pure-decode steps use the split-KV decode kernel over the request-to-token table
+    (`triton_decode`); prefill, chunked extend and mixed steps use the unified kernel above.
+    `plan_decode` sets device-side decode metadata directly, for CUDA-graph capture.
+    """
+
+    def __init__(self, block_m: int = 16, block_n: int = 64, max_batch: int = 256, max_splits: int = 16) -> None:
         if triton is None:
             raise RuntimeError("the Triton attention backend needs the `triton` package")
         self.block_m, self.block_n = block_m, block_n
-        self._batch: AttentionBatch | None = None
+        self.max_batch, self.max_splits = max_batch, max_splits
+        self._decode: tuple | None = None  # (table, rows, seq_lens, num_splits) for a pure-decode step
+        self._workspace: DecodeWorkspace | None = None
 
     def plan(self, batch: AttentionBatch) -> None:
         device = batch.locs.device
+        self._out_loc = batch.out_loc
+        self._decode = None
+        if batch.is_decode and batch.table is not None and batch.batch_size <= self.max_batch:
+            seq = torch.tensor(batch.seq_lens, dtype=torch.int32).to(device)
+            kv_heads = None  # known at the first layer; the split count needs it
+            self._decode = (batch.table, batch.rows, seq, kv_heads)
+            return
         q_lens = torch.tensor(batch.q_lens, dtype=torch.int32)
         self._q_len = q_lens.to(device)
         self._seq_len = torch.tensor(batch.seq_lens, dtype=torch.int32).to(device)
         self._q_start = (torch.cumsum(q_lens, 0) - q_lens).to(torch.int32).to(device)
         self._locs = batch.locs.contiguous()
-        self._out_loc = batch.out_loc
         self._grid_m = triton.cdiv(max(batch.q_lens), self.block_m)
         self._max_len = max(batch.seq_lens)
 
+    def plan_decode(self, table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, num_splits: int) -> None:
+        """Decode metadata already on the device: rows [B] int64 into table, seq_lens [B] int32."""
+        self._decode = (table, rows, seq_lens, num_splits)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, pool: KVPool) -> torch.Tensor:
         pool.store(layer, self._out_loc, k, v)
+        return self.forward_stored(q, layer, pool)
+
+    def forward_stored(self, q: torch.Tensor, layer: int, pool: KVPool) -> torch.Tensor:
+        """Attention for q [T, heads, D] once this step's K/V are in the pool."""
         kp, vp = pool.k[layer], pool.v[layer]
-        token_dim = _token_dim(kp, pool.num_tokens)
-        q = q.to(kp.dtype).contiguous()
+        q = q.to(kp.dtype)
+        if self._decode is not None:
+            table, rows, seq, splits = self._decode
+            heads, head_dim = q.shape[1], q.shape[2]
+            kv_heads = kp.shape[1 - pool.token_dim]
+            if splits is None:
+                splits = num_splits_for(q.shape[0], kv_heads, max_splits=self.max_splits)
+            ws = self._workspace
+            if ws is None or ws.part_o.shape[1] != heads or ws.part_o.device != q.device:
+                ws = self._workspace = DecodeWorkspace(self.max_batch, heads, head_dim, self.max_splits, q.device)
+            return decode_attention(q, kp, vp, pool.token_dim, table, rows, seq, ws, splits, block_n=self.block_n)
+        q = q.contiguous()
         out = torch.empty_like(q)
         heads, head_dim = q.shape[1], q.shape[2]
+        token_dim = pool.token_dim
         grid = (len(self._q_len), heads, self._grid_m)
         _paged_attention_kernel[grid](
             q, kp, vp, out, self._locs, self._q_start, self._q_len, self._seq_len,
@@ -110,11 +143,7 @@ class TritonPagedBackend(AttentionBackend):
             out.stride(0), out.stride(1), self._locs.stride(0),
             self._max_len, head_dim ** -0.5,
             # float32 stays float32 (Hopper would otherwise round dot inputs to TF32)
-            PRECISION="ieee" if kp.dtype == torch.float32 else "tf32", GROUP=heads // kp.shape[1 - token_dim], HEAD_DIM=head_dim, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
+            PRECISION="ieee" if kp.dtype == torch.float32 else "tf32", GROUP=heads // kp.shape[1 - token_dim],
+            HEAD_DIM=head_dim, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
         )
         return out
-
-
-def _token_dim(layer_kv: torch.Tensor, num_tokens: int) -> int:
-    """Which dimension of a layer's [tokens, heads, dim] or [heads, tokens, dim] K/V is tokens."""
-    return 1 if layer_kv.shape[1] == num_tokens and layer_kv.shape[0] != num_tokens else 0
