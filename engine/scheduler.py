@@ -25,6 +25,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
 
+import time
+
 import torch
 from torch.profiler import record_function
 
@@ -104,6 +106,10 @@ class Scheduler:
         self._inflight: Optional[_Step] = None
         self._finishing: Dict[int, Optional[str]] = {}  # finished in bookkeeping, tokens not yet delivered
         self._ops: Deque[List] = deque()  # [op, ready]: observers see operations in order, with values
+        # host seconds per part of step() (schedule includes launching the GPU work; wait is the
+        # host blocked on the GPU), and steps per phase: benchmarks report them
+        self.host_seconds: Dict[str, float] = {"schedule": 0.0, "complete": 0.0, "land": 0.0, "wait": 0.0}
+        self.steps: Dict[str, int] = {"prefill": 0, "decode": 0}
 
     def capture_graphs(self) -> None:
         """Capture the decode CUDA graphs (needs model.kv_pool); a no-op without graphs."""
@@ -154,16 +160,23 @@ class Scheduler:
         """Launch the next batch, then deliver the tokens of the previous one (with overlap) or of
         this one (without). Returns the delivered tokens."""
         events: List[TokenEvent] = []
+        clock = time.perf_counter
+        t0 = clock()
         launched = self._launch()
+        t1 = clock()
+        self.host_seconds["schedule"] += t1 - t0
         if self._inflight is not None:
             events += self._land(self._inflight)
             self._inflight = None
         if launched is not None:
+            self.steps[launched.phase] += 1
             wait = not self.overlap or self._needs_values(launched)
             if wait:
                 self._resolve(launched)
+            t2 = clock()
             with record_function("kvledger.complete"):
                 self._complete(launched)
+            self.host_seconds["complete"] += clock() - t2
             if wait:
                 events += self._land(launched)
             else:
@@ -234,25 +247,32 @@ class Scheduler:
         on the CPU, or an observer that compares state after every operation."""
         if any(getattr(o, "needs_state", False) for o in self.observers):
             return True
+        params = self.params
+        eos = bool(self.eos_token_ids)
         for i in step.sampled:
-            p = self.params[step.batch[i].uid]
-            if not p.is_greedy or p.stop_token_ids or (not p.ignore_eos and self.eos_token_ids):
+            p = params[step.batch[i].uid]
+            if p.stop_token_ids or (eos and not p.ignore_eos) or not p.is_greedy:
                 return True
         return False
 
-    def _resolve(self, step: _Step) -> None:
-        """Wait for the step's tokens; sample the non-greedy rows on the CPU."""
+    def _wait(self, step: _Step) -> None:
+        t = time.perf_counter()
         with record_function("kvledger.wait"):
             if step.ready is not None:
                 step.ready.synchronize()
-            uids = [step.batch[i].uid for i in step.sampled]
-            params = [self.params[u] for u in uids]
-            if all(p.is_greedy for p in params):
-                step.values = step.host.tolist()
-                return
-            step.values = self.sampler.sample(step.logits, uids, params)
-            rows = torch.tensor([step.batch[i].table_idx for i in step.sampled], device=self.device)
-            self.next_tokens[rows] = torch.tensor(step.values, device=self.device)
+        self.host_seconds["wait"] += time.perf_counter() - t
+
+    def _resolve(self, step: _Step) -> None:
+        """Wait for the step's tokens; sample the non-greedy rows on the CPU."""
+        self._wait(step)
+        uids = [step.batch[i].uid for i in step.sampled]
+        params = [self.params[u] for u in uids]
+        if all(p.is_greedy for p in params):
+            step.values = step.host.tolist()
+            return
+        step.values = self.sampler.sample(step.logits, uids, params)
+        rows = torch.tensor([step.batch[i].table_idx for i in step.sampled], device=self.device)
+        self.next_tokens[rows] = torch.tensor(step.values, device=self.device)
 
     def _complete(self, step: _Step) -> None:
         batch, values = step.batch, step.values
@@ -263,7 +283,7 @@ class Scheduler:
         stop = [] if values is None else [batch[i].uid for i, t in zip(step.sampled, values)
                                           if self._stops(batch[i].uid, t)]
         self.driver.complete(batch, sample, stop, step.phase == "prefill")
-        step.patch_at = [len(batch[i].input_ids) - 1 for i in step.sampled]
+        step.patch_at = [batch[i].device_len - 1 for i in step.sampled]  # where append_host put it
         for i in step.sampled:
             req = batch[i]
             if req.uid in stop:
@@ -280,13 +300,12 @@ class Scheduler:
 
     def _land(self, step: _Step) -> List[TokenEvent]:
         """The step's tokens are known: patch placeholders, tell observers, emit the tokens."""
+        t = time.perf_counter()
         if step.values is None:
-            with record_function("kvledger.wait"):
-                if step.ready is not None:
-                    step.ready.synchronize()
-                step.values = step.host.tolist()
+            self._wait(step)
+            step.values = step.host.tolist()
             for i, at, t in zip(step.sampled, step.patch_at, step.values):
-                step.batch[i].input_ids[at] = t
+                step.batch[i].set_host_token(at, t)
                 step.op["sample"][i] = t
             for entry in self._ops:
                 if entry[0] is step.op:
@@ -302,6 +321,7 @@ class Scheduler:
             events.append(TokenEvent(uid, t, reason is not None, reason))
             if reason is not None:
                 self._forget(uid)
+        self.host_seconds["land"] += time.perf_counter() - t
         return events
 
     def _stops(self, uid: int, token: int) -> bool:

@@ -73,6 +73,15 @@ class Req:
     def append_host(self, next_token: int) -> None:
         self.input_ids = list(self.input_ids) + [int(next_token)]
 
+    def set_host_token(self, index: int, token: int) -> None:
+        """Replace a token already appended (the engine appends a placeholder while the sampled
+        value is still on the GPU, and fills it in one step later)."""
+        if not 0 <= index < len(self.input_ids):
+            raise IndexError(f"request {self.uid}: token index {index} outside [0, {len(self.input_ids)})")
+        ids = list(self.input_ids)
+        ids[index] = int(token)
+        self.input_ids = ids
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(uid={self.uid}, table_idx={self.table_idx}, "

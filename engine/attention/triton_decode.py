@@ -24,7 +24,7 @@ except ImportError:
 if triton is not None:
 
     @triton.jit
-    def _decode_split_kernel(
+    def _decode_attention_split_kernel(
         Q, K, V, TABLE, ROWS, SEQ_LEN, PART_O, PART_LSE,
         stride_qb, stride_qh, stride_kn, stride_kh, stride_tr,
         stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
@@ -72,7 +72,7 @@ if triton is not None:
         tl.store(PART_LSE + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
 
     @triton.jit
-    def _decode_merge_kernel(
+    def _decode_attention_merge_kernel(
         PART_O, PART_LSE, O, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     ):
@@ -133,7 +133,7 @@ def decode_attention(
         raise ValueError(f"num_splits must be a power of two <= {workspace.part_o.shape[2]}, got {num_splits}")
     out = torch.empty_like(q) if out is None else out
     po, pl = workspace.part_o, workspace.part_lse
-    _decode_split_kernel[(batch, kv_heads, num_splits)](
+    _decode_attention_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, table, rows, seq_lens, po, pl,
         q.stride(0), q.stride(1), k_cache.stride(token_dim), k_cache.stride(1 - token_dim), table.stride(0),
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
@@ -142,7 +142,7 @@ def decode_attention(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
     )
-    _decode_merge_kernel[(batch, heads)](
+    _decode_attention_merge_kernel[(batch, heads)](
         po, pl, out, po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
     )
