@@ -296,6 +296,8 @@ def run_engine(llm, workload: NanoWorkload, warmup: tuple[List[List[int]], List[
         if o.error is not None:
             raise o.error
     _sync(device)
+    sched = llm.scheduler
+    host0, steps0 = dict(getattr(sched, "host_seconds", {})), dict(getattr(sched, "steps", {}))
     start = time.perf_counter()
     outs = llm.generate(workload.prompts, params(workload.max_tokens), use_tqdm=False)
     _sync(device)
@@ -304,8 +306,12 @@ def run_engine(llm, workload: NanoWorkload, warmup: tuple[List[List[int]], List[
         if o.error is not None:
             raise o.error
     bad = sum(len(o.token_ids) != m for o, m in zip(outs, workload.max_tokens))
+    extra: Dict[str, Any] = {}
+    if host0:  # the scheduler's own counters: host seconds per part of a step, steps per phase
+        extra["host_seconds"] = {k: v - host0.get(k, 0.0) for k, v in sched.host_seconds.items()}
+        extra["steps"] = {k: v - steps0.get(k, 0) for k, v in sched.steps.items()}
     return SystemRun(ENGINE_ROW, workload.input_tokens, sum(len(o.token_ids) for o in outs), workload.output_tokens,
-                     seconds, bad)
+                     seconds, bad, extra=extra)
 
 
 @contextlib.contextmanager
@@ -593,6 +599,13 @@ def format_table(runs: Sequence[SystemRun]) -> List[str]:
     for r in runs:
         status = "OK" if r.ok else f"MISMATCH ({r.mismatched_requests} requests off)"
         lines.append(f"token counts {r.name}: {status} ({r.output_tokens:,} of {r.expected_output_tokens:,})")
+    if ours is not None and ours.extra.get("steps"):
+        steps, host = ours.extra["steps"], ours.extra["host_seconds"]
+        n = max(1, sum(steps.values()))
+        parts = ", ".join(f"{k} {1000 * v / n:.3f}" for k, v in host.items())
+        lines.append(f"{ENGINE_ROW} steps: {steps.get('prefill', 0):,} prefill + {steps.get('decode', 0):,} decode, "
+                     f"{1000 * ours.seconds / n:.3f} ms per step; host ms per step: {parts} "
+                     f"(land includes wait, the host blocked on the GPU)")
     return lines
 
 

@@ -300,7 +300,7 @@ class Scheduler:
 
     def _land(self, step: _Step) -> List[TokenEvent]:
         """The step's tokens are known: patch placeholders, tell observers, emit the tokens."""
-        t = time.perf_counter()
+        started = time.perf_counter()
         if step.values is None:
             self._wait(step)
             step.values = step.host.tolist()
@@ -321,7 +321,7 @@ class Scheduler:
             events.append(TokenEvent(uid, t, reason is not None, reason))
             if reason is not None:
                 self._forget(uid)
-        self.host_seconds["land"] += time.perf_counter() - t
+        self.host_seconds["land"] += time.perf_counter() - started
         return events
 
     def _stops(self, uid: int, token: int) -> bool:

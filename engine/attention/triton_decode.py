@@ -117,6 +117,7 @@ def decode_attention(
     num_splits: int,
     out: torch.Tensor | None = None,
     block_n: int = 64,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """q [B, heads, D] (each request's one new token, already stored in the cache) attends over
     the request's first seq_lens[b] tokens at table[rows[b], :seq_lens[b]].
@@ -140,7 +141,7 @@ def decode_attention(
         head_dim ** -0.5,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits,
+        NUM_SPLITS=num_splits, num_warps=num_warps,
     )
     _decode_attention_merge_kernel[(batch, heads)](
         po, pl, out, po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), out.stride(0), out.stride(1),
