@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, Tuple
 
+import torch
+
 from reference.pages import div_ceil
 
 from .cache_manager import CacheManager
@@ -69,9 +71,13 @@ class PrefillAdder:
         table_idx = self.table_manager.allocate()
         n = handle.cached_len
         if n > 0:
-            self.table_manager.token_pool[table_idx, :n].copy_(req.input_ids[:n], non_blocking=True)
+            self.table_manager.token_pool[table_idx, :n].copy_(self._staged(req.input_ids[:n]), non_blocking=True)
             self.table_manager.page_table[table_idx, :n].copy_(handle.get_matched_indices())
         return handle, table_idx
+
+    def _staged(self, ids: torch.Tensor) -> torch.Tensor:
+        # from pageable memory a host-to-device copy first waits for the GPU to go idle
+        return ids.pin_memory() if self.table_manager.token_pool.is_cuda else ids
 
     def _add_one_req(self, pending: PendingReq, handle: CacheHandle, table_idx: int, cached_len: int) -> Req:
         chunk = min(self.token_budget, pending.input_len - cached_len)
@@ -79,7 +85,7 @@ class PrefillAdder:
         self.token_budget -= chunk
         self.reserved_size += self._need(cached_len, pending)
         self.table_manager.token_pool[table_idx, cached_len:end].copy_(
-            pending.input_ids[cached_len:end], non_blocking=True)
+            self._staged(pending.input_ids[cached_len:end]), non_blocking=True)
         cls = ChunkedReq if end < pending.input_len else Req
         return cls(pending.input_ids[:end], table_idx, cached_len, pending.output_len,
                    pending.uid, pending.sampling_params, handle)
