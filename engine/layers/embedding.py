@@ -2,6 +2,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.linear import PackedWeight, linear
+
 
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
@@ -21,6 +23,7 @@ class LMHead(nn.Module):
         self._tied = [tie_to] if tie_to is not None else []
         if tie_to is None:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self._packed = PackedWeight()  # oneDNN layout on the CPU (engine/layers/linear.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self._tied[0].weight if self._tied else self.weight)
+        return linear(x, self._tied[0].weight if self._tied else self.weight, self._packed)
