@@ -18,6 +18,7 @@ except ImportError:  # CPU-only installs: the backend is simply unavailable
     triton = None
 
 from engine.attention.base import AttentionBackend, AttentionBatch
+from engine.attention import triton_decode
 from engine.attention.triton_decode import DecodeWorkspace, decode_attention, num_splits_for
 from engine.kv_pool import KVPool
 
@@ -128,7 +129,9 @@ class TritonPagedBackend(AttentionBackend):
             ws = self._workspace
             if ws is None or ws.part_o.shape[1] != heads or ws.part_o.device != q.device:
                 ws = self._workspace = DecodeWorkspace(self.max_batch, heads, head_dim, self.max_splits, q.device)
-            return decode_attention(q, kp, vp, pool.token_dim, table, rows, seq, ws, splits, block_n=self.block_n)
+            block_n, warps = triton_decode.decode_launch_config(q.shape[0], kv_heads)
+            return decode_attention(q, kp, vp, pool.token_dim, table, rows, seq, ws, splits,
+                                    block_n=block_n, num_warps=warps)
         q = q.contiguous()
         out = torch.empty_like(q)
         heads, head_dim = q.shape[1], q.shape[2]
