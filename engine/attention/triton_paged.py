@@ -105,7 +105,10 @@ class TritonPagedBackend(AttentionBackend):
         self._q_len = q_lens.to(device)
         self._seq_len = torch.tensor(batch.seq_lens, dtype=torch.int32).to(device)
         self._q_start = (torch.cumsum(q_lens, 0) - q_lens).to(torch.int32).to(device)
-        self._locs = batch.locs.contiguous()
+        # a row stride that is always a multiple of 64: Triton compiles a variant per divisibility
+        # of integer arguments, and a new one mid-run (the batch's longest row) costs ~0.5 s
+        width = -(-batch.locs.shape[1] // 64) * 64
+        self._locs = torch.nn.functional.pad(batch.locs, (0, width - batch.locs.shape[1])).contiguous()
         self._max_q = max(batch.q_lens)
 
     def plan_decode(self, table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, num_splits: int) -> None:
