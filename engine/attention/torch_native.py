@@ -1,11 +1,13 @@
 """CPU attention (also the test oracle on GPU): gather KV by location, then matmuls / SDPA.
 
-Decode (every query one token) runs as two batched matmuls over a padded [kv_heads, B, L, D]
-copy of the batch's KV, with a key-padding mask and the softmax in float32. Across consecutive
-pure-decode steps over the same requests that copy is kept per layer and only the new token is
-appended, so the KV that did not change is not gathered again (the gather was ~12% of a decode
-step in float32). Multi-token queries (prefill/extend) run one SDPA per request in float32; a
-fresh prefill skips the gather and attends over the new K/V directly.
+Decode (every query one token) runs as one SDPA over a padded [kv_heads, B, L, D] copy of the
+batch's KV, the query heads of each KV head as its "query rows", with a key-padding mask. Across
+consecutive pure-decode steps over the same requests that copy is kept per layer and only the new
+token is appended, so the KV that did not change is not gathered again (the gather was ~12% of a
+decode step in float32); when it must grow, the kept KV is copied over, not gathered again.
+Multi-token queries (prefill/extend) run one SDPA per request in float32; a fresh prefill skips
+the gather and attends over the new K/V directly. Every SDPA call has the 4-D shapes that torch's
+CPU flash kernel takes (notes/cpu-throughput.md has the measurements).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class _Extend:
 class _Decode:
     token_idx: torch.Tensor | None  # [Bd] rows of the flat batch, None when the whole batch decodes
     locs: torch.Tensor  # [Bd, L] padded locations (padding 0)
-    pad: torch.Tensor  # [1, Bd, 1, L] bool, True where the key is padding
+    keep: torch.Tensor  # [1, Bd, 1, L] bool, False where the key is padding
     new_pos: torch.Tensor  # [Bd] position of each request's new token (seq_len - 1)
     batch: int
     max_len: int
@@ -52,7 +54,8 @@ class TorchNativeBackend(AttentionBackend):
         self._ws_k: list[torch.Tensor] = []
         self._ws_v: list[torch.Tensor] = []
         self._ws_locs: torch.Tensor | None = None
-        self._ws_pad: torch.Tensor | None = None  # this step's padding mask over the workspace capacity
+        self._ws_keep: torch.Tensor | None = None  # this step's key mask over the workspace capacity
+        self._ws_append_idx: torch.Tensor | None = None  # [Bd] flat (row, position) of each new token
 
     # -- per step -----------------------------------------------------------------------------
     def plan(self, batch: AttentionBatch) -> None:
@@ -73,7 +76,7 @@ class TorchNativeBackend(AttentionBackend):
             self._decode = _Decode(
                 token_idx=None if all_decode else torch.tensor([starts[i] for i in dec], device=device),
                 locs=locs,
-                pad=(col[None, :] >= seq[:, None])[None, :, None, :],
+                keep=(col[None, :] < seq[:, None])[None, :, None, :],
                 new_pos=seq - 1,
                 batch=len(dec),
                 max_len=max_len,
@@ -98,23 +101,32 @@ class TorchNativeBackend(AttentionBackend):
         below the new token equal the kept ones (same request, or the same shared prefix pages).
         """
         d = self._decode
-        self._ws_pad = None
+        self._ws_keep = self._ws_append_idx = None
         if d is None or not all_decode:
             self._drop_workspace()
             return
         old = self._ws_locs
-        if old is not None and old.shape[0] == d.batch and old.shape[1] >= d.max_len:
-            col = torch.arange(d.max_len, device=d.locs.device)[None, :]
+        # Every kept position below the new tokens must lie inside the old capacity (max_len - 1
+        # is the largest new position); the workspace may then grow by one alignment step.
+        if old is not None and old.shape[0] == d.batch and d.max_len - 1 <= old.shape[1]:
+            n = min(d.max_len, old.shape[1])
+            col = torch.arange(n, device=d.locs.device)[None, :]
             below = col < d.new_pos[:, None]
-            d.append = torch.equal(torch.where(below, d.locs, -1), torch.where(below, old[:, : d.max_len], -1))
+            d.append = torch.equal(torch.where(below, d.locs[:, :n], -1), torch.where(below, old[:, :n], -1))
         if not d.append:
             self._drop_workspace()
         cap = -(-(d.max_len + 1) // _WS_ALIGN) * _WS_ALIGN
         if self._ws_locs is None:
-            cap = max(cap, d.max_len)
             self._ws_locs = torch.full((d.batch, cap), -1, dtype=torch.long, device=d.locs.device)
+        elif self._ws_locs.shape[1] < d.max_len:  # grow; the layers' KV grows in _decode_kv
+            grown = torch.full((d.batch, cap), -1, dtype=torch.long, device=d.locs.device)
+            grown[:, : self._ws_locs.shape[1]] = self._ws_locs
+            self._ws_locs = grown
         col = torch.arange(d.max_len, device=d.locs.device)[None, :]
         self._ws_locs[:, : d.max_len] = torch.where(col <= d.new_pos[:, None], d.locs, -1)
+        cap = self._ws_locs.shape[1]
+        if d.append:
+            self._ws_append_idx = torch.arange(d.batch, device=d.locs.device) * cap + d.new_pos
 
     def _drop_workspace(self) -> None:
         self._ws_k, self._ws_v, self._ws_locs = [], [], None
@@ -124,14 +136,14 @@ class TorchNativeBackend(AttentionBackend):
         pool.store(layer, self._out_loc, k, v)
         d = self._decode
         if d is not None and d.token_idx is None and not self._extends:
-            kd, vd, pad = self._decode_kv(k, v, layer, pool, d)
-            return _decode_attention(q, kd, vd, pad)
+            kd, vd, keep = self._decode_kv(k, v, layer, pool, d)
+            return _decode_attention(q, kd, vd, keep)
         out = torch.empty_like(q)
         if d is not None:
             kd, vd = pool.gather(layer, d.locs.reshape(-1))
             kd = kd.view(kd.shape[0], d.batch, d.max_len, kd.shape[-1])
             vd = vd.view(vd.shape[0], d.batch, d.max_len, vd.shape[-1])
-            out[d.token_idx] = _decode_attention(q[d.token_idx], kd, vd, d.pad)
+            out[d.token_idx] = _decode_attention(q[d.token_idx], kd, vd, d.keep)
         for e in self._extends:
             sl = slice(e.start, e.start + e.q_len)
             if e.mask is None:
@@ -144,11 +156,12 @@ class TorchNativeBackend(AttentionBackend):
     def _decode_kv(
         self, k: torch.Tensor, v: torch.Tensor, layer: int, pool: KVPool, d: _Decode
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This layer's decode KV as [kv_heads, B, L, head_dim] plus its [1, B, 1, L] padding mask.
+        """This layer's decode KV as [kv_heads, B, L, head_dim] plus its [1, B, 1, L] key mask.
 
-        With the kept workspace L is its whole capacity: the matmuls then read contiguous
-        tensors (a [:max_len] slice made them copy their inputs: 2x slower). The columns past a
-        request's length are masked; they hold zeros or stale but finite KV.
+        With the kept workspace L is its whole capacity: attention then reads contiguous
+        tensors (a [:max_len] slice made the matmuls copy their inputs: 2x slower). The columns
+        past a request's length are masked; they hold zeros or stale but finite KV (never
+        uninitialized memory: a NaN there would survive a zero probability).
         """
         assert self._ws_locs is not None
         cap = self._ws_locs.shape[1]
@@ -157,55 +170,72 @@ class TorchNativeBackend(AttentionBackend):
         if per_layer * len(pool.k) > self.max_workspace_bytes:  # too big to keep: gather every step
             kd, vd = pool.gather(layer, d.locs.reshape(-1))
             shape = (kv_heads, d.batch, d.max_len, dim)
-            return kd.view(shape), vd.view(shape), d.pad
+            return kd.view(shape), vd.view(shape), d.keep
         if not self._ws_k:
             self._ws_k = [None] * len(pool.k)  # type: ignore[list-item]
             self._ws_v = [None] * len(pool.k)  # type: ignore[list-item]
         ws_k, ws_v = self._ws_k[layer], self._ws_v[layer]
+        shape = (kv_heads, d.batch, cap, dim)
         if d.append and ws_k is not None:
-            rows = torch.arange(d.batch, device=k.device)
-            ws_k[:, rows, d.new_pos] = k.transpose(0, 1).to(ws_k.dtype)
-            ws_v[:, rows, d.new_pos] = v.transpose(0, 1).to(ws_v.dtype)
+            if ws_k.shape[2] != cap:  # grown: carry the kept KV over
+                ws_k = self._ws_k[layer] = _grown(ws_k, shape)
+                ws_v = self._ws_v[layer] = _grown(ws_v, shape)
+            flat = (kv_heads, d.batch * cap, dim)
+            ws_k.view(flat).index_copy_(1, self._ws_append_idx, k.transpose(0, 1).to(ws_k.dtype))
+            ws_v.view(flat).index_copy_(1, self._ws_append_idx, v.transpose(0, 1).to(ws_v.dtype))
         else:
-            if ws_k is None or ws_k.shape[2] != cap:
-                shape = (kv_heads, d.batch, cap, dim)
-                ws_k = self._ws_k[layer] = pool.k[layer].new_zeros(shape)
-                ws_v = self._ws_v[layer] = pool.v[layer].new_zeros(shape)
+            if ws_k is None or ws_k.shape != shape:
+                ws_k = self._ws_k[layer] = pool.k[layer].new_empty(shape)
+                ws_v = self._ws_v[layer] = pool.v[layer].new_empty(shape)
             kd, vd = pool.gather(layer, d.locs.reshape(-1))
             ws_k[:, :, : d.max_len] = kd.view(kv_heads, d.batch, d.max_len, dim)
             ws_v[:, :, : d.max_len] = vd.view(kv_heads, d.batch, d.max_len, dim)
-        if self._ws_pad is None:
+            ws_k[:, :, d.max_len :] = 0
+            ws_v[:, :, d.max_len :] = 0
+        if self._ws_keep is None:
             col = torch.arange(cap, device=k.device)
-            self._ws_pad = (col[None, :] > d.new_pos[:, None])[None, :, None, :]
-        return ws_k, ws_v, self._ws_pad
+            self._ws_keep = (col[None, :] <= d.new_pos[:, None])[None, :, None, :]
+        return ws_k, ws_v, self._ws_keep
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
-    """q [B, H, D] (one token per request) over k, v [Hkv, B, L, D]; pad [1, B, 1, L] True to skip.
+def _grown(ws: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """ws [kv_heads, B, cap, D] copied into zeros of a larger capacity."""
+    out = ws.new_empty(shape)
+    out[:, :, : ws.shape[2]] = ws
+    out[:, :, ws.shape[2] :] = 0
+    return out
 
-    Grouped-query attention as matmuls: query head h reads KV head h // (H / Hkv). The scores are
-    small ([Hkv, B, H/Hkv, L]), so the softmax runs in float32 whatever the KV dtype.
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """q [B, H, D] (one token per request) over k, v [Hkv, B, L, D]; keep [1, B, 1, L] False to skip.
+
+    Grouped-query attention as one SDPA with (Hkv, B) as batch dims: query head h reads KV head
+    h // G (G = H / Hkv), so the G query heads of a KV head are its G query rows. The softmax runs
+    in float32 inside the kernel whatever the KV dtype (the probabilities are then rounded to it,
+    as the matmul form did). In float32 this is ~30% faster than matmul, mask, softmax, matmul
+    as separate ops (they each made a pass over [Hkv, B, G, L]); in bfloat16 about as fast.
     """
     b, heads, dim = q.shape
     kv_heads = k.shape[0]
     qg = q.view(b, kv_heads, heads // kv_heads, dim).transpose(0, 1).to(k.dtype)  # [Hkv, B, G, D]
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float().mul_(dim**-0.5)  # [Hkv, B, G, L]
-    probs = scores.masked_fill_(pad, float("-inf")).softmax(-1).to(v.dtype)
-    out = torch.matmul(probs, v)  # [Hkv, B, G, D]
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=keep)  # [Hkv, B, G, D]
     return out.permute(1, 0, 2, 3).reshape(b, heads, dim).to(q.dtype)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """One request: q [Q, H, D], k/v [Hkv, S, D]; causal when mask is None (then Q == S).
 
-    Runs in float32: torch's CPU flash kernel in bfloat16 was ~6x slower than in float32 here.
+    Runs in float32. The inputs are 4-D with the KV heads repeated to H, which is what torch's CPU
+    flash kernel takes; 3-D inputs or `enable_gqa` sent every call to the unfused math path (QK^T,
+    mask, softmax, PV as separate ops over the whole square): 2x slower on the default bench
+    workload. (The flash kernel in bfloat16 is ~10% faster than this upcast but rounds the
+    probabilities to bfloat16 first: ~4x the error, for ~1% of a bfloat16 run.)
     """
+    group = q.shape[1] // k.shape[0]
+    k, v = k.float(), v.float()
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1).float(),
-        k.float(),
-        v.float(),
-        attn_mask=mask,
-        is_causal=mask is None,
-        enable_gqa=q.shape[1] != k.shape[0],
+        q.transpose(0, 1).float()[None], k[None], v[None], attn_mask=mask, is_causal=mask is None
     )
-    return o.transpose(0, 1).to(q.dtype)
+    return o[0].transpose(0, 1).to(q.dtype)
