@@ -21,7 +21,7 @@ def _check(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     from properties.replay import replay_file
 
-    return replay_file(args.trace, device=args.device)
+    return replay_file(args.trace, device=args.device, bug=args.bug)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("replay", help="replay a trace on reference and fast in lockstep")
     p.add_argument("trace")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--bug", default=None, help="patch this bug-zoo bug into fast first (see kvledger zoo)")
     p.set_defaults(func=_replay)
 
     from engine.cli import add_generate_parser

@@ -9,14 +9,22 @@ from .lockstep import Divergence, replay
 from .trace import TraceError, read
 
 
-def replay_file(path: str, device: str = "cpu") -> int:
+def replay_file(path: str, device: str = "cpu", bug: str | None = None) -> int:
+    """Exit 0 when both agree, 1 on a divergence, 2 on a bad trace, an invalid op or an unknown bug.
+    `bug` patches a zoo bug into fast first (to watch a regression trace catch it)."""
+    from .zoo import patched
+
     try:
         header, ops = read(path)
     except (OSError, TraceError) as e:
         print(f"kvledger replay: {e}", file=sys.stderr)
         return 2
     try:
-        lock = replay(header, ops, device=device)
+        with patched(bug):
+            lock = replay(header, ops, device=device)
+    except KeyError as e:
+        print(f"kvledger replay: {e.args[0]}", file=sys.stderr)
+        return 2
     except InvalidOp as e:
         print(f"kvledger replay: {path}: operation {e.step} is invalid at that point: {e}", file=sys.stderr)
         return 2

@@ -78,3 +78,16 @@ def test_zoo_table_marks_escapes():
     assert "hypothesis" in table.splitlines()[2] and "1.2s" in table
     assert "ESCAPED" in table.splitlines()[3]
     assert [r.escaped for r in rows] == [False, True]
+
+
+def test_replay_cli_with_a_bug(capsys):
+    """`kvledger replay TRACE --bug NAME` diverges (exit 1) where the plain replay agrees (exit 0);
+    an unknown bug is a clear error (exit 2)."""
+    from properties.replay import replay_file
+
+    trace = str(TRACES / "allocate-floor-pages.jsonl")
+    assert replay_file(trace) == 0
+    assert replay_file(trace, bug="allocate-floor-pages") == 1
+    assert "DIVERGED" in capsys.readouterr().out
+    assert replay_file(trace, bug="no-such-bug") == 2
+    assert "unknown bug" in capsys.readouterr().err
