@@ -56,7 +56,7 @@ class LLM:
     ) -> None:
         """kv_cache_tokens: the KV pool's size in tokens; None sizes it from free memory on CUDA
         (90% of what is free after the weights and a reserve for activations) and means 32,768
-        on the CPU. cuda_graphs: capture decode steps (CUDA). overlap: schedule the next step
+        on the CPU or with verify. cuda_graphs: capture decode steps (CUDA). overlap: schedule the next step
         while the GPU runs the current one (default: on for CUDA)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -69,7 +69,9 @@ class LLM:
         self.model.attn_backend = _attention_backend(attention, device)
         del state
         if kv_cache_tokens is None:
-            kv_cache_tokens = _auto_kv_tokens(config, DTYPES[dtype], device, max_running_reqs, max_prefill_tokens)
+            # shadow verification compares every page after every operation: keep its pool small
+            kv_cache_tokens = 32768 if verify else _auto_kv_tokens(config, DTYPES[dtype], device, max_running_reqs,
+                                                                    max_prefill_tokens)
         num_pages = max(1, kv_cache_tokens // page_size)
         self.model.kv_pool = KVPool.for_model(config, num_pages * page_size, DTYPES[dtype], device)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else config.eos_token_ids
