@@ -11,7 +11,7 @@ import json
 from typing import IO, Dict
 
 import reference
-from properties.driver import Driver, InvalidOp
+from properties.driver import Driver, InvalidOp, InvariantViolation
 from properties.lockstep import Divergence, compare
 from properties.trace import Header, dumps
 
@@ -30,6 +30,26 @@ class TraceRecorder:
         self._file.close()
 
 
+class FrozenState:
+    """A driver's invariant check and full snapshot, taken right after an operation, for an
+    observer told of the operation later (with overlap, once the step's tokens are known)."""
+
+    def __init__(self, driver: Driver) -> None:
+        self.error: InvariantViolation | None = None
+        try:
+            driver.check()
+        except InvariantViolation as e:
+            self.error = e
+        self._snapshot = driver.snapshot()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def snapshot(self) -> Dict:
+        return self._snapshot
+
+
 class ShadowDivergence(RuntimeError):
     def __init__(self, step: int, op: Dict, kind: str, detail: str) -> None:
         super().__init__(f"shadow verification failed at step {step}, operation {op.get('op')} "
@@ -40,8 +60,8 @@ class ShadowDivergence(RuntimeError):
 class ShadowVerifier:
     """Mirrors every cache operation into the reference model and compares after each."""
 
-    # compares the engine's state right after each operation: the scheduler hands it every step's
-    # operation before launching the next one (see engine/scheduler.py, overlap)
+    # compares the engine's state right after each operation: the scheduler freezes that state
+    # (FrozenState) when the operation's tokens are still on the GPU (see engine/scheduler.py)
     needs_state = True
 
     def __init__(self, header: Header) -> None:

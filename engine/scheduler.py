@@ -8,15 +8,18 @@ region, `cache_req` after prefill and at finish). The cache-side steps are those
 implementations; observers (trace recorder, shadow verifier) see each operation.
 
 Overlap: sampled tokens stay on the device (`next_tokens`, one entry per table row, feeds the next
-decode step), so step N+1 can be scheduled and launched while the GPU still runs step N. Step N's
-bookkeeping (`complete`) needs the sampled values only to decide stops; when no request in the
-batch can stop on a token (EOS ignored, no stop ids) and every one is greedy, it runs right after
-the launch with placeholder tokens, and the real tokens are patched into the requests' host ids
-one step later, before any cache operation reads them (a finishing request's KV ends at the token
-of the step before). The cache operations therefore happen in exactly the order of the serial
-schedule: a trace recorded with overlap replays on both implementations, and the shadow verifier
-(which waits for each step's tokens, since it compares state after every operation) checks the same
-operation sequence. Steps that need their values (stops, CPU sampling) wait for them.
+decode step), so step N+1 is scheduled and launched while the GPU still runs step N. Step N's
+bookkeeping (`complete`) runs right after its launch with placeholder tokens; the real tokens are
+patched into the requests' host ids one step later, before any cache operation reads them (a
+finishing request's KV ends at the token of the step before). A greedy request whose token turns
+out to be a stop token (EOS, a stop id) is a late stop: its tokens are delivered up to the stop, it
+is already in step N+1 (one wasted token) and is released by step N+1's bookkeeping (or by a
+`finish` operation right after, when N+1 was a prefill). Only steps that sample on the CPU wait for
+their tokens. The cache operations are a valid serial schedule either way: a trace recorded with
+overlap replays on both implementations (with EOS ignored it is exactly the serial trace), and the
+shadow verifier checks the overlapped sequence itself: the engine's state is frozen right after
+each operation (`FrozenState`) and compared with the reference once the operation's tokens are
+known.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import fast
 from engine.attention.base import AttentionBatch
 from engine.cuda_graphs import DecodeGraphs
 from engine.model import CausalLM
+from engine.observers import FrozenState
 from engine.sampling import Sampler, validate_sampling
 from properties.driver import Driver, _is_chunked
 from properties.trace import Header
@@ -59,6 +63,9 @@ class TokenEvent:
     token: int
     finished: bool
     finish_reason: Optional[str]  # "length", "stop" (EOS or a stop token), or None
+
+
+_GREEDY = fast.SamplingParams(temperature=0.0)
 
 
 @dataclass
@@ -105,7 +112,11 @@ class Scheduler:
                                        min(config.max_running_reqs, 256))
         self._inflight: Optional[_Step] = None
         self._finishing: Dict[int, Optional[str]] = {}  # finished in bookkeeping, tokens not yet delivered
-        self._ops: Deque[List] = deque()  # [op, ready]: observers see operations in order, with values
+        self._ops: Deque[List] = deque()  # [op, ready, state]: observers see operations in order, with values
+        # greedy requests that sampled a stop token in a step whose bookkeeping ran on placeholders:
+        # delivered as finished, released at the next bookkeeping (see step())
+        self._late_stops: set = set()
+        self.late_stops = 0  # how many requests finished that way (one wasted token each)
         # host seconds per part of step() (schedule includes launching the GPU work; wait is the
         # host blocked on the GPU), and steps per phase: benchmarks report them
         self.host_seconds: Dict[str, float] = {"schedule": 0.0, "complete": 0.0, "land": 0.0, "wait": 0.0}
@@ -181,6 +192,9 @@ class Scheduler:
                 events += self._land(launched)
             else:
                 self._inflight = launched
+        for uid in sorted(self._late_stops):  # not in this step's batch (it was a prefill): finish now
+            self._do({"op": "finish", "uid": uid})
+        self._late_stops.clear()
         if not self.has_work:
             self.check_idle()
         return events
@@ -243,15 +257,12 @@ class Scheduler:
         return logits, tokens
 
     def _needs_values(self, step: _Step) -> bool:
-        """Whether the step's bookkeeping must see its tokens: a stop on a sampled token, sampling
-        on the CPU, or an observer that compares state after every operation."""
-        if any(getattr(o, "needs_state", False) for o in self.observers):
-            return True
+        """Whether the step's bookkeeping must see its tokens: only when a row samples on the CPU.
+        (A greedy request that may stop on a token is handled by a late stop instead.)"""
         params = self.params
-        eos = bool(self.eos_token_ids)
         for i in step.sampled:
-            p = params[step.batch[i].uid]
-            if p.stop_token_ids or (eos and not p.ignore_eos) or not p.is_greedy:
+            p = params.get(step.batch[i].uid)
+            if p is not None and not p.is_greedy:
                 return True
         return False
 
@@ -266,11 +277,12 @@ class Scheduler:
         """Wait for the step's tokens; sample the non-greedy rows on the CPU."""
         self._wait(step)
         uids = [step.batch[i].uid for i in step.sampled]
-        params = [self.params[u] for u in uids]
+        # a request that stopped late is still in this batch; its token is dropped: take the greedy one
+        params = [self.params.get(u, _GREEDY) for u in uids]
         if all(p.is_greedy for p in params):
             step.values = step.host.tolist()
             return
-        step.values = self.sampler.sample(step.logits, uids, params)
+        step.values = self.sampler.sample(step.logits, uids, params)  # greedy rows need no generator
         rows = torch.tensor([step.batch[i].table_idx for i in step.sampled], device=self.device)
         self.next_tokens[rows] = torch.tensor(step.values, device=self.device)
 
@@ -281,7 +293,10 @@ class Scheduler:
             for i, t in zip(step.sampled, values):
                 sample[i] = t
         stop = [] if values is None else [batch[i].uid for i, t in zip(step.sampled, values)
-                                          if self._stops(batch[i].uid, t)]
+                                          if batch[i].uid in self.params and self._stops(batch[i].uid, t)]
+        late = [batch[i].uid for i in step.sampled if batch[i].uid in self._late_stops]
+        stop += late
+        self._late_stops.difference_update(late)
         self.driver.complete(batch, sample, stop, step.phase == "prefill")
         step.patch_at = [batch[i].device_len - 1 for i in step.sampled]  # where append_host put it
         for i in step.sampled:
@@ -295,7 +310,7 @@ class Scheduler:
         if step.phase == "prefill":
             op = {"op": "prefill", "budget": self.config.max_prefill_tokens, **{k: v for k, v in op.items() if k != "op"}}
         step.op = op
-        self._ops.append([op, values is not None])
+        self._ops.append([op, values is not None, self._state_for_observers()])
         self._flush_ops()
 
     def _land(self, step: _Step) -> List[TokenEvent]:
@@ -316,8 +331,12 @@ class Scheduler:
             uid = step.batch[i].uid
             reason = step.finished.get(uid)
             self._finishing.pop(uid, None)
-            if uid not in self.params:  # aborted while its last step was in flight
+            if uid not in self.params:  # aborted, or stopped late, while this step was in flight
                 continue
+            if reason is None and self._stops(uid, t):  # its step's bookkeeping ran before the value was known
+                reason = "stop"
+                self._late_stops.add(uid)
+                self.late_stops += 1
             events.append(TokenEvent(uid, t, reason is not None, reason))
             if reason is not None:
                 self._forget(uid)
@@ -330,15 +349,22 @@ class Scheduler:
 
     def _do(self, op: Dict) -> None:
         self.driver.apply(op)
-        self._ops.append([op, True])
+        self._ops.append([op, True, self._state_for_observers()])
         self._flush_ops()
+
+    def _state_for_observers(self):
+        """What observers compare against: the driver's state right after the operation, frozen,
+        when one compares state and may hear of the operation later (its tokens still on the GPU)."""
+        if any(getattr(o, "needs_state", False) for o in self.observers):
+            return FrozenState(self.driver)
+        return None
 
     def _flush_ops(self) -> None:
         while self._ops and self._ops[0][1]:
-            op = self._ops.popleft()[0]
+            op, _, state = self._ops.popleft()
             self.step_no += 1
             for observer in self.observers:
-                observer(self.step_no, op, self.driver)
+                observer(self.step_no, op, state if state is not None else self.driver)
 
     def _forget(self, uid: int) -> None:
         self.params.pop(uid, None)

@@ -125,3 +125,62 @@ def test_graphs_and_fused_path_are_cuda_only(overlap):
     llm = _llm(overlap)
     assert llm.scheduler.graphs is None
     assert not llm.model.uses_fused_path()
+
+
+def _stop_workload(seed):
+    """Greedy requests that stop on tokens the tiny model really produces (late stops)."""
+    prompts, params = _workload(n=16, seed=seed)
+    plain = _run(_llm(False), prompts, params)
+    counts = {}
+    for tokens, _ in plain:
+        for t in tokens[1:]:
+            counts[t] = counts.get(t, 0) + 1
+    common = sorted(counts, key=lambda t: (-counts[t], t))[:3]
+    params = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, stop_token_ids=common) for p in params]
+    return prompts, params
+
+
+def test_late_stops_give_the_serial_tokens_and_replay(tmp_path):
+    prompts, params = _stop_workload(seed=5)
+    serial = _run(_llm(False), prompts, params)
+    assert sum(reason == "stop" for _, reason in serial) >= 3
+    path = tmp_path / "late.jsonl"
+    llm = _llm(True, trace=str(path))
+    assert _run(llm, prompts, params) == serial  # tokens up to and including the stop token
+    llm.close()
+    assert llm.scheduler.late_stops >= 3
+    header, ops = read(str(path))
+    replay(header, ops)  # the overlapped schedule, wasted tokens included, is a valid one
+    d = llm.scheduler.driver
+    assert not d.live
+    d.cm.check_integrity()
+
+
+def test_shadow_verification_checks_the_overlapped_schedule(tmp_path):
+    """With --verify the scheduler still overlaps (late stops included): the shadow compares the
+    state frozen right after each operation, so its operation sequence is the unverified one's."""
+    prompts, params = _stop_workload(seed=6)
+    traces = []
+    for verify in (False, True):
+        path = tmp_path / f"verify-{verify}.jsonl"
+        llm = _llm(True, trace=str(path), verify=verify)
+        _run(llm, prompts, params)
+        llm.close()
+        traces.append(read(str(path))[1])
+        if verify:
+            assert llm.scheduler.late_stops >= 3 and llm.shadow.steps == len(traces[-1])
+    assert traces[0] == traces[1]
+
+
+def test_a_late_stop_next_to_a_prefill_is_a_finish_operation(tmp_path):
+    """When the step after a late stop is a prefill (the stopped request is not in it), the
+    request is released by a `finish` operation right after that prefill's bookkeeping."""
+    prompts, params = _stop_workload(seed=7)
+    path = tmp_path / "finish.jsonl"
+    llm = _llm(True, trace=str(path), verify=True, max_running_reqs=3)
+    got = _run(llm, prompts, params)
+    llm.close()
+    header, ops = read(str(path))
+    assert any(op["op"] == "finish" for op in ops)
+    assert got == _run(_llm(False, max_running_reqs=3), prompts, params)
+    replay(header, ops)
