@@ -10,7 +10,7 @@ from engine.attention.base import AttentionBackend, AttentionBatch
 from engine.attention.torch_native import TorchNativeBackend
 from engine.config import ModelConfig
 from engine.kv_pool import KVPool
-from engine.layers import Embedding, GatedMLP, LMHead, RMSNorm, RotaryEmbedding
+from engine.layers import Embedding, GatedMLP, Linear, LMHead, RMSNorm, RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -20,8 +20,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         if config.qk_norm:  # Qwen3 normalizes each head of q and k before rope
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
