@@ -18,6 +18,7 @@ import inspect
 import multiprocessing as mp
 import queue as queue_mod
 import random
+import signal
 import sys
 import time
 import traceback
@@ -203,9 +204,37 @@ def case_trace(seed: int, worker: int, case: int, max_ops: Optional[int] = None)
 
 # -- worker processes ---------------------------------------------------------------------------
 REPORT_EVERY = 0.25  # seconds between a worker's progress messages
+OP_LIMIT_S = 10.0  # an operation still running after this long is reported as a hang
 
 
-def _worker(index: int, seed: int, seconds: float, bug: Optional[str], out: Any, stop: Any) -> None:
+class OpTimeout(Exception):
+    """One operation ran past its time limit (a buggy method looping forever, say)."""
+
+
+def _raise_timeout(signum, frame):
+    raise OpTimeout
+
+
+def limited_steps(steps: Iterator[None], seconds: float) -> Iterator[None]:
+    """Advance `steps` one at a time, each within `seconds` of wall time (SIGALRM, main thread of
+    a Unix process); a step past it raises OpTimeout."""
+    old = signal.signal(signal.SIGALRM, _raise_timeout)
+    try:
+        while True:
+            signal.setitimer(signal.ITIMER_REAL, seconds)
+            try:
+                next(steps)
+            except StopIteration:
+                return
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            yield
+    finally:
+        signal.signal(signal.SIGALRM, old)
+
+
+def _worker(index: int, seed: int, seconds: float, bug: Optional[str], out: Any, stop: Any,
+            op_limit: float = OP_LIMIT_S) -> None:
     import torch
 
     torch.set_num_threads(1)  # tiny tensors; workers share the cores
@@ -241,9 +270,14 @@ def _worker(index: int, seed: int, seconds: float, bug: Optional[str], out: Any,
             cseed = case_seed(seed, index, number)
             lock = Lockstep(make_case(cseed).header)
             try:
-                for _ in walk(cseed, lock, reached.add, keep_going):
+                for _ in limited_steps(walk(cseed, lock, reached.add, keep_going), op_limit):
                     ops += 1
                     flush()
+            except OpTimeout:
+                flush(force=True)
+                detail = f"operation {len(lock.ops)} ({lock.ops[-1].get('op')}) ran past {op_limit:g} s"
+                out.put(("hang", index, number, asdict(lock.header), list(lock.ops), detail))
+                return
             except Divergence as e:
                 flush(force=True)
                 out.put(("divergence", index, number, asdict(lock.header), list(lock.ops), e.kind, e.step, e.detail))
@@ -261,7 +295,7 @@ def _worker(index: int, seed: int, seconds: float, bug: Optional[str], out: Any,
 # -- the parent ---------------------------------------------------------------------------------
 @dataclass
 class FuzzFailure:
-    kind: str  # the divergence kind, or "crash"
+    kind: str  # the divergence kind, "crash" or "hang"
     step: int
     detail: str
     worker: int
@@ -292,7 +326,7 @@ class FuzzResult:
     def exit_code(self) -> int:
         if self.failure is None:
             return 0
-        return 2 if self.failure.kind == "crash" else 1
+        return 2 if self.failure.kind == "crash" else 1  # a hang is a bug in the code under test
 
 
 def _expected_events() -> Set[str]:
@@ -404,8 +438,11 @@ def _handle_failure(msg: tuple, out_dir: Path, seed: int, bug: Optional[str], bu
     name = f"fuzz-s{seed}-w{worker}-c{case_no}"
     path = out_dir / f"{name}.jsonl"
     trace.write(path, header, ops)
-    if kind_of_msg == "crash":
-        return FuzzFailure("crash", len(ops), msg[5], worker, case_no, path)
+    if kind_of_msg in ("crash", "hang"):  # a hang is not minimized: each candidate could hang too
+        if progress:
+            print(f"{kind_of_msg.upper()} in worker {worker}, case {case_no}: {msg[5].splitlines()[-1]}\n"
+                  f"  trace: {path} ({len(ops)} ops)", file=sys.stderr)
+        return FuzzFailure(kind_of_msg, len(ops), msg[5], worker, case_no, path)
     kind, step, detail = msg[5:8]
     failure = FuzzFailure(kind, step, detail, worker, case_no, path)
     if progress:
@@ -440,6 +477,9 @@ def format_summary(result: FuzzResult, expected: Set[str] | None = None) -> str:
     elif f.kind == "crash":
         lines.append(f"CRASH in worker {f.worker}, case {f.case} (not a divergence):\n{f.detail}")
         lines.append(f"trace up to the crash: {f.trace_path}")
+    elif f.kind == "hang":
+        lines.append(f"HANG in worker {f.worker}, case {f.case}: {f.detail}")
+        lines.append(f"trace up to and including that operation: {f.trace_path} (not minimized)")
     else:
         lines.append(f"DIVERGENCE {f.kind} at step {f.step} (worker {f.worker}, case {f.case}): {f.detail}")
         lines.append(f"failing trace: {f.trace_path}")
@@ -448,5 +488,5 @@ def format_summary(result: FuzzResult, expected: Set[str] | None = None) -> str:
         lines.append(f"replay it: kvledger replay {f.minimized_path or f.trace_path}")
         if result.bug is not None:
             lines.append(f"  (it diverges only with bug {result.bug!r} patched in: "
-                         f"kvledger minimize/show ... --bug {result.bug})")
+                         f"kvledger replay/minimize/show ... --bug {result.bug})")
     return "\n".join(lines)

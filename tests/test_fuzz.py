@@ -1,6 +1,8 @@
 """The random-walk differential fuzzer: quiet on the real code, fast to catch a zoo bug,
 reproducible from its seed."""
 
+import pytest
+
 from properties.fuzz import PAGE_SIZES, case_seed, case_trace, format_summary, fuzz, make_case
 from properties.lockstep import Divergence, replay
 from properties.trace import read
@@ -68,3 +70,60 @@ def test_cli_rejects_an_unknown_bug(capsys):
 
     assert main(["fuzz", "--seconds", "1", "--bug", "no-such-bug"]) == 2
     assert "unknown bug" in capsys.readouterr().err
+
+
+def test_an_operation_past_its_time_limit_is_a_hang():
+    """The fuzzer's per-operation limit interrupts an operation that never returns (a buggy
+    method looping forever) instead of hanging the worker."""
+    import time
+
+    from properties.fuzz import OpTimeout, limited_steps
+
+    def steps():
+        yield
+        yield
+        while True:  # the third operation never finishes
+            time.sleep(0.01)
+
+    done = 0
+    with pytest.raises(OpTimeout):
+        for _ in limited_steps(steps(), 0.3):
+            done += 1
+    assert done == 2
+    assert list(limited_steps(iter([None, None]), 0.3)) == [None, None]  # quick steps pass through
+
+
+def test_fuzz_reports_a_hang_with_its_trace(tmp_path, monkeypatch):
+    """A worker whose operation hangs reports it; the parent writes the trace and exits 1."""
+    import properties.fuzz as fz
+
+    real_walk = fz.walk
+
+    def hanging_walk(*args, **kwargs):
+        for i, step in enumerate(real_walk(*args, **kwargs)):
+            if i == 5:
+                while True:
+                    pass
+            yield step
+
+    monkeypatch.setattr(fz, "walk", hanging_walk)
+
+    class Inbox:
+        def __init__(self):
+            self.items = []
+
+        def put(self, msg):
+            self.items.append(msg)
+
+    class Never:
+        def is_set(self):
+            return False
+
+    inbox = Inbox()
+    fz._worker(0, 0, 30.0, None, inbox, Never(), op_limit=0.5)
+    hang = [m for m in inbox.items if m[0] == "hang"]
+    assert len(hang) == 1 and "ran past 0.5 s" in hang[0][5]
+    failure = fz._handle_failure(hang[0], tmp_path, 0, None, 1.0, progress=False)
+    assert failure.kind == "hang" and failure.trace_path.exists()
+    result = fz.FuzzResult(10, 0, 1.0, 1, 0, failure=failure)
+    assert result.exit_code == 1 and "HANG" in fz.format_summary(result)
