@@ -103,7 +103,9 @@ class LLM:
         return self.tokenizer.apply_chat_template([{"role": "user", "content": message}])
 
     def _submit(self, prompt: Prompt, params: SamplingParams) -> RequestOutput:
-        uid, self._next_uid = self._next_uid, self._next_uid + 1
+        last = self.scheduler.driver.last_uid  # a server worker may have submitted on this engine too
+        uid = max(self._next_uid, 0 if last is None else last + 1)
+        self._next_uid = uid + 1
         try:
             out = RequestOutput(uid, self.encode(prompt))
             self.scheduler.submit(uid, out.prompt_token_ids, params)

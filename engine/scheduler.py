@@ -97,7 +97,8 @@ class Scheduler:
         self.header = Header(num_pages=config.num_pages, page_size=config.page_size, cache_type=config.cache_type,
                              table_slots=config.max_running_reqs, max_seq_len=config.max_seq_len,
                              seed=config.seed, producer="engine")
-        self.driver = Driver(fast, device=str(self.device), check_admission=False, **self.header.driver_args())
+        self.driver = Driver(fast, device=str(self.device), check_admission=False, increasing_uids=True,
+                             **self.header.driver_args())
         self.sampler = Sampler(config.seed)
         self.params: Dict[int, fast.SamplingParams] = {}
         self.observers: List[Observer] = []

@@ -39,7 +39,8 @@ def tolist(x: Any) -> List[int]:
 
 class Driver:
     def __init__(self, impl: ModuleType, *, num_pages: int, page_size: int, cache_type: str,
-                 table_slots: int, max_seq_len: int, device: str = "cpu", check_admission: bool = True) -> None:
+                 table_slots: int, max_seq_len: int, device: str = "cpu", check_admission: bool = True,
+                 increasing_uids: bool = False) -> None:
         self.impl = impl
         self.page_size = page_size
         self.max_seq_len = max_seq_len
@@ -51,6 +52,10 @@ class Driver:
         self.waiting: List[Any] = []
         self.live: Dict[int, Any] = {}  # uid -> admitted request (running or mid-chunk)
         self.known: set = set()
+        # a long-running engine must not remember every uid: it submits increasing uids instead,
+        # and only the largest one is kept (a trace it records replays under either rule)
+        self.increasing_uids = increasing_uids
+        self.last_uid: int | None = None
         # invariant 4 (a turned-away request changes nothing) costs a snapshot of the free list and
         # every cached page per admission attempt: the engine turns it off (its --verify mirrors
         # every operation into a reference driver that checks it)
@@ -60,8 +65,9 @@ class Driver:
 
     # -- operations ---------------------------------------------------------------------------
     def submit(self, uid: int, tokens: Sequence[int], max_tokens: int) -> Dict:
-        if uid in self.known:
-            raise InvalidOp(f"submit: uid {uid} was already submitted")
+        if uid in self.known or (self.increasing_uids and self.last_uid is not None and uid <= self.last_uid):
+            raise InvalidOp(f"submit: uid {uid} was already submitted"
+                            + (f" (uids must increase; the last was {self.last_uid})" if self.increasing_uids else ""))
         if len(tokens) + max_tokens > self.max_seq_len:
             raise InvalidOp(f"submit: uid {uid} needs {len(tokens) + max_tokens} positions, max_seq_len is {self.max_seq_len}")
         params = self.impl.SamplingParams(max_tokens=max_tokens)
@@ -69,7 +75,9 @@ class Driver:
             pending = self.impl.PendingReq(uid, list(tokens), params)
         except ValueError as e:
             raise InvalidOp(f"submit: {e}") from None
-        self.known.add(uid)
+        if not self.increasing_uids:
+            self.known.add(uid)
+        self.last_uid = uid if self.last_uid is None else max(self.last_uid, uid)
         self.waiting.append(pending)
         return {}
 

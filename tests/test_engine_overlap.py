@@ -184,3 +184,15 @@ def test_a_late_stop_next_to_a_prefill_is_a_finish_operation(tmp_path):
     assert any(op["op"] == "finish" for op in ops)
     assert got == _run(_llm(False, max_running_reqs=3), prompts, params)
     replay(header, ops)
+
+
+def test_the_engine_remembers_no_uid_but_the_last():
+    """A long-running engine keeps O(1) state per past request id: uids must increase."""
+    llm = _llm(True)
+    prompts, params = _workload(n=5)
+    _run(llm, prompts, params)
+    d = llm.scheduler.driver
+    assert d.known == set() and d.last_uid == 4
+    with pytest.raises(ValueError, match="uids must increase"):
+        llm.scheduler.submit(3, [1, 2], SamplingParams(max_tokens=1))
+    assert [o.uid for o in llm.generate([[1, 2]], SamplingParams(max_tokens=1), use_tqdm=False)] == [5]

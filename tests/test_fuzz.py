@@ -95,8 +95,14 @@ def test_an_operation_past_its_time_limit_is_a_hang():
 
 def test_fuzz_reports_a_hang_with_its_trace(tmp_path, monkeypatch):
     """A worker whose operation hangs reports it; the parent writes the trace and exits 1."""
-    import properties.fuzz as fz
+    import torch
 
+    import properties.fuzz as fz
+    from reference import events
+
+    # _worker is a process entry point: keep what it sets process-wide from leaking into other tests
+    monkeypatch.setattr(events, "_listener", events._listener)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     real_walk = fz.walk
 
     def hanging_walk(*args, **kwargs):

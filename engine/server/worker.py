@@ -102,7 +102,8 @@ class EngineWorker:
         self.max_waiting = max_waiting
         self._inbox: "queue.SimpleQueue[Tuple]" = queue.SimpleQueue()
         # the LLM may have run requests before (a warm-up): uids must stay new to the scheduler
-        self._uids = itertools.count(max(self.scheduler.driver.known, default=-1) + 1)
+        last = self.scheduler.driver.last_uid
+        self._uids = itertools.count(0 if last is None else last + 1)
         self._sinks: Dict[int, Sink] = {}
         self._prompt_len: Dict[int, int] = {}
         self._counts = {"finished": 0, "aborted": 0, "rejected": 0, "failed": 0, "prompt_tokens": 0,
