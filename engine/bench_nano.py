@@ -13,11 +13,12 @@ dtype, each request with its own `max_new_tokens`. Throughput is output tokens o
 
 Besides the table it prints:
 
-* the memory-bandwidth floor: the bytes decode must read if all requests decode together from the
-  first step (every step reads the weights once, and every running request's KV context), over a
-  bandwidth measured in the same run with a device-to-device copy;
-* a profiler breakdown of decode steps (a second, decode-heavy batch under torch.profiler): GPU
-  kernel time by kind (attention, GEMM, sampling, other) and the host's `kvledger.*` ranges.
+* the memory-bandwidth floor (`engine/bench_floor.py`): the bytes decode must read if all requests
+  decode together from the first step (every step reads the weights once, and every running
+  request's KV context), over a bandwidth measured in the same run with a device-to-device copy;
+* a profiler breakdown of decode steps (`engine/bench_profile.py`; a second, decode-heavy batch
+  under torch.profiler): GPU kernel time by kind (attention, GEMM, sampling, other) and the host's
+  `kvledger.*` ranges.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import gc
 import inspect
 import json
 import logging
-import math
 import platform
 import random
 import sys
@@ -38,6 +38,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from engine.bench_floor import decode_floor, format_floor, measure_bandwidth, param_count
+from engine.bench_profile import format_breakdown, profile_decode, sync
 from engine.config import BUILTIN_CONFIG_DIR, ModelConfig
 
 WORKLOAD = "nano-vllm"
@@ -51,8 +53,6 @@ NANO_MIN_LEN = 100
 NANO_MAX_LEN = 1024
 NANO_VOCAB_MAX = 10000  # randint(0, 10000): inclusive, so the model needs a vocabulary of at least 10,001
 
-CATEGORIES = ("attention", "gemm", "sampling", "other")
-HOST_RANGES = ("kvledger.schedule", "kvledger.complete", "kvledger.wait")
 
 
 # ------------------------------------------------------------------------------------ workload
@@ -135,80 +135,6 @@ def resolve_model_config(name_or_path: str) -> tuple[ModelConfig, Dict[str, Any]
 # ------------------------------------------------------------------------------------ the floor
 
 
-def param_count(c: ModelConfig) -> int:
-    """Parameters of the model (the engine's shapes; tied embeddings counted once)."""
-    h = c.hidden_size
-    layer = (2 * h  # input and post-attention norms
-             + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim * h  # q, k, v
-             + h * c.num_heads * c.head_dim  # o
-             + (2 * c.head_dim if c.qk_norm else 0)
-             + 2 * c.intermediate_size * h + h * c.intermediate_size)  # gate+up, down
-    vocab = c.vocab_size * h * (1 if c.tie_word_embeddings else 2)
-    return vocab + h + c.num_layers * layer
-
-
-def weight_bytes_per_step(c: ModelConfig, itemsize: int) -> int:
-    """Weight bytes one decode step reads: every weight once, the vocabulary matrix once (the LM head).
-
-    An untied input embedding table is not counted: a step gathers only its batch's rows."""
-    untied_embedding = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
-    return (param_count(c) - untied_embedding) * itemsize
-
-
-def kv_bytes_per_token(c: ModelConfig, itemsize: int) -> int:
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * itemsize
-
-
-def decode_floor(
-    c: ModelConfig, itemsize: int, prompt_lens: Sequence[int], max_tokens: Sequence[int], bytes_per_s: float
-) -> Dict[str, Any]:
-    """The memory-bandwidth floor of the workload's decode.
-
-    Schedule (analytic): every request decodes from step 1; request i runs max_tokens[i] steps and at
-    step s reads its context of prompt_lens[i] + s tokens. Every step reads all weights once.
-    """
-    steps = max(max_tokens) if max_tokens else 0
-    # sum over s = 1..m of (p + s) = m * p + m (m + 1) / 2
-    kv_tokens = sum(m * p + m * (m + 1) // 2 for p, m in zip(prompt_lens, max_tokens))
-    w = weight_bytes_per_step(c, itemsize)
-    kvb = kv_bytes_per_token(c, itemsize)
-    total = steps * w + kv_tokens * kvb
-    seconds = total / bytes_per_s if bytes_per_s > 0 else float("nan")
-    out_tokens = sum(max_tokens)
-    return {
-        "params": param_count(c), "itemsize": itemsize, "weight_bytes_per_step": w, "kv_bytes_per_token": kvb,
-        "decode_steps": steps, "kv_tokens_read": kv_tokens, "weight_bytes": steps * w, "kv_bytes": kv_tokens * kvb,
-        "total_bytes": total, "bandwidth_bytes_per_s": bytes_per_s, "seconds": seconds,
-        "tok_per_s": out_tokens / seconds if seconds and seconds > 0 else float("nan"),
-    }
-
-
-def measure_bandwidth(device: str, nbytes: int, repeats: int = 5) -> Dict[str, Any]:
-    """Copy bandwidth, (read + write) bytes over time of one dst.copy_(src), best of `repeats`."""
-    dev = torch.device(device)
-    cuda = dev.type == "cuda"
-    src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # warm-up
-    best = math.inf
-    for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            best = min(best, time.perf_counter() - t0)
-    del src, dst
-    _free_memory(device)
-    return {"source": "measured", "method": f"{dev.type} copy of {nbytes} bytes, read+write, best of {repeats}",
-            "copy_bytes": nbytes, "seconds": best, "bytes_per_s": 2 * nbytes / best}
-
-
 # ------------------------------------------------------------------------------------ systems
 
 
@@ -235,11 +161,6 @@ class SystemRun:
                 "expected_output_tokens": self.expected_output_tokens, "seconds": self.seconds,
                 "tok_per_s": self.tok_per_s, "token_counts_ok": self.ok,
                 "mismatched_requests": self.mismatched_requests, **self.extra}
-
-
-def _sync(device: str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _free_memory(device: str) -> None:
@@ -295,12 +216,12 @@ def run_engine(llm, workload: NanoWorkload, warmup: tuple[List[List[int]], List[
     for o in llm.generate(wp, params(wm), use_tqdm=False):
         if o.error is not None:
             raise o.error
-    _sync(device)
+    sync(device)
     sched = llm.scheduler
     host0, steps0 = dict(getattr(sched, "host_seconds", {})), dict(getattr(sched, "steps", {}))
     start = time.perf_counter()
     outs = llm.generate(workload.prompts, params(workload.max_tokens), use_tqdm=False)
-    _sync(device)
+    sync(device)
     seconds = time.perf_counter() - start
     for o in outs:
         if o.error is not None:
@@ -426,11 +347,11 @@ def run_transformers(model, workload: NanoWorkload, warmup: tuple[List[List[int]
     timeout_s = 3600.0
     with _quiet_transformers(), model.continuous_batching_context_manager(**cm_kwargs) as manager:
         _collect(manager, submit(manager, warmup[0], warmup[1], "warmup_"), timeout_s)  # same manager, warm
-        _sync(opts.device)
+        sync(opts.device)
         start = time.perf_counter()
         ids = submit(manager, workload.prompts, workload.max_tokens, "req_")
         results = _collect(manager, ids, timeout_s)
-        _sync(opts.device)
+        sync(opts.device)
         seconds = time.perf_counter() - start
         attn = getattr(model.config, "_attn_implementation", None)
     lens = [len(results[rid].generated_tokens) for rid in ids]
@@ -440,151 +361,7 @@ def run_transformers(model, workload: NanoWorkload, warmup: tuple[List[List[int]
 
 
 # ------------------------------------------------------------------------------------ profile
-
-_ATTENTION = ("attention", "attn", "_fwd_kernel", "paged", "flash", "fmha", "scaled_dot_product", "sdpa")
-_GEMM = ("gemm", "gemv", "cutlass", "sm90", "nvjet", "cublas", "matmul", "xmma", "splitk",
-         "aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::baddbmm")
-_SAMPLING = ("argmax", "argmin", "topk", "top_k", "sort", "softmax", "multinomial", "sampl", "gumbel")
-
-
-def classify_kernel(name: str) -> str:
-    """attention, gemm, sampling or other, from a GPU kernel's (or on the CPU, an op's) name."""
-    n = name.lower()
-    if any(k in n for k in _ATTENTION):
-        return "attention"
-    if any(k in n for k in _GEMM):
-        return "gemm"
-    if any(k in n for k in _SAMPLING):
-        return "sampling"
-    return "other"
-
-
-def _union_us(intervals: List[tuple[float, float]]) -> float:
-    total, end = 0.0, -math.inf
-    for s, e in sorted(intervals):
-        if e <= end:
-            continue
-        total += e - max(s, end)
-        end = e
-    return total
-
-
-def summarize_profile(events, decode_steps: int, wall_s: float, cuda: bool) -> Dict[str, Any]:
-    """Per-decode-step time by kernel kind and by host `kvledger.*` range, from profiler events."""
-    from torch.autograd import DeviceType
-
-    cats = {c: 0.0 for c in CATEGORIES}
-    kernels: List[tuple[float, float]] = []
-    host: Dict[str, float] = {}
-    host_intervals: List[tuple[float, float]] = []
-    top: Dict[str, float] = {}
-    for e in events:
-        name = e.name
-        is_annotation = bool(getattr(e, "is_user_annotation", False))
-        if e.device_type == DeviceType.CPU and name.startswith("kvledger."):
-            host[name] = host.get(name, 0.0) + e.time_range.elapsed_us()
-            host_intervals.append((e.time_range.start, e.time_range.end))
-            continue
-        if is_annotation or name.startswith("ProfilerStep"):
-            continue
-        if cuda:
-            if e.device_type != DeviceType.CUDA:
-                continue
-            dur = e.time_range.elapsed_us()
-            kernels.append((e.time_range.start, e.time_range.end))
-        else:
-            if e.device_type != DeviceType.CPU or getattr(e, "is_python_function", False):
-                continue
-            dur = e.self_cpu_time_total
-        cats[classify_kernel(name)] += dur
-        top[name] = top.get(name, 0.0) + dur
-    steps = max(decode_steps, 1)
-    kernel_total = sum(cats.values())
-    wall_ms = wall_s * 1e3 / steps
-    per = lambda us: us / 1e3 / steps  # noqa: E731
-    return {
-        "decode_steps": decode_steps,
-        "device_activity": "cuda kernels" if cuda else "cpu ops (self time; CUDA activity unavailable)",
-        "wall_ms_per_step": wall_ms,
-        "categories": {c: {"ms_per_step": per(us), "percent": 100.0 * us / kernel_total if kernel_total else 0.0}
-                       for c, us in cats.items()},
-        "device_total_ms_per_step": per(kernel_total),
-        "device_busy_ms_per_step": per(_union_us(kernels)) if cuda else None,
-        "host_ranges": {n: {"ms_per_step": per(us), "percent_of_wall": 100.0 * per(us) / wall_ms if wall_ms else 0.0}
-                        for n, us in sorted(host.items())},
-        "host_total_ms_per_step": per(_union_us(host_intervals)),
-        "top_kernels": [{"name": n, "ms_per_step": per(us), "category": classify_kernel(n)}
-                        for n, us in sorted(top.items(), key=lambda kv: -kv[1])[:15]],
-    }
-
-
-def profile_decode(llm, prompts: List[List[int]], max_tokens: List[int], device: str) -> Dict[str, Any]:
-    """Profile the decode steps of one batch: the profiler starts once every request has its first
-    token (prefill done), by wrapping the scheduler's step; falls back to the whole generate."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from fast import SamplingParams
-
-    cuda = torch.device(device).type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m) for m in max_tokens]
-    prof = profile(activities=activities)
-    state: Dict[str, Any] = {"seen": set(), "started": False, "steps": 0, "t0": 0.0}
-    sched = getattr(llm, "scheduler", None)
-    step = getattr(sched, "step", None)
-
-    def profiled_step():
-        if not state["started"] and len(state["seen"]) >= len(prompts):
-            _sync(device)
-            prof.start()
-            state["started"], state["t0"] = True, time.perf_counter()
-        events = step()
-        if state["started"]:
-            state["steps"] += 1
-        else:
-            state["seen"].update(ev.uid for ev in events)
-        return events
-
-    scope = "decode steps only"
-    if step is not None:
-        sched.step = profiled_step
-    try:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        if step is not None:
-            del sched.step  # back to the class's method
-        wall = 0.0
-        if state["started"]:
-            _sync(device)
-            wall = time.perf_counter() - state["t0"]
-            prof.stop()
-    steps = state["steps"]
-    if not state["started"] or steps == 0:  # generate no longer goes through scheduler.step
-        scope = "whole generate (prefill included)"
-        with profile(activities=activities) as prof:
-            _sync(device)
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            _sync(device)
-            wall = time.perf_counter() - t0
-        steps = max(max_tokens)
-    for o in outs:
-        if o.error is not None:
-            raise o.error
-    summary = summarize_profile(prof.events(), steps, wall, cuda)
-    summary.update({"scope": scope, "requests": len(prompts),
-                    "prompt_tokens": sum(len(p) for p in prompts), "max_tokens": max(max_tokens)})
-    return summary
-
-
 # ------------------------------------------------------------------------------------ report
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3f} {unit}"
-    return f"{n:.0f} B"
 
 
 def format_table(runs: Sequence[SystemRun]) -> List[str]:
@@ -607,64 +384,6 @@ def format_table(runs: Sequence[SystemRun]) -> List[str]:
                      f"{1000 * ours.seconds / n:.3f} ms per step; host ms per step: {parts} "
                      f"(land includes wait, the host blocked on the GPU)")
     return lines
-
-
-def format_floor(floor: Dict[str, Any], bandwidth: Dict[str, Any], our_seconds: Optional[float]) -> List[str]:
-    lines = [
-        "memory-bandwidth floor (every request decoding from step 1; each step reads all weights and all KV):",
-        f"  weights per step      {_fmt_bytes(floor['weight_bytes_per_step'])} "
-        f"({floor['params']:,} params x {floor['itemsize']} B, tied embeddings once)",
-        f"  KV per token          {floor['kv_bytes_per_token']:,} B",
-        f"  decode steps          {floor['decode_steps']:,}; KV tokens read {floor['kv_tokens_read']:,}",
-        f"  bytes to read         {_fmt_bytes(floor['total_bytes'])} (weights {_fmt_bytes(floor['weight_bytes'])}, "
-        f"KV {_fmt_bytes(floor['kv_bytes'])})",
-        f"  bandwidth             {bandwidth['bytes_per_s'] / 1e9:,.1f} GB/s ({bandwidth['method']})",
-    ]
-    frac = floor["seconds"] / our_seconds if our_seconds else float("nan")
-    lines.append(f"  floor                 {floor['seconds']:.3f} s = {floor['tok_per_s']:,.0f} tok/s; "
-                 f"{ENGINE_ROW} reaches {frac:.3f} of it (floor s / our s)")
-    return lines
-
-
-def format_breakdown(b: Dict[str, Any], top: int = 8) -> List[str]:
-    lines = [f"decode profile ({ENGINE_ROW}): {b['requests']} requests, {b['decode_steps']} steps profiled "
-             f"({b['scope']}); {b['device_activity']}",
-             f"  {'kind':<22} {'ms/step':>9} {'%':>7}"]
-    for c in CATEGORIES:
-        d = b["categories"][c]
-        lines.append(f"  {c:<22} {d['ms_per_step']:>9.3f} {d['percent']:>6.1f}%")
-    lines.append(f"  {'total':<22} {b['device_total_ms_per_step']:>9.3f}")
-    wall = b["wall_ms_per_step"]
-    if b.get("device_busy_ms_per_step") is not None:
-        busy = b["device_busy_ms_per_step"]
-        lines.append(f"  GPU busy {busy:.3f} ms of {wall:.3f} ms wall per step "
-                     f"({100 * busy / wall if wall else 0:.1f}%; wall includes profiler overhead)")
-    else:
-        lines.append(f"  wall {wall:.3f} ms per step (profiler overhead included)")
-    lines.append(f"  {'host range':<22} {'ms/step':>9} {'% wall':>7}")
-    names = list(HOST_RANGES) + [n for n in b["host_ranges"] if n not in HOST_RANGES]
-    for n in names:
-        d = b["host_ranges"].get(n)
-        if d is None:
-            lines.append(f"  {n:<22} {'n/a':>9} {'n/a':>7}")
-        else:
-            lines.append(f"  {n:<22} {d['ms_per_step']:>9.3f} {d['percent_of_wall']:>6.1f}%")
-    tot = b["host_total_ms_per_step"]
-    lines.append(f"  {'kvledger.* (union)':<22} {tot:>9.3f} {100 * tot / wall if wall else 0:>6.1f}%")
-    if b["device_activity"].startswith("cuda") and not b["device_total_ms_per_step"]:
-        lines.append("  no GPU kernels were recorded (kernels replayed from CUDA graphs untraced?): "
-                     "try --no-cuda-graphs")
-    lines.append("  top kernels (ops on the CPU), ms/step and kind:")
-    for k in b["top_kernels"][:top]:
-        lines.append(f"    {k['ms_per_step']:>9.3f}  {k['category']:<9}  {_shorten(k['name'])}")
-    return lines
-
-
-def _shorten(name: str, width: int = 100) -> str:
-    return name if len(name) <= width else name[: width - 3] + "..."
-
-
-# ------------------------------------------------------------------------------------ driver
 
 
 @dataclass

@@ -11,19 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.bench_nano import (
-    ENGINE_ROW,
-    HF_ROW,
-    classify_kernel,
-    decode_floor,
-    kv_bytes_per_token,
-    make_cb_config,
-    make_nano_workload,
-    param_count,
-    resolve_model_config,
-    summarize_profile,
-    weight_bytes_per_step,
-)
+from engine.bench_floor import decode_floor, kv_bytes_per_token, param_count, weight_bytes_per_step
+from engine.bench_nano import ENGINE_ROW, HF_ROW, make_cb_config, make_nano_workload, resolve_model_config
+from engine.bench_profile import classify_kernel, summarize_profile
 from engine.config import ModelConfig
 from engine.weights import random_state_dict
 from kvledger.cli import build_parser, main
