@@ -128,7 +128,7 @@ def load_hf_model(dtype: str, model_path: Optional[str] = None, attn_implementat
 
     path = Path(model_path or default_model_path())
     kwargs = dict(dtype=DTYPES[dtype], attn_implementation=attn_implementation)
-    with _quiet_transformers():
+    with quiet_transformers():
         if path.suffix != ".gguf":
             return AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
         cached = cache_dir_for(path) / "transformers-float32"
@@ -166,7 +166,7 @@ def run_hf_generate(model, workload: Workload) -> SystemResult:
         )
         return out[:, width:].tolist()
 
-    with _quiet_transformers():
+    with quiet_transformers():
         gen([p[:8] for p in workload.prompts[:2]], 2)  # warm-up
         start = time.perf_counter()
         outputs = gen(workload.prompts, n)
@@ -198,7 +198,7 @@ def run_hf_generate_batch(model, workload: Workload) -> SystemResult:
             raise RuntimeError(f"generate_batch failed: {[o.error for o in outs if o.error]}")
         return [list(o.generated_tokens) for o in outs]
 
-    with _quiet_transformers():
+    with quiet_transformers():
         gen([p[:8] for p in workload.prompts[:2]], 2)  # warm-up
         start = time.perf_counter()
         outputs = gen(workload.prompts, workload.output_len)
@@ -207,13 +207,14 @@ def run_hf_generate_batch(model, workload: Workload) -> SystemResult:
 
 
 @contextlib.contextmanager
-def _quiet_transformers():
-    """Hide transformers' info/warning chatter (GGUF loading, generation config notes)."""
+def quiet_transformers(hide_stderr: bool = True):
+    """Hide transformers' info/warning chatter (GGUF loading, generation config notes); with
+    hide_stderr, everything else it prints to stderr too."""
     logger = logging.getLogger("transformers")
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        with contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stderr(io.StringIO()) if hide_stderr else contextlib.nullcontext():
             yield
     finally:
         logger.setLevel(level)

@@ -27,7 +27,6 @@ import contextlib
 import gc
 import inspect
 import json
-import logging
 import platform
 import random
 import sys
@@ -38,6 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from engine.bench import quiet_transformers
 from engine.bench_floor import decode_floor, format_floor, measure_bandwidth, param_count
 from engine.bench_profile import format_breakdown, profile_decode, sync
 from engine.config import BUILTIN_CONFIG_DIR, ModelConfig
@@ -179,31 +179,19 @@ def kv_tokens_for(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], p
 
 
 def build_engine(opts: "NanoOptions", kv_tokens_needed: int, max_seq_len: int):
-    """This engine's LLM; options the installed LLM lacks (cuda_graphs, overlap) are left out."""
+    """This engine's LLM. The KV pool: as asked, else sized from free memory on CUDA, else just
+    what the workload needs with every request running at once."""
     from engine.llm import LLM
 
-    params = inspect.signature(LLM).parameters
     cuda = torch.device(opts.device).type == "cuda"
+    kv_tokens = opts.kv_cache_tokens if opts.kv_cache_tokens is not None else (None if cuda else kv_tokens_needed)
     kw: Dict[str, Any] = dict(dummy_weights=opts.model is None, device=opts.device, dtype=opts.dtype,
                               page_size=opts.page_size, max_running_reqs=opts.max_running_reqs,
-                              max_seq_len=max_seq_len, max_prefill_tokens=opts.max_prefill_tokens, seed=opts.seed)
-    if opts.kv_cache_tokens is not None:
-        kw["kv_cache_tokens"] = opts.kv_cache_tokens
-    elif cuda and "kv_cache_tokens" in params and params["kv_cache_tokens"].default is None:
-        kw["kv_cache_tokens"] = None  # the engine sizes the KV pool from free GPU memory
-    else:
-        kw["kv_cache_tokens"] = kv_tokens_needed
-    if "cuda_graphs" in params:
-        kw["cuda_graphs"] = opts.cuda_graphs
-    if "overlap" in params:
-        kw["overlap"] = opts.overlap
-    if "attention" in params:
-        kw["attention"] = opts.attention
-    if opts.threads and "threads" in params:
-        kw["threads"] = opts.threads
+                              max_seq_len=max_seq_len, max_prefill_tokens=opts.max_prefill_tokens, seed=opts.seed,
+                              kv_cache_tokens=kv_tokens, cuda_graphs=opts.cuda_graphs, overlap=opts.overlap,
+                              attention=opts.attention, threads=opts.threads)
     source = opts.model if opts.model is not None else str(opts.model_config_path)
-    llm = LLM(source, **kw)
-    return llm, {k: v for k, v in kw.items()}
+    return LLM(source, **kw), kw
 
 
 def run_engine(llm, workload: NanoWorkload, warmup: tuple[List[List[int]], List[int]], device: str) -> SystemRun:
@@ -218,7 +206,7 @@ def run_engine(llm, workload: NanoWorkload, warmup: tuple[List[List[int]], List[
             raise o.error
     sync(device)
     sched = llm.scheduler
-    host0, steps0 = dict(getattr(sched, "host_seconds", {})), dict(getattr(sched, "steps", {}))
+    host0, steps0 = dict(sched.host_seconds), dict(sched.steps)
     start = time.perf_counter()
     outs = llm.generate(workload.prompts, params(workload.max_tokens), use_tqdm=False)
     sync(device)
@@ -227,23 +215,12 @@ def run_engine(llm, workload: NanoWorkload, warmup: tuple[List[List[int]], List[
         if o.error is not None:
             raise o.error
     bad = sum(len(o.token_ids) != m for o, m in zip(outs, workload.max_tokens))
-    extra: Dict[str, Any] = {}
-    if host0:  # the scheduler's own counters: host seconds per part of a step, steps per phase
-        extra["host_seconds"] = {k: v - host0.get(k, 0.0) for k, v in sched.host_seconds.items()}
-        extra["steps"] = {k: v - steps0.get(k, 0) for k, v in sched.steps.items()}
+    extra: Dict[str, Any] = {  # the scheduler's own counters: host seconds per part of a step, steps per phase
+        "host_seconds": {k: v - host0[k] for k, v in sched.host_seconds.items()},
+        "steps": {k: v - steps0[k] for k, v in sched.steps.items()},
+    }
     return SystemRun(ENGINE_ROW, workload.input_tokens, sum(len(o.token_ids) for o in outs), workload.output_tokens,
                      seconds, bad, extra=extra)
-
-
-@contextlib.contextmanager
-def _quiet_transformers():
-    logger = logging.getLogger("transformers")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def _accepted(fn: Callable, kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -268,7 +245,7 @@ def build_hf_model(opts: "NanoOptions"):
     """transformers' model: random weights from the same config.json (or --model's real weights)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    with _quiet_transformers():
+    with quiet_transformers(hide_stderr=False):
         if opts.model is not None:
             from engine.bench import load_hf_model
 
@@ -345,7 +322,7 @@ def run_transformers(model, workload: NanoWorkload, warmup: tuple[List[List[int]
         return ids
 
     timeout_s = 3600.0
-    with _quiet_transformers(), model.continuous_batching_context_manager(**cm_kwargs) as manager:
+    with quiet_transformers(hide_stderr=False), model.continuous_batching_context_manager(**cm_kwargs) as manager:
         _collect(manager, submit(manager, warmup[0], warmup[1], "warmup_"), timeout_s)  # same manager, warm
         sync(opts.device)
         start = time.perf_counter()

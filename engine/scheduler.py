@@ -24,11 +24,10 @@ known.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
-
-import time
 
 import torch
 from torch.profiler import record_function
@@ -76,11 +75,10 @@ class _Step:
     phase: str
     sampled: List[int]  # batch indices that sample a token (not mid-chunk)
     logits: torch.Tensor  # [len(sampled), vocab] on the device
-    tokens: torch.Tensor  # greedy tokens of the sampled rows, on the device
-    host: Optional[torch.Tensor] = None  # tokens copied to the host (non-blocking on CUDA)
+    host: torch.Tensor  # greedy tokens of the sampled rows on the host (copied non-blocking on CUDA)
     ready: Optional[torch.cuda.Event] = None
     values: Optional[List[int]] = None  # sampled tokens, once known
-    op: Dict = field(default_factory=dict)
+    entry: List = field(default_factory=list)  # its [op, ready, state] in the observers' queue
     patch_at: List[int] = field(default_factory=list)  # per sampled row: its placeholder's index in input_ids
     finished: Dict[int, Optional[str]] = field(default_factory=dict)  # uid -> finish reason
 
@@ -222,14 +220,12 @@ class Scheduler:
             d.allocate(batch)
             sampled = [i for i, r in enumerate(batch) if not _is_chunked(r)]
             logits, tokens = self._forward(batch, phase, sampled)
-            step = _Step(batch, phase, sampled, logits, tokens)
-            if self.device.type == "cuda":
-                step.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-                step.host.copy_(tokens, non_blocking=True)
-                step.ready = torch.cuda.Event()
-                step.ready.record()
-            else:
-                step.host = tokens
+            if self.device.type != "cuda":
+                return _Step(batch, phase, sampled, logits, tokens)
+            step = _Step(batch, phase, sampled, logits, torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True))
+            step.host.copy_(tokens, non_blocking=True)
+            step.ready = torch.cuda.Event()
+            step.ready.record()
         return step
 
     def _forward(self, batch: List, phase: str, sampled: List[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,8 +306,8 @@ class Scheduler:
         op: Dict = {"op": step.phase, "sample": sample, "stop": stop, "expect": {"batch": [r.uid for r in batch]}}
         if step.phase == "prefill":
             op = {"op": "prefill", "budget": self.config.max_prefill_tokens, **{k: v for k, v in op.items() if k != "op"}}
-        step.op = op
-        self._ops.append([op, values is not None, self._state_for_observers()])
+        step.entry = [op, values is not None, self._state_for_observers()]
+        self._ops.append(step.entry)
         self._flush_ops()
 
     def _land(self, step: _Step) -> List[TokenEvent]:
@@ -320,12 +316,11 @@ class Scheduler:
         if step.values is None:
             self._wait(step)
             step.values = step.host.tolist()
+            sample = step.entry[0]["sample"]
             for i, at, t in zip(step.sampled, step.patch_at, step.values):
                 step.batch[i].set_host_token(at, t)
-                step.op["sample"][i] = t
-            for entry in self._ops:
-                if entry[0] is step.op:
-                    entry[1] = True
+                sample[i] = t
+            step.entry[1] = True
             self._flush_ops()
         events = []
         for i, t in zip(step.sampled, step.values):
@@ -346,7 +341,7 @@ class Scheduler:
 
     def _stops(self, uid: int, token: int) -> bool:
         p = self.params[uid]
-        return (not p.ignore_eos and token in self.eos_token_ids) or token in set(p.stop_token_ids)
+        return (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids
 
     def _do(self, op: Dict) -> None:
         self.driver.apply(op)
