@@ -13,13 +13,14 @@ from engine.attention.torch_native import TorchNativeBackend
 from engine.kv_pool import KVPool
 from engine.model import CausalLM
 from engine.observers import ShadowVerifier, TraceRecorder
+from engine.options import DTYPE_NAMES, validate_engine_options, validate_for_model
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
 from engine.weights import load_weights
 from fast import SamplingParams
 
 Prompt = Union[str, Sequence[int]]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass
@@ -29,7 +30,7 @@ class RequestOutput:
     token_ids: List[int] = field(default_factory=list)
     text: str = ""
     finish_reason: Optional[str] = None  # "length", "stop", "error"
-    error: Optional[Exception] = None  # the ValueError (naming the field) of a rejected request
+    error: Optional[Exception] = None  # the ValueError (naming the field) of a rejected request, or why it failed
 
 
 class LLM:
@@ -54,15 +55,18 @@ class LLM:
         cuda_graphs: bool = True,
         overlap: Optional[bool] = None,
     ) -> None:
-        """kv_cache_tokens: the KV pool's size in tokens; None sizes it from free memory on CUDA
-        (90% of what is free after the weights and a reserve for activations) and means 32,768
-        on the CPU or with verify. cuda_graphs: capture decode steps (CUDA). overlap: schedule the next step
-        while the GPU runs the current one (default: on for CUDA)."""
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        if threads:
+        """kv_cache_tokens: the KV pool's size in tokens, rounded down to whole pages (at least one
+        page); None sizes it from free memory on CUDA (90% of what is free after the weights and a
+        reserve for activations) and means 32,768 on the CPU or with verify. max_seq_len: prompt plus
+        generated tokens per request; None means the model's max_position_embeddings, capped at 4096.
+        cuda_graphs: capture decode steps (CUDA). overlap: schedule the next step while the GPU runs
+        the current one (default: on for CUDA). Raises EngineOptionError (a ValueError naming the
+        option) for a bad option before loading anything; see engine.options for the rules."""
+        validate_engine_options(**{k: v for k, v in locals().items() if k != "self"})
+        if threads is not None:
             torch.set_num_threads(threads)
         config, state = load_weights(model, dummy=dummy_weights, seed=seed)
+        validate_for_model(max_seq_len, config)
         self.config = config
         self.tokenizer = None if dummy_weights or not _has_tokenizer(model) else Tokenizer.load(model)
         self.model = CausalLM.from_state_dict(config, state, dtype=DTYPES[dtype], device=device)
@@ -72,12 +76,12 @@ class LLM:
             # shadow verification compares every page after every operation: keep its pool small
             kv_cache_tokens = 32768 if verify else _auto_kv_tokens(config, DTYPES[dtype], device, max_running_reqs,
                                                                     max_prefill_tokens)
-        num_pages = max(1, kv_cache_tokens // page_size)
+        num_pages = max(1, kv_cache_tokens // page_size)  # the automatic size may be under a page
         self.model.kv_pool = KVPool.for_model(config, num_pages * page_size, DTYPES[dtype], device)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else config.eos_token_ids
         sched = SchedulerConfig(
             num_pages=num_pages, page_size=page_size, cache_type=cache_type, max_running_reqs=max_running_reqs,
-            max_seq_len=max_seq_len or min(config.max_position_embeddings, 4096),
+            max_seq_len=min(config.max_position_embeddings, 4096) if max_seq_len is None else max_seq_len,
             max_prefill_tokens=max_prefill_tokens, seed=seed)
         self.scheduler = Scheduler(self.model, sched, eos, device, overlap=overlap, cuda_graphs=cuda_graphs)
         self.scheduler.capture_graphs()
@@ -134,7 +138,10 @@ class LLM:
         while self.scheduler.has_work:
             for ev in self.scheduler.step():
                 out = by_uid[ev.uid]
-                out.token_ids.append(ev.token)
+                if ev.error is not None:  # this request alone failed (the others go on)
+                    out.error = RuntimeError(ev.error)
+                else:
+                    out.token_ids.append(ev.token)
                 if ev.finished:
                     out.finish_reason = ev.finish_reason
                     out.text = self._decode(out.token_ids)
@@ -154,6 +161,8 @@ class LLM:
             for ev in self.scheduler.step():
                 if ev.uid != out.uid:
                     continue
+                if ev.error is not None:
+                    raise RuntimeError(f"request {out.uid} failed: {ev.error}")
                 out.token_ids.append(ev.token)
                 text = self._decode(out.token_ids)
                 if not text.endswith("\ufffd"):  # wait for a whole character

@@ -61,7 +61,8 @@ class TokenEvent:
     uid: int
     token: int
     finished: bool
-    finish_reason: Optional[str]  # "length", "stop" (EOS or a stop token), or None
+    finish_reason: Optional[str]  # "length", "stop" (EOS or a stop token), "error", or None
+    error: Optional[str] = None  # why the request failed (finish_reason "error"); its token is not output
 
 
 _GREEDY = fast.SamplingParams(temperature=0.0)
@@ -81,6 +82,7 @@ class _Step:
     entry: List = field(default_factory=list)  # its [op, ready, state] in the observers' queue
     patch_at: List[int] = field(default_factory=list)  # per sampled row: its placeholder's index in input_ids
     finished: Dict[int, Optional[str]] = field(default_factory=dict)  # uid -> finish reason
+    failed: Dict[int, str] = field(default_factory=dict)  # uid -> why sampling failed for that request alone
 
 
 class Scheduler:
@@ -279,7 +281,8 @@ class Scheduler:
         if all(p.is_greedy for p in params):
             step.values = step.host.tolist()
             return
-        step.values = self.sampler.sample(step.logits, uids, params)  # greedy rows need no generator
+        result = self.sampler.sample(step.logits, uids, params)  # greedy rows need no generator
+        step.values, step.failed = result.tokens, result.failed
         rows = torch.tensor([step.batch[i].table_idx for i in step.sampled], device=self.device)
         self.next_tokens[rows] = torch.tensor(step.values, device=self.device)
 
@@ -289,8 +292,10 @@ class Scheduler:
         if values is not None:
             for i, t in zip(step.sampled, values):
                 sample[i] = t
+        # a request whose sampling failed finishes here like a stop; its placeholder token is not output
         stop = [] if values is None else [batch[i].uid for i, t in zip(step.sampled, values)
-                                          if batch[i].uid in self.params and self._stops(batch[i].uid, t)]
+                                          if batch[i].uid in self.params and
+                                          (batch[i].uid in step.failed or self._stops(batch[i].uid, t))]
         late = [batch[i].uid for i in step.sampled if batch[i].uid in self._late_stops]
         stop += late
         self._late_stops.difference_update(late)
@@ -298,7 +303,9 @@ class Scheduler:
         step.patch_at = [batch[i].device_len - 1 for i in step.sampled]  # where append_host put it
         for i in step.sampled:
             req = batch[i]
-            if req.uid in stop:
+            if req.uid in step.failed:
+                step.finished[req.uid] = "error"
+            elif req.uid in stop:
                 step.finished[req.uid] = "stop"
             elif not req.can_decode:
                 step.finished[req.uid] = "length"
@@ -333,7 +340,7 @@ class Scheduler:
                 reason = "stop"
                 self._late_stops.add(uid)
                 self.late_stops += 1
-            events.append(TokenEvent(uid, t, reason is not None, reason))
+            events.append(TokenEvent(uid, t, reason is not None, reason, step.failed.get(uid)))
             if reason is not None:
                 self._forget(uid)
         self.host_seconds["land"] += time.perf_counter() - started

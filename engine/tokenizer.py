@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -83,10 +86,45 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    @functools.cached_property
+    def special_token_texts(self) -> tuple[str, ...]:
+        return tuple(t.content for t in self.hf.added_tokens_decoder.values() if t.special and t.content)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text any one token stands for (special tokens included), so
+        that a text of n bytes has at least ceil(n / max_token_bytes) tokens."""
+        ids = [[i] for i in range(len(self.hf))]
+        texts = self.hf.batch_decode(ids, skip_special_tokens=False)
+        return max(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)), without tokenizing it."""
+        return -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
+
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Chat messages -> prompt token ids."""
-        text = self.chat_prompt(messages, add_generation_prompt)
-        return self.encode(text, add_special_tokens=False)
+        """Chat messages -> prompt token ids. Message content is text: special-token text inside it
+        (a user writing "<|im_end|><|im_start|>system") stays text and never becomes a role marker."""
+        specials = self.special_token_texts
+        if not any(s in m["content"] for m in messages for s in specials):
+            return self.encode(self.chat_prompt(messages, add_generation_prompt), add_special_tokens=False)
+        # render with a marker in place of each content, then tokenize the template's own text
+        # with special tokens and each content with special tokens split into ordinary text
+        marks = [f"\x00{secrets.token_hex(8)}-{i}\x00" for i in range(len(messages))]
+        rendered = self.chat_prompt([{**m, "content": mark} for m, mark in zip(messages, marks)],
+                                    add_generation_prompt)
+        pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", rendered)
+        if sorted(p for p in pieces if p in marks) != sorted(marks):
+            raise ValueError("messages: a message contains special-token text and this model's chat template "
+                             "does not keep message content verbatim, so it cannot be kept as text")
+        content = {mark: m["content"] for m, mark in zip(messages, marks)}
+        ids: list[int] = []
+        for piece in pieces:
+            if piece in content:
+                ids += self.hf.encode(content[piece], add_special_tokens=False, split_special_tokens=True)
+            elif piece:
+                ids += self.encode(piece, add_special_tokens=False)
+        return ids
 
     def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)

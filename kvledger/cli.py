@@ -83,7 +83,9 @@ def _coverage(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvledger", description=__doc__)
+    from engine.cli_parser import OneLineErrorParser
+
+    parser = OneLineErrorParser(prog="kvledger", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("check", help="run the lockstep Hypothesis property run (reference vs fast)")

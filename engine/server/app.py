@@ -3,20 +3,28 @@
 Routes: /v1/completions, /v1/chat/completions (JSON or SSE streaming), /v1/models, /health,
 /metrics (Prometheus text) and /debug/integrity (the last idle integrity check). With an API key,
 /v1 and /debug need `Authorization: Bearer KEY`; /health and /metrics stay open for probes.
+
+Hostile input gets a 4xx naming what was wrong: bodies must be `application/json` in UTF-8 and
+arrive within `body_timeout` seconds; prompts obviously over the context are refused by size before
+tokenizing, and tokenizing runs in a worker thread so one huge prompt cannot stall the event loop.
+A 500, should one happen, says only "internal error" and a request id; the detail goes to the log.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 import os
 import time
 from collections import Counter
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Dict, List, Optional, Union
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Union
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from engine.server import metrics, protocol
 from engine.server.generation import ClientGone, Generation
@@ -24,8 +32,10 @@ from engine.server.protocol import APIError, SamplingOptions
 from engine.server.worker import EngineWorker
 from fast import SamplingParams
 
+log = logging.getLogger("kvledger.serve")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MAX_BODY_BYTES = 4 << 20  # far above any prompt that fits a context; stops a client from filling memory
+BODY_TIMEOUT_S = 20.0
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 
 
@@ -36,7 +46,8 @@ def model_name_for(path: Optional[str]) -> str:
     return base[: -len(".gguf")] if base.endswith(".gguf") else base
 
 
-def create_app(worker: EngineWorker, *, model_name: str, api_key: Optional[str] = None) -> FastAPI:
+def create_app(worker: EngineWorker, *, model_name: str, api_key: Optional[str] = None,
+               body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
     """The app; it starts the worker's thread on startup and stops it on shutdown."""
     llm = worker.llm
     tokenizer = llm.tokenizer
@@ -45,6 +56,8 @@ def create_app(worker: EngineWorker, *, model_name: str, api_key: Optional[str] 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        if tokenizer is not None:  # the size check's bound, computed once (about half a second)
+            await asyncio.to_thread(lambda: tokenizer.max_token_bytes)
         worker.start()
         yield
         worker.stop()
@@ -64,7 +77,9 @@ def create_app(worker: EngineWorker, *, model_name: str, api_key: Optional[str] 
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-        body = protocol.error_body(f"internal server error: {type(exc).__name__}: {exc}", type="server_error")
+        rid = protocol.new_id("err")
+        log.error("internal error on %s %s (request id %s)", request.method, request.url.path, rid, exc_info=exc)
+        body = protocol.error_body(f"internal error (request id {rid})", type="server_error")
         return JSONResponse(body, status_code=500)
 
     async def authorize(request: Request) -> None:
@@ -78,10 +93,12 @@ def create_app(worker: EngineWorker, *, model_name: str, api_key: Optional[str] 
     # -- probes and figures --------------------------------------------------------------------
     @app.get("/health")
     async def health() -> JSONResponse:
-        if worker.alive:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "error", "fault": worker.fatal or "the engine thread is not running"},
-                            status_code=503)
+        if not worker.alive:
+            return JSONResponse({"status": "error", "fault": worker.fatal or "the engine thread is not running"},
+                                status_code=503)
+        if worker.draining:  # load balancers stop sending; open requests still finish
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
@@ -111,20 +128,32 @@ def create_app(worker: EngineWorker, *, model_name: str, api_key: Optional[str] 
         return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, ignore_eos=s.ignore_eos,
                               max_tokens=max_tokens, seed=s.seed, stop_token_ids=tuple(s.stop_token_ids))
 
-    async def start(ids: List[int], s: SamplingOptions, prompt_param: str) -> Generation:
+    async def start(rid: str, ids: List[int], s: SamplingOptions, prompt_param: str) -> Generation:
         # a default max_tokens must also fit the KV pool, counted in whole pages
         fits_pool = limits.pool_tokens - limits.page_size + 1
         max_tokens = protocol.check_lengths(len(ids), s, limits.max_seq_len, prompt_param, fits_pool)
-        gen = Generation(worker, ids, sampling_params(s, max_tokens), decode, s.stop)
+        gen = Generation(worker, rid, ids, sampling_params(s, max_tokens), decode, s.stop)
         await gen.start()
         return gen
 
+    def check_size(texts: List[str], param: str) -> None:
+        """Refuse text that cannot fit the context whatever it tokenizes to, before tokenizing it."""
+        at_least = sum(tokenizer.min_tokens(t) for t in texts)
+        if at_least >= limits.max_seq_len:
+            raise APIError(f"{param} is at least {at_least} tokens; this model's context is {limits.max_seq_len} "
+                           "tokens", param=param, code="context_length_exceeded")
+
+    async def body_json(request: Request) -> Dict[str, Any]:
+        protocol.check_content_type(request.headers.get("content-type"))
+        return protocol.parse_json_body(await _read_body(request, body_timeout))
+
     @v1.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = protocol.parse_completion_request(protocol.parse_json_body(await _read_body(request)))
+        req = protocol.parse_completion_request(await body_json(request))
         _check_model(req.model, model_name)
-        gen = await start(_encode_prompt(req.prompt, tokenizer), req.sampling, "prompt")
+        ids = await asyncio.to_thread(_encode_prompt, req.prompt, tokenizer, check_size)
         rid = protocol.new_id("cmpl")
+        gen = await start(rid, ids, req.sampling, "prompt")
         if req.stream:
             return _EngineStream(gen, _completion_events(gen, rid, model_name, req.include_usage))
         text = await _collect(gen, request)
@@ -132,10 +161,11 @@ def create_app(worker: EngineWorker, *, model_name: str, api_key: Optional[str] 
 
     @v1.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = protocol.parse_chat_request(protocol.parse_json_body(await _read_body(request)))
+        req = protocol.parse_chat_request(await body_json(request))
         _check_model(req.model, model_name)
-        gen = await start(_encode_chat(req.messages, tokenizer), req.sampling, "messages")
+        ids = await asyncio.to_thread(_encode_chat, req.messages, tokenizer, check_size)
         rid = protocol.new_id("chatcmpl")
+        gen = await start(rid, ids, req.sampling, "messages")
         if req.stream:
             return _EngineStream(gen, _chat_events(gen, rid, model_name, req.include_usage))
         text = await _collect(gen, request)
@@ -156,27 +186,41 @@ def _check_model(requested: str, served: str) -> None:
                        status=404, code="model_not_found")
 
 
-async def _read_body(request: Request) -> bytes:
+async def _read_body(request: Request, timeout: float) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(f"the request body is larger than {MAX_BODY_BYTES} bytes", status=413)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(f"the request body is larger than {MAX_BODY_BYTES} bytes", status=413)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise APIError(f"the request body is larger than {MAX_BODY_BYTES} bytes", status=413)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(f"the request body did not arrive within {timeout:g} s ({size} bytes came)", status=408,
+                       code="request_timeout") from None
+    except ClientDisconnect:  # the client gave up mid-upload: nobody is left to answer
+        raise APIError("the client closed the request during the upload", status=499) from None
     return b"".join(chunks)
 
 
-def _encode_prompt(prompt: Union[str, List[int]], tokenizer) -> List[int]:
+def _encode_prompt(prompt: Union[str, List[int]], tokenizer, check_size: Callable[[List[str], str], None]
+                   ) -> List[int]:
     if isinstance(prompt, list):
         return prompt  # token ids: the engine checks them against the vocabulary
     if tokenizer is None:
         raise APIError("prompt: this model has no tokenizer; send the prompt as token ids", param="prompt")
+    check_size([prompt], "prompt")
     return tokenizer.encode(prompt)
 
 
-def _encode_chat(messages: List[Dict[str, str]], tokenizer) -> List[int]:
+def _encode_chat(messages: List[Dict[str, str]], tokenizer, check_size: Callable[[List[str], str], None]
+                 ) -> List[int]:
     if tokenizer is None:
         raise APIError("messages: this model has no tokenizer, so no chat template", param="messages")
+    check_size([m["content"] for m in messages], "messages")
     try:
         return tokenizer.apply_chat_template(messages)
     except Exception as e:  # the template itself may reject a conversation (e.g. role order)

@@ -4,6 +4,7 @@ abort in the engine whenever the request ends early (client gone, stop string, e
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import AsyncIterator, Callable, List, Optional, Sequence
 
 from starlette.requests import Request
@@ -13,14 +14,17 @@ from engine.server.protocol import APIError
 from engine.server.worker import Accepted, EngineWorker, Event, Failed, Token
 from fast import SamplingParams
 
+log = logging.getLogger("kvledger.serve")
+
 
 class ClientGone(Exception):
     """The client disconnected before the response was ready."""
 
 
 class Generation:
-    def __init__(self, worker: EngineWorker, token_ids: Sequence[int], params: SamplingParams,
+    def __init__(self, worker: EngineWorker, rid: str, token_ids: Sequence[int], params: SamplingParams,
                  decode: Callable[[List[int]], str], stop: Sequence[str] = ()) -> None:
+        self.rid = rid  # the response id, also named in error messages and the log
         self._worker = worker
         self._ids = list(token_ids)
         self._params = params
@@ -55,7 +59,7 @@ class Generation:
             raise
         if isinstance(event, Failed):
             self.open = False
-            raise _as_api_error(event)
+            raise _as_api_error(event, self.rid)
         assert isinstance(event, Accepted)
 
     def abort(self) -> None:
@@ -71,7 +75,7 @@ class Generation:
                 event = await self._events.get()
                 if isinstance(event, Failed):
                     self.open = False
-                    raise _as_api_error(event)
+                    raise _as_api_error(event, self.rid)
                 assert isinstance(event, Token)
                 self.cached_tokens = event.cached_tokens
                 self.text.add(event.token)
@@ -118,8 +122,10 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _as_api_error(event: Failed) -> APIError:
+def _as_api_error(event: Failed, rid: str) -> APIError:
+    if event.status == 500:  # a fault: the detail goes to the log, not to the client
+        log.error("request %s failed: %s", rid, event.message)
+        return APIError(f"internal error (request id {rid})", status=500, type="server_error")
     if event.status >= 500:
-        return APIError(event.message, status=event.status, type="server_error",
-                        code="overloaded" if event.status == 503 else None)
-    return APIError(event.message, param=event.param, status=event.status)
+        return APIError(event.message, status=event.status, type="server_error", code=event.code or "overloaded")
+    return APIError(event.message, param=event.param, status=event.status, code=event.code)

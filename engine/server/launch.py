@@ -26,7 +26,10 @@ def free_port() -> int:
 class ServerProcess:
     """`with ServerProcess(["--verify"]) as srv: srv.url ...`; the log is kept in a temp file."""
 
-    def __init__(self, args: Sequence[str] = (), *, startup_timeout: float = 180.0) -> None:
+    def __init__(self, args: Sequence[str] = (), *, startup_timeout: float = 180.0,
+                 entry: Sequence[str] = ("-m", "engine.server")) -> None:
+        """entry: what follows the interpreter (a test may run a script that wraps the server)."""
+        self.entry = list(entry)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args: List[str] = ["--host", "127.0.0.1", "--port", str(self.port), *args]
@@ -38,7 +41,7 @@ class ServerProcess:
         self._log = tempfile.NamedTemporaryFile(prefix="kvledger-serve-", suffix=".log", delete=False)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-        self.proc = subprocess.Popen([sys.executable, "-m", "engine.server", *self.args], cwd=ROOT, env=env,
+        self.proc = subprocess.Popen([sys.executable, *self.entry, *self.args], cwd=ROOT, env=env,
                                      stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
@@ -53,11 +56,13 @@ class ServerProcess:
         self.stop()
         raise TimeoutError(f"server not healthy after {self.startup_timeout} s:\n{self.log()}")
 
-    def log(self) -> str:
+    def log(self, tail: Optional[int] = 5000) -> str:
+        """The server's output so far: its last `tail` characters, or all of it with `tail=None`."""
         if self._log is None:
             return ""
         self._log.flush()
-        return Path(self._log.name).read_text(errors="replace")[-5000:]
+        text = Path(self._log.name).read_text(errors="replace")
+        return text if tail is None else text[-tail:]
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

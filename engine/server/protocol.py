@@ -8,6 +8,7 @@ official clients send fields this server has no use for.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 Prompt = Union[str, List[int]]
 MAX_STOP_STRINGS = 8
+MAX_JSON_DEPTH = 32  # far deeper than any request; json's recursion limit is about 1,000
+MAX_INT_DIGITS = 4300  # Python's default limit on int(str)
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 
 
@@ -66,14 +69,84 @@ class ChatRequest:
     include_usage: bool = False
 
 
+def check_content_type(value: Optional[str]) -> None:
+    """Bodies are JSON in UTF-8 (RFC 8259): anything else is a 415."""
+    media, _, params = (value or "").partition(";")
+    charset = next((v.strip().strip('"').lower() for k, _, v in (p.partition("=") for p in params.split(";"))
+                    if k.strip().lower() == "charset"), "utf-8")
+    if media.strip().lower() != "application/json" or charset not in ("utf-8", "utf8"):
+        shown = (value or "none")[:100]
+        raise APIError(f"Content-Type must be application/json (UTF-8), got {shown!r}", param="Content-Type",
+                       status=415, code="unsupported_media_type")
+
+
+class _Unacceptable:
+    """A literal json accepts but a request may not hold; left in the tree so that the tree
+    check can name its field."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _parse_int(literal: str) -> Any:
+    digits = len(literal.lstrip("-"))
+    if digits > MAX_INT_DIGITS:  # int() would raise ValueError past sys.get_int_max_str_digits()
+        return _Unacceptable(f"is an integer literal of {digits} digits (at most {MAX_INT_DIGITS})")
+    return int(literal)
+
+
+def _parse_constant(name: str) -> Any:
+    return _Unacceptable(f"is {name}, which is not a JSON number")
+
+
 def parse_json_body(raw: bytes) -> Dict[str, Any]:
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        # encoded surrogates (ED A0 80) pass here so that the tree check below names their field
+        text = raw.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError as e:
+        raise APIError(f"the request body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        body = json.loads(text, parse_int=_parse_int, parse_constant=_parse_constant)
+    except json.JSONDecodeError as e:
         raise APIError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
+    _check_json_tree(body)
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, got {_kind(body)}")
     return body
+
+
+def _check_json_tree(body: Any) -> None:
+    """Every string is valid Unicode (no lone surrogate from a \\ud800 escape) and nesting is
+    bounded; the error names the field, e.g. messages[0].content. Iterative: no recursion to exhaust."""
+    stack: List[tuple[str, Any, int]] = [("", body, 0)]
+    while stack:
+        path, value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            field = re.split(r"[.\[]", path, maxsplit=1)[0]
+            raise APIError(f"{field} is nested too deeply (the request body may have at most {MAX_JSON_DEPTH} "
+                           "levels)", param=field)
+        if isinstance(value, _Unacceptable):
+            raise APIError(f"{path or 'the request body'} {value.reason}", param=path or None)
+        if isinstance(value, str):
+            _require_unicode(value, path)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                child = f"{path}.{k}" if path else k
+                _require_unicode(k, f"{path}.<key>" if path else "<key>")
+                stack.append((child, v, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v, depth + 1) for i, v in enumerate(value))
+
+
+def _require_unicode(text: str, path: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        shown = path.encode("utf-8", "backslashreplace").decode()  # the path may hold the surrogate itself
+        raise APIError(f"{shown} holds a lone surrogate (U+{ord(text[e.start]):04X} at character {e.start}), "
+                       "which is not valid Unicode", param=shown) from None
 
 
 def parse_completion_request(body: Dict[str, Any]) -> CompletionRequest:

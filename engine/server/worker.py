@@ -5,15 +5,22 @@ through a per-request `Sink` callable, which the engine thread calls and which m
 (the app's sink hands the item to the event loop with `call_soon_threadsafe`). Between steps the
 thread applies every queued command, so an abort frees its request's slot and pages before the
 next forward. Whenever the engine goes idle it proves the page partition (no page leaked, no lock
-held) and publishes the result; an exception inside a step fails every open request and marks the
-engine unhealthy rather than serving from a state that can no longer be trusted.
+held) and publishes the result.
+
+Failures: a request the engine cannot finish (its sampling failed) fails alone, as a `Failed` to
+its sink. An exception inside a step is an engine fault: the scheduler's state can no longer be
+trusted, so every open request fails, the fault is logged with its traceback, `alive` turns false
+and `on_fault` is called (the server then exits non-zero for a supervisor to restart it).
+
+Shutdown: `drain(seconds)` refuses new requests and lets open ones run for at most that long; the
+rest then fail with status 503 ("shutting down"), and `drained` is set.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
-import sys
 import threading
 import time
 from collections import deque
@@ -22,6 +29,7 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 from fast import SamplingParams
 
+log = logging.getLogger("kvledger.serve")
 RATE_WINDOW_S = 10.0
 
 
@@ -42,12 +50,40 @@ class Token:
 @dataclass
 class Failed:
     message: str
-    status: int = 400  # 400: the request can never run; 503: overloaded or engine down; 500: engine fault
+    status: int = 400  # 400: the request can never run; 503: overloaded, down or shutting down; 500: a fault
     param: Optional[str] = None
+    code: Optional[str] = None
 
 
 Event = Union[Accepted, Token, Failed]
 Sink = Callable[[Event], None]
+
+
+# -- what the HTTP side sends it ---------------------------------------------------------------
+@dataclass
+class Submit:
+    uid: int
+    token_ids: List[int]
+    params: SamplingParams
+    sink: Sink
+
+
+@dataclass
+class Abort:
+    uid: int
+
+
+@dataclass
+class Drain:
+    seconds: float
+
+
+@dataclass
+class Wake:
+    pass
+
+
+Command = Union[Submit, Abort, Drain, Wake]
 
 
 # -- what it publishes -------------------------------------------------------------------------
@@ -94,13 +130,14 @@ class Limits:
 
 
 class EngineWorker:
-    def __init__(self, llm, *, max_waiting: int = 1024) -> None:
+    def __init__(self, llm, *, max_waiting: int = 1024,
+                 on_fault: Optional[Callable[[str], None]] = None) -> None:
         self.llm = llm
         self.scheduler = llm.scheduler
         cfg = self.scheduler.config
         self.limits = Limits(cfg.max_seq_len, self.scheduler.vocab_size, cfg.page_size, cfg.num_pages * cfg.page_size)
         self.max_waiting = max_waiting
-        self._inbox: "queue.SimpleQueue[Tuple]" = queue.SimpleQueue()
+        self._inbox: "queue.SimpleQueue[Command]" = queue.SimpleQueue()
         # the LLM may have run requests before (a warm-up): uids must stay new to the scheduler
         last = self.scheduler.driver.last_uid
         self._uids = itertools.count(0 if last is None else last + 1)
@@ -113,6 +150,10 @@ class EngineWorker:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvledger-engine", daemon=True)
         self.fatal: Optional[str] = None
+        self.on_fault = on_fault
+        self._drain_until: Optional[float] = None  # time.monotonic() after which open requests are failed
+        self.draining = False  # set at once by drain(), for /health
+        self.drained = threading.Event()
         self.stats = EngineStats()
         self.integrity = IntegrityReport(True, 0.0, 0, cfg.num_pages, cfg.num_pages, 0, 0, 0)
         self._publish()
@@ -123,8 +164,13 @@ class EngineWorker:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
-        self._inbox.put(("wake",))
+        self._inbox.put(Wake())
         self._thread.join(timeout)
+
+    def drain(self, seconds: float) -> None:
+        """Refuse new requests; give open ones `seconds` to finish, then fail them. Sets `drained`."""
+        self.draining = True
+        self._inbox.put(Drain(seconds))
 
     @property
     def alive(self) -> bool:
@@ -133,12 +179,12 @@ class EngineWorker:
     def submit(self, token_ids: Sequence[int], params: SamplingParams, sink: Sink) -> int:
         """Queue a request; `sink` gets Accepted or Failed, then its tokens. Returns its uid."""
         uid = next(self._uids)
-        self._inbox.put(("submit", uid, list(token_ids), params, sink))
+        self._inbox.put(Submit(uid, list(token_ids), params, sink))
         return uid
 
     def abort(self, uid: int) -> None:
         """Drop the request (waiting or running) if it is still open; a no-op once it ended."""
-        self._inbox.put(("abort", uid))
+        self._inbox.put(Abort(uid))
 
     # -- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -148,7 +194,9 @@ class EngineWorker:
             except Exception as e:  # a fault in the engine: fail every open request rather than hang it
                 self._fault(e)
             self._publish()
-        self._fail_all("the server is shutting down", 503)
+            if self._drain_until is not None and not self.drained.is_set():
+                self._check_drained()
+        self._fail_all("the server is shutting down", 503, "shutting_down")
 
     def _iterate(self) -> None:
         busy = self.fatal is None and self.scheduler.has_work
@@ -171,16 +219,34 @@ class EngineWorker:
             except queue.Empty:
                 return
 
-    def _apply(self, cmd: Tuple) -> None:
-        if cmd[0] == "submit":
-            _, uid, ids, params, sink = cmd
-            self._submit(uid, ids, params, sink)
-        elif cmd[0] == "abort":
-            self._abort(cmd[1])
+    def _apply(self, cmd: Command) -> None:
+        if isinstance(cmd, Submit):
+            self._submit(cmd.uid, cmd.token_ids, cmd.params, cmd.sink)
+        elif isinstance(cmd, Abort):
+            self._abort(cmd.uid)
+        elif isinstance(cmd, Drain):  # a second drain can only shorten the window
+            until = time.monotonic() + cmd.seconds
+            self._drain_until = until if self._drain_until is None else min(self._drain_until, until)
+
+    def _check_drained(self) -> None:
+        # the drain window is the one place wall-clock time decides: it only chooses when the
+        # remaining requests are aborted at shutdown, never what a running request computes
+        if self._sinks and time.monotonic() < self._drain_until:
+            return
+        if self._sinks:
+            log.warning("drain window over: aborting %d open request(s)", len(self._sinks))
+            for uid, sink in list(self._sinks.items()):
+                self._abort(uid, counter="failed")
+                _send(sink, Failed("the server is shutting down; the request was stopped before it finished",
+                                   503, code="shutting_down"))
+        self.drained.set()
 
     def _submit(self, uid: int, ids: List[int], params: SamplingParams, sink: Sink) -> None:
         if self.fatal is not None:
-            return self._reject(sink, Failed(f"the engine stopped after an internal error: {self.fatal}", 503))
+            return self._reject(sink, Failed("the engine stopped after an internal error; the server is restarting",
+                                             503))
+        if self._drain_until is not None:
+            return self._reject(sink, Failed("the server is shutting down", 503, code="shutting_down"))
         if len(self.scheduler.driver.waiting) >= self.max_waiting:
             return self._reject(sink, Failed(f"the server is overloaded ({self.max_waiting} requests waiting); "
                                              "retry later", 503))
@@ -190,8 +256,8 @@ class EngineWorker:
             from engine.server.protocol import param_from_message
 
             return self._reject(sink, Failed(str(e), 400, param_from_message(str(e))))
-        except Exception:
-            self._reject(sink, Failed("internal engine error while submitting the request", 500))
+        except Exception as e:
+            self._reject(sink, Failed(f"engine fault while submitting the request: {type(e).__name__}: {e}", 500))
             raise
         self._sinks[uid] = sink
         self._prompt_len[uid] = len(ids)
@@ -202,12 +268,12 @@ class EngineWorker:
         self._counts["rejected"] += 1
         _send(sink, failure)
 
-    def _abort(self, uid: int) -> None:
+    def _abort(self, uid: int, counter: str = "aborted") -> None:
         if uid not in self._sinks or self.fatal is not None:
             return  # already ended: finished, failed, or never accepted
         self.scheduler.abort(uid)  # raises only if scheduler and worker disagree: a fault
         del self._sinks[uid]
-        self._counts["aborted"] += 1
+        self._counts[counter] += 1
         self._ended(uid)
 
     def _step(self) -> None:
@@ -217,12 +283,16 @@ class EngineWorker:
             sink = self._sinks.get(ev.uid)
             if ev.finished:
                 self._sinks.pop(ev.uid, None)
-                self._counts["finished"] += 1
+                self._counts["failed" if ev.error is not None else "finished"] += 1
             if sink is not None:
-                _send(sink, Token(ev.token, ev.finished, ev.finish_reason, hits.get(ev.uid, 0)))
+                if ev.error is not None:  # this request alone failed; the engine goes on
+                    log.error("request %d failed: %s", ev.uid, ev.error)
+                    _send(sink, Failed(ev.error, 500))
+                else:
+                    _send(sink, Token(ev.token, ev.finished, ev.finish_reason, hits.get(ev.uid, 0)))
             if ev.finished:
                 self._ended(ev.uid)
-        self._counts["generated_tokens"] += len(events)
+        self._counts["generated_tokens"] += sum(ev.error is None for ev in events)
         self._rate.append((time.monotonic(), len(events)))
 
     def _ended(self, uid: int) -> None:
@@ -235,14 +305,18 @@ class EngineWorker:
 
     def _fault(self, exc: BaseException) -> None:
         # the scheduler's state can no longer be trusted, so the engine stops serving
-        self.fatal = f"{type(exc).__name__}: {exc}"
-        print(f"[kvledger serve] engine fault, failing every open request: {self.fatal}", file=sys.stderr, flush=True)
-        self._fail_all(f"internal engine error: {self.fatal}", 500)
+        first = self.fatal is None
+        self.fatal = self.fatal or f"{type(exc).__name__}: {exc}"
+        log.error("engine fault, failing %d open request(s) and stopping the engine", len(self._sinks),
+                  exc_info=exc)
+        self._fail_all(f"engine fault: {self.fatal}", 500)
+        if first and self.on_fault is not None:
+            self.on_fault(self.fatal)
 
-    def _fail_all(self, message: str, status: int) -> None:
+    def _fail_all(self, message: str, status: int, code: Optional[str] = None) -> None:
         for sink in list(self._sinks.values()):
             self._counts["failed"] += 1
-            _send(sink, Failed(message, status))
+            _send(sink, Failed(message, status, code=code))
         self._sinks.clear()
         self._prompt_len.clear()
 
@@ -262,7 +336,7 @@ class EngineWorker:
         self.integrity = IntegrityReport(ok, time.time(), self.integrity.checks + 1, total, free, cached, leaked,
                                          locked, error)
         if not ok:
-            print(f"[kvledger serve] idle integrity check failed: {self.integrity}", file=sys.stderr, flush=True)
+            log.error("idle integrity check failed: %s", self.integrity)
 
     def _pages(self) -> Tuple[int, int, int]:
         cm = self.scheduler.driver.cm

@@ -1,0 +1,126 @@
+"""Check the engine options of `LLM(...)` (and of `kvledger generate` / `serve`) before anything loads.
+
+Every bad option raises EngineOptionError naming it, e.g. "page_size must be at least 1, got 0".
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+from typing import Any, Optional, Sequence
+
+from engine.config import BUILTIN_CONFIG_DIR, ModelConfig
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+CACHE_TYPES = ("radix", "naive")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# the sampler seeds request uid with seed * 1_000_003 + uid, which torch needs to fit in 64 bits
+SEED_LIMIT = 2**32
+
+
+class EngineOptionError(ValueError):
+    """A bad engine option: `option` is its LLM keyword, `problem` what follows it in the message."""
+
+    def __init__(self, option: str, problem: str) -> None:
+        super().__init__(f"{option} {problem}")
+        self.option = option
+        self.problem = problem
+
+
+def validate_engine_options(*, model: Any, dtype: Any, device: Any, page_size: Any, cache_type: Any,
+                            kv_cache_tokens: Any, max_running_reqs: Any, max_seq_len: Any,
+                            max_prefill_tokens: Any, verify: Any, trace: Any, seed: Any, dummy_weights: Any,
+                            threads: Any, attention: Any, cuda_graphs: Any, overlap: Any) -> None:
+    """Raise EngineOptionError for the first bad option among LLM's keywords (all of them, by name).
+    Checks all that needs no model; validate_for_model checks the rest once its config is read."""
+    for name, value in (("verify", verify), ("dummy_weights", dummy_weights), ("cuda_graphs", cuda_graphs)):
+        _check_bool(name, value)
+    _check_bool("overlap", overlap, none_ok=True)
+    _check_model(model, dummy_weights)
+    _check_choice("dtype", dtype, DTYPE_NAMES)
+    _check_device(device)
+    _check_int("page_size", page_size, 1)
+    _check_choice("cache_type", cache_type, CACHE_TYPES)
+    _check_int("kv_cache_tokens", kv_cache_tokens, page_size, none_ok=True, least_is=f"one page ({page_size} tokens)")
+    _check_int("max_running_reqs", max_running_reqs, 1)
+    _check_int("max_seq_len", max_seq_len, 2, none_ok=True, least_is="2 (a one-token prompt and one generated token)")
+    _check_int("max_prefill_tokens", max_prefill_tokens, 1)
+    _check_trace(trace)
+    _check_int("seed", seed, 0, below=SEED_LIMIT)
+    _check_int("threads", threads, 1, none_ok=True)
+    _check_choice("attention", attention, ATTENTION_BACKENDS)
+
+
+def validate_for_model(max_seq_len: Optional[int], config: ModelConfig) -> None:
+    """The options that depend on the model: max_seq_len within its position embeddings."""
+    if max_seq_len is not None and max_seq_len > config.max_position_embeddings:
+        raise EngineOptionError("max_seq_len", f"must be at most the model's max_position_embeddings "
+                                               f"({config.max_position_embeddings}), got {max_seq_len!r}")
+
+
+def _check_int(name: str, value: Any, least: int, *, none_ok: bool = False, least_is: str = "",
+               below: Optional[int] = None) -> None:
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise EngineOptionError(name, f"must be an integer{' or None' if none_ok else ''}, got {value!r}")
+    if value < least:
+        raise EngineOptionError(name, f"must be at least {least_is or least}, got {value!r}")
+    if below is not None and value >= below:
+        raise EngineOptionError(name, f"must be below {below}, got {value!r}")
+
+
+def _check_bool(name: str, value: Any, *, none_ok: bool = False) -> None:
+    if not (isinstance(value, bool) or (none_ok and value is None)):
+        raise EngineOptionError(name, f"must be True or False{' or None' if none_ok else ''}, got {value!r}")
+
+
+def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise EngineOptionError(name, f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def _check_device(device: Any) -> None:
+    import torch  # here, not at the top: the CLI parsers import this module
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise EngineOptionError("device", f"must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise EngineOptionError("device", f"is {device!r}, but CUDA is not available (torch.cuda.is_available() is False)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise EngineOptionError("device", f"is {device!r}, but only {torch.cuda.device_count()} CUDA device(s) are visible")
+
+
+def _check_model(model: Any, dummy_weights: bool) -> None:
+    """None (the embedded model), a .gguf file or a Hugging Face directory; with dummy weights also
+    a config .json, a shipped config name or a ModelConfig (see engine.weights.load_weights)."""
+    if model is None or (dummy_weights and isinstance(model, ModelConfig)):
+        return
+    if not isinstance(model, (str, os.PathLike)):
+        raise EngineOptionError("model", f"must be a path or None, got {model!r}")
+    path = os.fspath(model)
+    if dummy_weights and (BUILTIN_CONFIG_DIR / f"{path}.json").is_file():
+        return
+    if not os.path.exists(path):
+        raise EngineOptionError("model", f"{path!r} does not exist")
+    if not (os.path.isdir(path) or path.endswith((".gguf", ".json") if dummy_weights else ".gguf")):
+        raise EngineOptionError("model", f"must be a .gguf file or a Hugging Face model directory, got {path!r}")
+
+
+def _check_trace(trace: Any) -> None:
+    if trace is None:
+        return
+    if not isinstance(trace, (str, os.PathLike)):
+        raise EngineOptionError("trace", f"must be a file path or None, got {trace!r}")
+    path = os.fspath(trace)
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise EngineOptionError("trace", f"{path!r} is a directory, not a file")
+    if not os.path.isdir(folder):
+        raise EngineOptionError("trace", f"{path!r}: directory {folder!r} does not exist")
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        raise EngineOptionError("trace", f"{path!r} is not writable")
