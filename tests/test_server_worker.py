@@ -191,3 +191,38 @@ def test_fault_while_submitting_fails_that_request_too(llm, monkeypatch):
     finally:
         w.stop()
         monkeypatch.undo()
+
+
+def test_a_request_whose_sampling_fails_fails_alone(llm, monkeypatch):
+    """Non-finite logits for one request: that client gets a 500, the batch-mate finishes, the
+    engine stays up and goes idle with every page accounted for."""
+    w = EngineWorker(llm)
+    forward = w.scheduler._forward
+    victim = {}
+
+    def poisoned(batch, phase, sampled):
+        logits, tokens = forward(batch, phase, sampled)
+        logits = logits.clone()
+        for row, i in enumerate(sampled):
+            if batch[i].uid == victim.get("uid"):
+                logits[row, 7] = float("nan")
+        return logits, tokens
+
+    monkeypatch.setattr(w.scheduler, "_forward", poisoned)
+    w.start()
+    try:
+        checks = w.integrity.checks
+        a, b = Inbox(), Inbox()
+        sampled = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=3)
+        victim["uid"] = w.submit(list(range(10, 30)), sampled, a)
+        w.submit(list(range(40, 60)), sampled, b)
+        failed = a.until_finished()[-1]
+        assert isinstance(failed, Failed) and failed.status == 500 and "non-finite" in failed.message
+        tokens = [e for e in b.until_finished() if isinstance(e, Token)]
+        assert len(tokens) == 6 and tokens[-1].finish_reason == "length"
+        assert w.alive and w.fatal is None
+        wait_for(lambda: w.integrity.checks > checks)
+        assert w.integrity.ok and w.integrity.leaked_pages == 0 and w.stats.failed == 1
+    finally:
+        w.stop()
+        monkeypatch.undo()
