@@ -59,8 +59,10 @@ def test_lengths_and_defaults():
 
 
 def test_json_body_and_engine_messages():
-    with pytest.raises(APIError, match="not valid JSON"):
+    with pytest.raises(APIError, match="not valid UTF-8"):
         parse_json_body(b"\xff\xfe")
+    with pytest.raises(APIError, match="not valid JSON"):
+        parse_json_body(b'{"model": ')
     with pytest.raises(APIError, match="JSON object"):
         parse_json_body(b'"text"')
     assert param_from_message("max_tokens 9 plus the 5-token prompt exceeds max_seq_len 10") == "max_tokens"
