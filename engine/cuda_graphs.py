@@ -18,7 +18,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from engine.attention.triton_decode import num_splits_for
+from kvledger.engine.attention.triton_decode import num_splits_for
 
 
 def graph_batch_sizes(max_batch: int) -> List[int]:

@@ -9,15 +9,15 @@ from typing import Iterator, List, Optional, Sequence, Union
 
 import torch
 
-from engine.attention.torch_native import TorchNativeBackend
-from engine.kv_pool import KVPool
-from engine.model import CausalLM
-from engine.observers import ShadowVerifier, TraceRecorder
-from engine.options import DTYPE_NAMES, validate_engine_options, validate_for_model
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.tokenizer import Tokenizer
-from engine.weights import load_weights
-from fast import SamplingParams
+from kvledger.engine.attention.torch_native import TorchNativeBackend
+from kvledger.engine.kv_pool import KVPool
+from kvledger.engine.model import CausalLM
+from kvledger.engine.observers import ShadowVerifier, TraceRecorder
+from kvledger.engine.options import DTYPE_NAMES, validate_engine_options, validate_for_model
+from kvledger.engine.scheduler import Scheduler, SchedulerConfig
+from kvledger.engine.tokenizer import Tokenizer
+from kvledger.engine.weights import load_weights
+from kvledger.fast import SamplingParams
 
 Prompt = Union[str, Sequence[int]]
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -222,7 +222,7 @@ def _attention_backend(name: str, device: str):
     if name == "torch":
         return TorchNativeBackend()
     if name == "triton":
-        from engine.attention.triton_paged import TritonPagedBackend
+        from kvledger.engine.attention.triton_paged import TritonPagedBackend
 
         return TritonPagedBackend()
     raise ValueError(f"attention must be 'auto', 'torch' or 'triton', got {name!r}")

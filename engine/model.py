@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine import fused_ops
-from engine.attention.base import AttentionBackend, AttentionBatch
-from engine.attention.torch_native import TorchNativeBackend
-from engine.config import ModelConfig
-from engine.kv_pool import KVPool
-from engine.layers import Embedding, GatedMLP, Linear, LMHead, RMSNorm, RotaryEmbedding
+from kvledger.engine import fused_ops
+from kvledger.engine.attention.base import AttentionBackend, AttentionBatch
+from kvledger.engine.attention.torch_native import TorchNativeBackend
+from kvledger.engine.config import ModelConfig
+from kvledger.engine.kv_pool import KVPool
+from kvledger.engine.layers import Embedding, GatedMLP, Linear, LMHead, RMSNorm, RotaryEmbedding
 
 
 class Attention(nn.Module):

@@ -1,6 +1,6 @@
 """Watchers of the engine's cache operations: a trace recorder and the shadow verifier.
 
-Both see the same stream of driver operations (see `properties/driver.py`) the engine performs on
+Both see the same stream of driver operations (see `engine/cache_scheduler.py`) the engine performs on
 `fast`: the recorder writes them as a trace, the shadow applies each to the `reference` model and
 compares the full ownership state after each one.
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from typing import IO, Dict
 
-import reference
-from properties.driver import Driver, InvalidOp, InvariantViolation
-from properties.lockstep import Divergence, compare
-from properties.trace import Header, dumps
+from kvledger import reference
+from kvledger.engine.cache_scheduler import Driver, InvalidOp, InvariantViolation
+from kvledger.engine.divergence import Divergence, compare
+from kvledger.engine.trace import Header, dumps
 
 
 class TraceRecorder:

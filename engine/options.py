@@ -9,7 +9,7 @@ import numbers
 import os
 from typing import Any, Optional, Sequence
 
-from engine.config import BUILTIN_CONFIG_DIR, ModelConfig
+from kvledger.engine.config import BUILTIN_CONFIG_DIR, ModelConfig
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 CACHE_TYPES = ("radix", "naive")

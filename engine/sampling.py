@@ -17,7 +17,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from fast import SamplingParams
+from kvledger.fast import SamplingParams
 
 MIN_TEMPERATURE = 1e-5  # below this the logits' scale overflows; it samples the argmax anyway
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts

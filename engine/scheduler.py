@@ -4,7 +4,7 @@ Each step admits from the queue within a token budget (worst-case reservation, c
 radix prefix reuse) or, if nothing was admitted, decodes every running request; allocates pages,
 runs the model over the page table, samples, and completes the step (finishes in one lazy-free
 region, `cache_req` after prefill and at finish). The cache-side steps are those of
-`properties.driver.Driver`, so every step is one trace operation that replays on both
+`kvledger.engine.cache_scheduler.Driver`, so every step is one trace operation that replays on both
 implementations; observers (trace recorder, shadow verifier) see each operation.
 
 Overlap: sampled tokens stay on the device (`next_tokens`, one entry per table row, feeds the next
@@ -32,15 +32,15 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
 import torch
 from torch.profiler import record_function
 
-import fast
-from engine.attention.base import AttentionBatch
-from engine.cuda_graphs import DecodeGraphs
-from engine.model import CausalLM
-from engine.observers import FrozenState
-from engine.sampling import Sampler, validate_sampling
-from properties.driver import Driver, _is_chunked
-from properties.trace import Header
-from reference.pages import tokens_to_finish
+from kvledger import fast
+from kvledger.engine.attention.base import AttentionBatch
+from kvledger.engine.cuda_graphs import DecodeGraphs
+from kvledger.engine.model import CausalLM
+from kvledger.engine.observers import FrozenState
+from kvledger.engine.sampling import Sampler, validate_sampling
+from kvledger.engine.cache_scheduler import Driver
+from kvledger.engine.trace import Header
+from kvledger.reference.pages import tokens_to_finish
 
 Observer = Callable[[int, Dict, Driver], None]
 
@@ -138,6 +138,9 @@ class Scheduler:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         validate_sampling(params)
+        bad = [t for t in params.stop_token_ids if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         limit = self.config.max_seq_len
         if n >= limit:
             raise ValueError(f"prompt is {n} tokens, longer than max_seq_len allows ({limit - 1} + 1 generated)")
@@ -220,7 +223,7 @@ class Scheduler:
             if not batch:
                 return None
             d.allocate(batch)
-            sampled = [i for i, r in enumerate(batch) if not _is_chunked(r)]
+            sampled = [i for i, r in enumerate(batch) if not d.is_chunked(r)]
             logits, tokens = self._forward(batch, phase, sampled)
             if self.device.type != "cuda":
                 return _Step(batch, phase, sampled, logits, tokens)

@@ -11,8 +11,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from engine.default_model import default_model_path
-from engine.weights import cache_dir_for
+from kvledger.engine.default_model import default_model_path
+from kvledger.engine.weights import cache_dir_for
 
 _CACHE_SUBDIR = "tokenizer"
 

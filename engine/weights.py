@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import BUILTIN_CONFIG_DIR, ModelConfig
-from engine.default_model import default_model_path
+from kvledger.engine.config import BUILTIN_CONFIG_DIR, ModelConfig
+from kvledger.engine.default_model import default_model_path
 
 StateDict = dict[str, torch.Tensor]
 

@@ -3,7 +3,7 @@
 Exposes the same public names and signatures as `reference`, with tensors where it has lists.
 """
 
-from reference.cache_manager import IntegrityError
+from kvledger.reference.cache_manager import IntegrityError
 
 from .admission import DecodeManager, PrefillAdder
 from .cache_manager import CacheManager, create_prefix_cache

@@ -6,7 +6,7 @@ from typing import Dict, Iterable, Tuple
 
 import torch
 
-from reference.pages import div_ceil
+from kvledger.reference.pages import div_ceil
 
 from .cache_manager import CacheManager
 from .prefix_cache import CacheHandle

@@ -12,8 +12,8 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 
 import torch
 
-from reference.cache_manager import FREE, IntegrityError
-from reference.pages import div_ceil
+from kvledger.reference.cache_manager import FREE, IntegrityError
+from kvledger.reference.pages import div_ceil
 
 from .prefix_cache import CacheHandle, MatchResult, NaivePrefixCache
 from .radix_cache import RadixPrefixCache

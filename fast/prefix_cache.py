@@ -7,7 +7,7 @@ from typing import Any, List
 
 import torch
 
-from reference.prefix_cache import InsertResult, MatchResult, SizeInfo
+from kvledger.reference.prefix_cache import InsertResult, MatchResult, SizeInfo
 
 __all__ = ["CacheHandle", "InsertResult", "MatchResult", "NaivePrefixCache", "SizeInfo"]
 

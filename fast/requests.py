@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from reference.requests import PendingReq as _ModelPendingReq
-from reference.requests import Req as _ModelReq
-from reference.requests import SamplingParams, validate_pending
+from kvledger.reference.requests import PendingReq as _ModelPendingReq
+from kvledger.reference.requests import Req as _ModelReq
+from kvledger.reference.requests import SamplingParams, validate_pending
 
 __all__ = ["ChunkedReq", "PendingReq", "Req", "SamplingParams", "as_token_tensor"]
 

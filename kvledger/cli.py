@@ -1,4 +1,5 @@
-"""The `kvledger` command."""
+"""kvledger: check and fuzz KV-cache managers, minimize failing traces, generate and serve text on
+the verified engine, and benchmark it. `kvledger COMMAND --help` for each command."""
 
 from __future__ import annotations
 
@@ -13,33 +14,33 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 def _check(args: argparse.Namespace) -> int:
     os.environ["HYPOTHESIS_PROFILE"] = args.profile
-    from properties.check import run_check
+    from kvledger.tools.check import run_check
 
     return run_check(args.profile, args.examples)
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from properties.replay import replay_file
+    from kvledger.tools.replay import replay_file
 
     return replay_file(args.trace, device=args.device, bug=args.bug)
 
 
 def _bench(args: argparse.Namespace) -> int:
     if getattr(args, "serve", None):
-        from engine.server.bench_online import main_online_bench
+        from kvledger.bench.online import main_online_bench
 
         return main_online_bench(args)
     if getattr(args, "workload", None):
-        from engine.bench_nano import main_nano_bench
+        from kvledger.bench.nano import main_nano_bench
 
         return main_nano_bench(args)
     if args.what == "cache":
-        from properties.bench_cache import main
+        from kvledger.bench.cache import main
 
         main()
         return 0
     if args.what == "engine":
-        from engine.bench import main_bench
+        from kvledger.bench.engine import main_bench
 
         return main_bench(args)
     print(f"kvledger bench: unknown benchmark {args.what!r} (available: engine, cache)", file=sys.stderr)
@@ -47,13 +48,13 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _zoo(args: argparse.Namespace) -> int:
-    from properties.zoo_run import main_zoo
+    from kvledger.tools.zoo_run import main_zoo
 
     return main_zoo(args.bugs, args.fuzz_seconds, args.out, args.hypothesis_seconds)
 
 
 def _fuzz(args: argparse.Namespace) -> int:
-    from properties.fuzz import fuzz
+    from kvledger.tools.fuzz import fuzz
 
     try:
         result = fuzz(args.seconds, workers=args.workers, seed=args.seed, out_dir=args.out, bug=args.bug,
@@ -65,27 +66,30 @@ def _fuzz(args: argparse.Namespace) -> int:
 
 
 def _minimize(args: argparse.Namespace) -> int:
-    from properties.minimize import main_minimize
+    from kvledger.tools.minimize import main_minimize
 
     return main_minimize(args.trace, args.output, args.budget, args.bug)
 
 
 def _show(args: argparse.Namespace) -> int:
-    from properties.show import main_show
+    from kvledger.tools.show import main_show
 
     return main_show(args.trace, args.output, args.bug)
 
 
 def _coverage(args: argparse.Namespace) -> int:
-    from properties.coverage_report import main_coverage
+    from kvledger.tools.coverage_report import main_coverage
 
     return main_coverage(args.examples)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.cli_parser import OneLineErrorParser
+    from kvledger.engine.cli_parser import OneLineErrorParser
+
+    from kvledger import __version__
 
     parser = OneLineErrorParser(prog="kvledger", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"kvledger {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("check", help="run the lockstep Hypothesis property run (reference vs fast)")
@@ -99,24 +103,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bug", default=None, help="patch this bug-zoo bug into fast first (see kvledger zoo)")
     p.set_defaults(func=_replay)
 
-    from engine.cli import add_generate_parser
+    from kvledger.engine.cli import add_generate_parser
 
     add_generate_parser(sub)
-    from engine.server.serve import add_serve_parser
+    from kvledger.engine.server.serve import add_serve_parser
 
     add_serve_parser(sub)
 
     p = sub.add_parser("bench", help="benchmarks that print numbers")
     p.add_argument("what", nargs="?", default="engine", choices=["engine", "cache"],
                    help="engine: this engine vs transformers on one workload (default); cache: the cache manager")
-    from engine.bench import add_bench_arguments
+    from kvledger.bench.arguments import add_bench_arguments, add_nano_bench_arguments, add_online_bench_arguments
 
     add_bench_arguments(p)
-    from engine.server.bench_online import add_online_bench_arguments
-
     add_online_bench_arguments(p)
-    from engine.bench_nano import add_nano_bench_arguments
-
     add_nano_bench_arguments(p)
     p.set_defaults(func=_bench)
 

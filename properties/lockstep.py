@@ -2,58 +2,21 @@
 
 After each operation: the operation's result (batch, admission decision, evicted pages, match),
 then the full observable state (page -> owner, free-list order, live rows, lengths,
-available_size, cache sizes, table slots, queues), then the five invariants on each side.
-The first difference raises `Divergence` with the step, the operation and what differed.
+available_size, cache sizes, table slots, queues), then the five invariants on each side
+(`kvledger.engine.divergence.compare`). The first difference raises `Divergence` with the step,
+the operation and what differed.
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, List
 
-import fast
-import reference
+from kvledger import fast
+from kvledger import reference
 
-from .driver import Driver, InvalidOp, InvariantViolation
-from .trace import Header
-
-
-class Divergence(AssertionError):
-    def __init__(self, step: int, op: Dict, kind: str, detail: str) -> None:
-        super().__init__(f"step {step}, op {op}: {kind}: {detail}")
-        self.step, self.op, self.kind, self.detail = step, op, kind, detail
-
-    @property
-    def fingerprint(self) -> str:
-        return self.kind
-
-
-def _owner_diff(ref: List, fst: List, limit: int = 8) -> str:
-    ref_d, fst_d = dict(ref), dict(fst)
-    pages = [p for p in sorted(set(ref_d) | set(fst_d)) if ref_d.get(p) != fst_d.get(p)]
-    shown = ", ".join(f"loc {p}: reference {ref_d.get(p)} vs fast {fst_d.get(p)}" for p in pages[:limit])
-    return f"{len(pages)} pages differ: {shown}"
-
-
-def _state_diff(ref: Dict, fst: Dict) -> tuple[str, str] | None:
-    for key in ref:
-        if ref[key] != fst[key]:
-            if key == "owners":
-                return "owner", _owner_diff(ref[key], fst[key])
-            return key, f"reference {ref[key]} vs fast {fst[key]}"
-    return None
-
-
-def compare(ref: Driver, fst: Driver, step: int, op: Dict) -> None:
-    """Invariants on each side, then the whole observable state side by side."""
-    for name, driver in (("reference", ref), ("fast", fst)):
-        try:
-            driver.check()
-        except InvariantViolation as e:
-            prefix = "reference-invariant" if name == "reference" else "invariant"
-            raise Divergence(step, op, f"{prefix}:{e.invariant}", str(e)) from e
-    diff = _state_diff(ref.snapshot(), fst.snapshot())
-    if diff is not None:
-        raise Divergence(step, op, f"state:{diff[0]}", diff[1])
+from kvledger.engine.cache_scheduler import Driver, InvalidOp, InvariantViolation
+from kvledger.engine.divergence import Divergence, compare
+from kvledger.engine.trace import Header
 
 
 class Lockstep:

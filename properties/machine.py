@@ -18,10 +18,10 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from reference import events
+from kvledger.reference import events
 
-from . import trace
-from .lockstep import Divergence, Lockstep
+from kvledger.engine import trace
+from kvledger.properties.lockstep import Divergence, Lockstep
 
 settings.register_profile(
     # derandomized (Hypothesis then keeps no example database); failures are kept as traces

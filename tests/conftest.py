@@ -4,8 +4,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts its t
 
 import pytest
 
-import fast
-import reference
+from kvledger import fast
+from kvledger import reference
 
 IMPLS = {"reference": reference, "fast": fast}
 

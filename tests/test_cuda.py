@@ -7,8 +7,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 
 
 def test_fast_on_cuda_matches_reference_through_a_mixed_workload():
-    from properties.lockstep import Lockstep
-    from properties.trace import Header
+    from kvledger.properties.lockstep import Lockstep
+    from kvledger.engine.trace import Header
 
     for page_size, cache in [(1, "radix"), (4, "radix"), (16, "naive")]:
         lock = Lockstep(Header(num_pages=48, page_size=page_size, cache_type=cache, table_slots=6, max_seq_len=256),
@@ -30,7 +30,7 @@ def test_hypothesis_lockstep_on_cuda(monkeypatch):
     from hypothesis import settings
     from hypothesis.stateful import run_state_machine_as_test
 
-    from properties import lockstep, machine
+    from kvledger.properties import lockstep, machine
 
     real_init = lockstep.Lockstep.__init__
     monkeypatch.setattr(lockstep.Lockstep, "__init__", lambda self, header, device="cpu", **kw: real_init(self, header, "cuda", **kw))
@@ -43,8 +43,8 @@ def test_engine_on_cuda_matches_transformers_greedy_float32(tmp_path, attention)
     and 16, chunked prefill, shadow-verified) against transformers' greedy generate."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine.llm import LLM
-    from fast import SamplingParams
+    from kvledger.engine.llm import LLM
+    from kvledger.fast import SamplingParams
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
@@ -74,7 +74,7 @@ def test_engine_on_cuda_matches_transformers_greedy_float32(tmp_path, attention)
 
 
 def _qwen_tiny():
-    from engine.config import ModelConfig
+    from kvledger.engine.config import ModelConfig
 
     return ModelConfig(arch="qwen3", vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=3,
                        num_heads=8, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6,
@@ -84,7 +84,7 @@ def _qwen_tiny():
 def _nano_like(n=40, seed=0):
     import random
 
-    from fast import SamplingParams
+    from kvledger.fast import SamplingParams
 
     rng = random.Random(seed)
     prompts = [[rng.randrange(1024) for _ in range(rng.randint(1, 200))] for _ in range(n)]
@@ -96,9 +96,9 @@ def _nano_like(n=40, seed=0):
 def test_cuda_graphs_and_overlap_match_the_eager_serial_engine(dtype, tmp_path):
     """Decode steps replayed from CUDA graphs, scheduled one step ahead, give the tokens of eager
     serial steps; batch sizes cross several captured sizes (40 requests, 6 slots .. 40)."""
-    from engine.llm import LLM
-    from properties.lockstep import replay
-    from properties.trace import read
+    from kvledger.engine.llm import LLM
+    from kvledger.properties.lockstep import replay
+    from kvledger.engine.trace import read
 
     prompts, params = _nano_like()
     kw = dict(dummy_weights=True, device="cuda", dtype=dtype, page_size=16, kv_cache_tokens=20000,
@@ -117,8 +117,8 @@ def test_cuda_graphs_and_overlap_match_the_eager_serial_engine(dtype, tmp_path):
 
 
 def test_overlap_with_graphs_under_shadow_verification():
-    from engine.llm import LLM
-    from fast import SamplingParams
+    from kvledger.engine.llm import LLM
+    from kvledger.fast import SamplingParams
 
     prompts, params = _nano_like(n=24, seed=1)
     params = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens) if i % 4 == 0 else p
@@ -133,7 +133,7 @@ def test_overlap_with_graphs_under_shadow_verification():
 
 def test_a_graph_decode_launch_never_waits_for_the_gpu():
     """Scheduling and launching a decode step (allocation included) makes no synchronizing call."""
-    from engine.llm import LLM
+    from kvledger.engine.llm import LLM
 
     prompts, params = _nano_like(n=16, seed=2)
     llm = LLM(_qwen_tiny(), dummy_weights=True, device="cuda", dtype="bfloat16", page_size=16, kv_cache_tokens=20000,

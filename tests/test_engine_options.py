@@ -9,12 +9,12 @@ import sys
 import pytest
 import torch
 
-import engine.llm
-from engine.cli import ENGINE_OPTIONS, _flags
-from engine.config import ModelConfig
-from engine.llm import LLM
-from engine.options import EngineOptionError
-from fast import SamplingParams
+import kvledger.engine.llm
+from kvledger.engine.cli import ENGINE_OPTIONS, _flags
+from kvledger.engine.config import ModelConfig
+from kvledger.engine.llm import LLM
+from kvledger.engine.options import EngineOptionError
+from kvledger.fast import SamplingParams
 from kvledger.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +45,7 @@ def no_loading(monkeypatch):
     def load_weights(*args, **kwargs):
         raise AssertionError("the model was loaded before the options were checked")
 
-    monkeypatch.setattr(engine.llm, "load_weights", load_weights)
+    monkeypatch.setattr(kvledger.engine.llm, "load_weights", load_weights)
 
 
 @pytest.mark.parametrize("option,value", BAD, ids=[f"{o}={v!r}"[:40] for o, v in BAD])

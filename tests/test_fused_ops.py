@@ -11,9 +11,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from engine import fused_ops  # noqa: E402
-from engine.layers import RMSNorm, RotaryEmbedding  # noqa: E402
-from engine.kv_pool import KVPool  # noqa: E402
+from kvledger.engine import fused_ops  # noqa: E402
+from kvledger.engine.layers import RMSNorm, RotaryEmbedding  # noqa: E402
+from kvledger.engine.kv_pool import KVPool  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])

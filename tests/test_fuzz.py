@@ -3,10 +3,10 @@ reproducible from its seed."""
 
 import pytest
 
-from properties.fuzz import PAGE_SIZES, case_seed, case_trace, format_summary, fuzz, make_case
-from properties.lockstep import Divergence, replay
-from properties.trace import read
-from properties.zoo import patched
+from kvledger.tools.fuzz import PAGE_SIZES, case_seed, case_trace, format_summary, fuzz, make_case
+from kvledger.properties.lockstep import Divergence, replay
+from kvledger.engine.trace import read
+from kvledger.tools.zoo import patched
 
 BUG = "no-remap-on-duplicate"
 
@@ -77,7 +77,7 @@ def test_an_operation_past_its_time_limit_is_a_hang():
     method looping forever) instead of hanging the worker."""
     import time
 
-    from properties.fuzz import OpTimeout, limited_steps
+    from kvledger.tools.fuzz import OpTimeout, limited_steps
 
     def steps():
         yield
@@ -97,8 +97,8 @@ def test_fuzz_reports_a_hang_with_its_trace(tmp_path, monkeypatch):
     """A worker whose operation hangs reports it; the parent writes the trace and exits 1."""
     import torch
 
-    import properties.fuzz as fz
-    from reference import events
+    import kvledger.tools.fuzz as fz
+    from kvledger.reference import events
 
     # _worker is a process entry point: keep what it sets process-wide from leaking into other tests
     monkeypatch.setattr(events, "_listener", events._listener)

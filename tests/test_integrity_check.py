@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from properties.driver import Driver
+from kvledger.engine.cache_scheduler import Driver
 
 
 def _running(impl, cache="radix", page_size=2):
@@ -17,7 +17,7 @@ def _running(impl, cache="radix", page_size=2):
 
 
 def _set(impl, container, i, value):
-    container[i] = value if impl.__name__ == "reference" else torch.tensor(value, dtype=torch.int32)
+    container[i] = value if impl.__name__ == "kvledger.reference" else torch.tensor(value, dtype=torch.int32)
 
 
 def test_clean_state_passes(impl):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from properties.machine import EXPECTED_EVENTS
+from kvledger.properties.machine import EXPECTED_EVENTS
 
 # A fresh interpreter: the count of generated cases (and so which rare branches a derandomized run
 # reaches) was seen to depend on what else had run in a pytest-xdist worker process before it.
@@ -17,7 +17,7 @@ _RUN = """
 import json
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
-from properties.machine import REACHED, LockstepMachine
+from kvledger.properties.machine import REACHED, LockstepMachine
 REACHED.clear()
 run_state_machine_as_test(LockstepMachine)
 print(json.dumps({"max_examples": settings.default.max_examples, "reached": sorted(REACHED)}))

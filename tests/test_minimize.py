@@ -1,15 +1,15 @@
 """Minimization: a long failing trace shrinks to a few operations, 1-minimal, within budget."""
 
+import math
 import random
-import time
 
 import pytest
 
-from properties.driver import InvalidOp
-from properties.lockstep import Divergence, Lockstep, replay
-from properties.minimize import MinimizeError, main_minimize, minimize
-from properties.trace import Header, read, write
-from properties.zoo import patched
+from kvledger.engine.cache_scheduler import InvalidOp
+from kvledger.properties.lockstep import Divergence, Lockstep, replay
+from kvledger.tools.minimize import MinimizeError, main_minimize, minimize
+from kvledger.engine.trace import Header, read, write
+from kvledger.tools.zoo import patched
 
 BUG = "no-remap-on-duplicate"
 
@@ -63,16 +63,14 @@ def _kind(header, ops):
 def test_a_1000_op_failing_trace_minimizes_to_a_few_ops_1_minimal_within_budget():
     header, ops = _long_failing_trace()
     assert len(ops) >= 1000
-    budget = 120.0  # the target is a minute; headroom for a loaded machine under xdist
+    logs = []
     with patched(BUG):
         kind = _kind(header, ops)
         assert kind is not None and kind != "invalid"
         assert _kind(header, ops[:-1]) is None  # the failure is at the very end
-        start = time.monotonic()
-        m_header, m_ops, fingerprint = minimize(header, ops, budget=budget)  # ~5-15 s unloaded
-        elapsed = time.monotonic() - start
+        m_header, m_ops, fingerprint = minimize(header, ops, budget=math.inf, log=logs.append)
         assert fingerprint == kind
-        assert elapsed < budget
+        assert logs[-1].startswith("1-minimal")
         assert len(m_ops) <= 10
         assert m_header.producer == "minimize"
         assert _kind(m_header, m_ops) == kind
@@ -121,21 +119,21 @@ def test_an_invalid_trace_is_an_error(tmp_path, capsys):
     assert main_minimize(str(tmp_path / "missing.jsonl"), str(tmp_path / "o.jsonl")) == 2
 
 
-def test_the_budget_is_respected():
+def test_the_replay_budget_is_respected():
     header, ops = _long_failing_trace(n_ops=400, seed=3)
+    logs = []
     with patched(BUG):
-        start = time.monotonic()
-        m_header, m_ops, _ = minimize(header, ops, budget=0.5)
-        # one replay may be in flight when time runs out; the best trace so far comes back
-        assert time.monotonic() - start < 5.0
+        m_header, m_ops, _ = minimize(header, ops, budget=math.inf, max_replays=20, log=logs.append)
+        # the budget ran out: the best trace so far comes back, after exactly that many replays
+        assert logs[-1].startswith("budget exhausted") and "after 20 replays" in logs[-1]
         assert _kind(m_header, m_ops) == _kind(header, ops)
         assert len(m_ops) <= len(ops)
 
 
-def test_a_1000_op_fuzz_walk_of_a_zoo_bug_minimizes_to_at_most_10_ops_within_a_minute():
+def test_a_1000_op_fuzz_walk_of_a_zoo_bug_minimizes_to_at_most_10_ops():
     # the measurement's trace (python -m properties.minimize_bench): fuzz-walk segments that
     # agree with the model, each drained, then a walk until the bug fires
-    from properties.minimize_bench import build_trace
+    from kvledger.bench.minimize import build_trace
 
     bug = "lru-evicts-mru"
     header, ops = build_trace(bug, n_ops=1000)
@@ -143,23 +141,23 @@ def test_a_1000_op_fuzz_walk_of_a_zoo_bug_minimizes_to_at_most_10_ops_within_a_m
     with patched(bug):
         kind = _kind(header, ops)
         assert kind is not None and kind != "invalid"
-        start = time.monotonic()
-        m_header, m_ops, fingerprint = minimize(header, ops, budget=60.0)  # ~3 s unloaded
-        elapsed = time.monotonic() - start
+        # bounded by replays, not seconds, so machine load cannot change the outcome (124 replays
+        # reach a 1-minimal 5-op trace; `kvledger bench` measures the time)
+        m_header, m_ops, fingerprint = minimize(header, ops, budget=math.inf, max_replays=400)
         assert fingerprint == kind
-        assert elapsed < 60.0
         assert len(m_ops) <= 10
         assert _kind(m_header, m_ops) == kind
 
 
 def test_a_long_plain_fuzz_walk_minimizes_to_at_most_10_ops():
     """The hard case: a 1,259-op fuzz walk (64 pages of 64 tokens) failing with evict-counts-pages."""
-    from properties.fuzz import case_trace
-    from properties.minimize import minimize
-    from properties.zoo import patched
+    from kvledger.tools.fuzz import case_trace
+    from kvledger.tools.minimize import minimize
+    from kvledger.tools.zoo import patched
 
     with patched("evict-counts-pages"):
         header, ops = case_trace(0, 0, 55, max_ops=1500)
         assert len(ops) > 1000
-        _, small, fingerprint = minimize(header, ops, budget=60)
+        # 1,584 replays reach a 1-minimal 7-op trace; a replay count keeps the outcome load-independent
+        _, small, fingerprint = minimize(header, ops, budget=math.inf, max_replays=2500)
     assert fingerprint == "invariant:3-no-oom" and len(small) <= 10

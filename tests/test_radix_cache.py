@@ -4,12 +4,12 @@ and eviction that never walks the whole tree."""
 import pytest
 import torch
 
-import fast
+from kvledger import fast
 from tests.conftest import as_list
 
 
 def _ids(impl, xs):
-    return xs if impl.__name__ == "reference" else torch.tensor(xs, dtype=torch.int32)
+    return xs if impl.__name__ == "kvledger.reference" else torch.tensor(xs, dtype=torch.int32)
 
 
 def _cache(impl, page_size=1):

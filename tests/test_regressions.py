@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from properties.lockstep import Divergence, replay
-from properties.trace import read
-from properties.zoo import BUGS, patched
+from kvledger.properties.lockstep import Divergence, replay
+from kvledger.engine.trace import read
+from kvledger.tools.zoo import BUGS, patched
 
 CORPUS = sorted((Path(__file__).parent / "regressions").glob("*.jsonl"))
 

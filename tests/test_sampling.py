@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sampling import Sampler, filter_logits, validate_sampling
-from fast import SamplingParams
+from kvledger.engine.sampling import Sampler, filter_logits, validate_sampling
+from kvledger.fast import SamplingParams
 
 VOCAB = 64
 

@@ -7,9 +7,9 @@ zoo) and watches the invariant break, and one that shows ours holding it on both
 import pytest
 import torch
 
-import fast
-from properties.driver import Driver, InvariantViolation
-from properties.zoo import patched
+from kvledger import fast
+from kvledger.engine.cache_scheduler import Driver, InvariantViolation
+from kvledger.tools.zoo import patched
 from tests.conftest import as_list
 
 

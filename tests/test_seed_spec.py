@@ -2,13 +2,13 @@
 
 import pytest
 
-from properties.driver import Driver
+from kvledger.engine.cache_scheduler import Driver
 from tests.conftest import as_list, make_manager, row
 
 
 def _req(impl, cm, *, table_idx, prompt, cached_len=0, output_len=4):
     handle = cm.prefix_cache.match_prefix(prompt[:0]).cuda_handle
-    ids = prompt if impl.__name__ == "reference" else impl.requests.as_token_tensor(prompt)
+    ids = prompt if impl.__name__ == "kvledger.reference" else impl.requests.as_token_tensor(prompt)
     return impl.Req(ids, table_idx, cached_len, output_len, 0, impl.SamplingParams(max_tokens=output_len), handle)
 
 
@@ -38,7 +38,7 @@ def test_self_test_4_allocates_pages_ceil_cached_to_ceil_device(impl):
     cm, _ = make_manager(impl, num_pages=8, page_size=4)
     req = _req(impl, cm, table_idx=0, prompt=list(range(9)))
     req.cached_len = 6  # positions 0..5 already have KV in pages 0 and 1
-    cm.page_table[0][0:8] = list(range(8)) if impl.__name__ == "reference" else __import__("torch").arange(8)
+    cm.page_table[0][0:8] = list(range(8)) if impl.__name__ == "kvledger.reference" else __import__("torch").arange(8)
     cm.free_slots = cm.free_slots[2:]
     cm.allocate_paged([req])  # device_len 9: pages [ceil(6/4), ceil(9/4)) = [2, 3)
     assert len(cm.free_slots) == 5

@@ -12,8 +12,8 @@ import pytest
 import openai  # noqa: E402  (a declared dependency: a missing install must fail, not skip)
 import httpx  # noqa: E402
 
-from engine.server.launch import ServerProcess  # noqa: E402
-from engine.server.metrics import parse as parse_metrics  # noqa: E402
+from kvledger.engine.server.launch import ServerProcess  # noqa: E402
+from kvledger.engine.server.metrics import parse as parse_metrics  # noqa: E402
 
 KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
@@ -35,13 +35,13 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def llm():
-    from engine.llm import LLM
+    from kvledger.engine.llm import LLM
 
     return LLM(max_seq_len=MAX_SEQ_LEN, kv_cache_tokens=4096)
 
 
 def greedy(llm, prompt, max_tokens):
-    from fast import SamplingParams
+    from kvledger.fast import SamplingParams
 
     out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)[0]
     return out.text, len(out.token_ids), out.finish_reason

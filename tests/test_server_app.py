@@ -10,8 +10,8 @@ import logging
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.server.app import create_app
-from engine.server.worker import EngineWorker
+from kvledger.engine.server.app import create_app
+from kvledger.engine.server.worker import EngineWorker
 
 MODEL = "test-model"
 
@@ -46,7 +46,7 @@ class CountingTokenizer:
 
 @pytest.fixture(scope="module")
 def llm():
-    from engine.llm import LLM
+    from kvledger.engine.llm import LLM
 
     return LLM(max_seq_len=256, kv_cache_tokens=1024)
 

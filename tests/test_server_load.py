@@ -16,9 +16,9 @@ import pytest
 import openai  # noqa: E402  (a declared dependency: a missing install must fail, not skip)
 import httpx  # noqa: E402
 
-from engine.server import bench_online  # noqa: E402
-from engine.server.launch import ServerProcess  # noqa: E402
-from engine.server.metrics import parse as parse_metrics  # noqa: E402
+from kvledger.bench import online as bench_online  # noqa: E402
+from kvledger.engine.server.launch import ServerProcess  # noqa: E402
+from kvledger.engine.server.metrics import parse as parse_metrics  # noqa: E402
 
 KEY = "load-key"
 MODEL = "SmolLM2-135M-Instruct"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 
-from engine.server.protocol import (  # noqa: E402
+from kvledger.engine.server.protocol import (  # noqa: E402
     APIError, SamplingOptions, check_lengths, param_from_message, parse_chat_request, parse_completion_request,
     parse_json_body,
 )

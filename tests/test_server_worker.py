@@ -10,16 +10,16 @@ import time
 import pytest
 
 
-from engine.server.detok import TextStream  # noqa: E402
-from engine.server.worker import Accepted, EngineWorker, Failed, Token  # noqa: E402
-from fast import SamplingParams  # noqa: E402
+from kvledger.engine.server.detok import TextStream  # noqa: E402
+from kvledger.engine.server.worker import Accepted, EngineWorker, Failed, Token  # noqa: E402
+from kvledger.fast import SamplingParams  # noqa: E402
 
 PAGES = 32
 
 
 @pytest.fixture(scope="module")
 def llm():
-    from engine.llm import LLM
+    from kvledger.engine.llm import LLM
 
     return LLM(dummy_weights=True, kv_cache_tokens=PAGES * 16, max_seq_len=128, verify=True)
 

@@ -3,8 +3,8 @@
 from pathlib import Path
 
 from kvledger.cli import main
-from properties.show import CACHED, FIRST_UID, FREE, LOCKED, main_show, ownership_matrix, render
-from properties.trace import Header, read, write
+from kvledger.tools.show import CACHED, FIRST_UID, FREE, LOCKED, main_show, ownership_matrix, render
+from kvledger.engine.trace import Header, read, write
 
 REGRESSIONS = Path(__file__).parent / "regressions"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -30,7 +30,7 @@ def test_ownership_matrix_tracks_free_owned_and_cached_pages():
 
 def test_show_writes_a_png_and_marks_the_divergence(tmp_path):
     out = tmp_path / "same.png"
-    from properties.zoo import patched
+    from kvledger.tools.zoo import patched
 
     with patched("no-remap-on-duplicate"):
         divergence = render(HEADER, SAME_PREFIX, out)

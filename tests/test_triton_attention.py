@@ -11,9 +11,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from engine.attention.base import AttentionBatch  # noqa: E402
-from engine.attention.triton_paged import TritonPagedBackend  # noqa: E402
-from engine.kv_pool import KVPool  # noqa: E402
+from kvledger.engine.attention.base import AttentionBatch  # noqa: E402
+from kvledger.engine.attention.triton_paged import TritonPagedBackend  # noqa: E402
+from kvledger.engine.kv_pool import KVPool  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -78,7 +78,7 @@ def test_split_kv_decode_matches_gathered_sdpa(dtype, tol, seed):
     table row; lengths from 1 to past several splits, GQA groups 1, 2, 3 and 8."""
     if dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip("Triton's CPU interpreter does not emulate bfloat16 dot products")
-    from engine.attention.triton_decode import DecodeWorkspace, decode_attention
+    from kvledger.engine.attention.triton_decode import DecodeWorkspace, decode_attention
 
     g = torch.Generator().manual_seed(seed)
     heads, kv_heads, head_dim = [(9, 3, 64), (16, 8, 128), (16, 2, 64)][seed]

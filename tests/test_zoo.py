@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from properties import trace
-from properties.lockstep import Divergence, replay
-from properties.zoo import BUGS, patched
-from properties.zoo_run import ZooRow, format_table
+from kvledger.engine import trace
+from kvledger.properties.lockstep import Divergence, replay
+from kvledger.tools.zoo import BUGS, patched
+from kvledger.tools.zoo_run import ZooRow, format_table
 
 TRACES = Path(__file__).parent / "zoo_traces"
 
@@ -83,7 +83,7 @@ def test_zoo_table_marks_escapes():
 def test_replay_cli_with_a_bug(capsys):
     """`kvledger replay TRACE --bug NAME` diverges (exit 1) where the plain replay agrees (exit 0);
     an unknown bug is a clear error (exit 2)."""
-    from properties.replay import replay_file
+    from kvledger.tools.replay import replay_file
 
     trace = str(TRACES / "allocate-floor-pages.jsonl")
     assert replay_file(trace) == 0

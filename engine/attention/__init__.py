@@ -1,4 +1,4 @@
-from engine.attention.base import AttentionBackend, AttentionBatch
-from engine.attention.torch_native import TorchNativeBackend
+from kvledger.engine.attention.base import AttentionBackend, AttentionBatch
+from kvledger.engine.attention.torch_native import TorchNativeBackend
 
 __all__ = ["AttentionBackend", "AttentionBatch", "TorchNativeBackend"]

@@ -17,10 +17,10 @@ try:
 except ImportError:  # CPU-only installs: the backend is simply unavailable
     triton = None
 
-from engine.attention.base import AttentionBackend, AttentionBatch
-from engine.attention import triton_decode
-from engine.attention.triton_decode import DecodeWorkspace, decode_attention, num_splits_for
-from engine.kv_pool import KVPool
+from kvledger.engine.attention.base import AttentionBackend, AttentionBatch
+from kvledger.engine.attention import triton_decode
+from kvledger.engine.attention.triton_decode import DecodeWorkspace, decode_attention, num_splits_for
+from kvledger.engine.kv_pool import KVPool
 
 if triton is not None:
 

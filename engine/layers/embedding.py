@@ -2,7 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import PackedWeight, linear
+from kvledger.engine.layers.linear import PackedWeight, linear
 
 
 class Embedding(nn.Module):

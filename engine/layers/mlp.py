@@ -2,7 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import Linear
+from kvledger.engine.layers.linear import Linear
 
 
 class GatedMLP(nn.Module):

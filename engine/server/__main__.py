@@ -1,5 +1,5 @@
 import sys
 
-from engine.server.serve import main
+from kvledger.engine.server.serve import main
 
 sys.exit(main())

@@ -26,11 +26,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from engine.server import metrics, protocol
-from engine.server.generation import ClientGone, Generation
-from engine.server.protocol import APIError, SamplingOptions
-from engine.server.worker import EngineWorker
-from fast import SamplingParams
+from kvledger.engine.server import metrics, protocol
+from kvledger.engine.server.generation import ClientGone, Generation
+from kvledger.engine.server.protocol import APIError, SamplingOptions
+from kvledger.engine.server.worker import EngineWorker
+from kvledger.fast import SamplingParams
 
 log = logging.getLogger("kvledger.serve")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

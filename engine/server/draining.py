@@ -12,7 +12,7 @@ from typing import Optional
 
 import uvicorn
 
-from engine.server.worker import EngineWorker
+from kvledger.engine.server.worker import EngineWorker
 
 log = logging.getLogger("kvledger.serve")
 

@@ -9,10 +9,10 @@ from typing import AsyncIterator, Callable, List, Optional, Sequence
 
 from starlette.requests import Request
 
-from engine.server.detok import TextStream
-from engine.server.protocol import APIError
-from engine.server.worker import Accepted, EngineWorker, Event, Failed, Token
-from fast import SamplingParams
+from kvledger.engine.server.detok import TextStream
+from kvledger.engine.server.protocol import APIError
+from kvledger.engine.server.worker import Accepted, EngineWorker, Event, Failed, Token
+from kvledger.fast import SamplingParams
 
 log = logging.getLogger("kvledger.serve")
 

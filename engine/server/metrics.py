@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Dict, List, Mapping, Optional, Tuple
 
-from engine.server.worker import EngineStats, IntegrityReport
+from kvledger.engine.server.worker import EngineStats, IntegrityReport
 
 # name, type, help, value getter
 _Metric = Tuple[str, str, str, float]

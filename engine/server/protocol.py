@@ -279,7 +279,17 @@ def _number(body: Dict[str, Any], name: str, default: Optional[float]) -> Option
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise APIError(f"{name} must be a number, got {_kind(value)}", param=name)
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer literal past float's range (309 digits or more)
+        raise APIError(f"{name} is out of range: {_shown(value)}", param=name) from None
+
+
+def _shown(value: Any) -> str:
+    """A value for an error message: a huge integer is described, not repeated."""
+    if isinstance(value, int) and abs(value) >= 10**20:
+        return f"an integer of {len(str(abs(value)))} digits"
+    return repr(value)
 
 
 def _integer(body: Dict[str, Any], name: str, default: Optional[int]) -> Optional[int]:
@@ -290,6 +300,8 @@ def _integer(body: Dict[str, Any], name: str, default: Optional[int]) -> Optiona
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise APIError(f"{name} must be an integer, got {_kind(value)}", param=name)
+    if not -(2**63) <= value < 2**64:  # beyond any count or seed: refuse before it reaches a message
+        raise APIError(f"{name} is out of range (it must fit in 64 bits): {_shown(value)}", param=name)
     return value
 
 
@@ -348,6 +360,8 @@ def _token_ids(value: Any, name: str) -> List[int]:
         return []
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise APIError(f"{name} must be an array of integers", param=name)
+    if any(not 0 <= t < 2**63 for t in value):
+        raise APIError(f"{name} must hold token ids (integers from 0)", param=name)
     return list(value)
 
 

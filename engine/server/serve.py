@@ -15,9 +15,9 @@ import socket
 import sys
 from typing import List, Optional
 
-from engine.cli import add_engine_options, engine_kwargs, option_error
-from engine.cli_parser import OneLineErrorParser
-from engine.options import EngineOptionError, validate_engine_options
+from kvledger.engine.cli import add_engine_options, engine_kwargs, option_error
+from kvledger.engine.cli_parser import OneLineErrorParser
+from kvledger.engine.options import EngineOptionError, validate_engine_options
 
 log = logging.getLogger("kvledger.serve")
 
@@ -111,11 +111,11 @@ def serve_command(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     import uvicorn
 
-    from engine.llm import LLM
-    from engine.server.app import create_app, model_name_for
-    from engine.server.draining import DrainingServer
-    from engine.server.header_timeout import with_header_timeout
-    from engine.server.worker import EngineWorker
+    from kvledger.engine.llm import LLM
+    from kvledger.engine.server.app import create_app, model_name_for
+    from kvledger.engine.server.draining import DrainingServer
+    from kvledger.engine.server.header_timeout import with_header_timeout
+    from kvledger.engine.server.worker import EngineWorker
 
     try:
         llm = LLM(**engine_kwargs(args))

@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
-from fast import SamplingParams
+from kvledger.fast import SamplingParams
 
 log = logging.getLogger("kvledger.serve")
 RATE_WINDOW_S = 10.0
@@ -253,7 +253,7 @@ class EngineWorker:
         try:
             self.scheduler.submit(uid, ids, params)
         except ValueError as e:  # names the field; the driver's InvalidOp is a ValueError too
-            from engine.server.protocol import param_from_message
+            from kvledger.engine.server.protocol import param_from_message
 
             return self._reject(sink, Failed(str(e), 400, param_from_message(str(e))))
         except Exception as e:

@@ -10,7 +10,7 @@ FAULT_PROMPT = [4242, 4242, 4242]
 
 
 def plant_fault() -> None:
-    from engine.scheduler import Scheduler
+    from kvledger.engine.scheduler import Scheduler
 
     submit, step = Scheduler.submit, Scheduler.step
     armed = []
@@ -29,7 +29,7 @@ def plant_fault() -> None:
 
 
 if __name__ == "__main__":
-    from engine.server.serve import main
+    from kvledger.engine.server.serve import main
 
     plant_fault()
     sys.exit(main(sys.argv[1:]))

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import sys
 
-from .driver import InvalidOp
-from .lockstep import Divergence, replay
-from .trace import TraceError, read
+from kvledger.engine.cache_scheduler import InvalidOp
+from kvledger.properties.lockstep import Divergence, replay
+from kvledger.engine.trace import TraceError, read
 
 
 def replay_file(path: str, device: str = "cpu", bug: str | None = None) -> int:
     """Exit 0 when both agree, 1 on a divergence, 2 on a bad trace, an invalid op or an unknown bug.
     `bug` patches a zoo bug into fast first (to watch a regression trace catch it)."""
-    from .zoo import patched
+    from kvledger.tools.zoo import patched
 
     try:
         header, ops = read(path)

@@ -88,8 +88,8 @@ def make_workload(
 
 
 def run_engine(workload: Workload, dtype: str, model_path: Optional[str] = None) -> SystemResult:
-    from engine.llm import LLM
-    from fast import SamplingParams
+    from kvledger.engine.llm import LLM
+    from kvledger.fast import SamplingParams
 
     page = 16
     need = sum(-(-(len(p) + workload.output_len) // page) * page for p in workload.prompts)
@@ -123,8 +123,8 @@ def load_hf_model(dtype: str, model_path: Optional[str] = None, attn_implementat
     """
     from transformers import AutoModelForCausalLM
 
-    from engine.default_model import default_model_path
-    from engine.weights import cache_dir_for
+    from kvledger.engine.default_model import default_model_path
+    from kvledger.engine.weights import cache_dir_for
 
     path = Path(model_path or default_model_path())
     kwargs = dict(dtype=DTYPES[dtype], attn_implementation=attn_implementation)
@@ -276,20 +276,6 @@ def format_report(report: BenchReport) -> list[str]:
         else:
             lines.append(f"greedy match vs {HF_GENERATE}: skipped ({report.dtype}; float32 only)")
     return lines
-
-
-def add_bench_arguments(parser) -> None:
-    parser.add_argument("--prompts", type=int, default=32, help="number of requests")
-    parser.add_argument("--min-len", type=int, default=32, help="shortest prompt, tokens")
-    parser.add_argument("--max-len", type=int, default=256, help="longest prompt, tokens")
-    parser.add_argument("--output-len", type=int, default=64, help="tokens generated per request")
-    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                        help="default float32; with --workload nano-vllm: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip-transformers", action="store_true", help="run this engine only")
-    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the embedded model; "
-                        "with --workload nano-vllm: real weights instead of --model-config's random ones)")
 
 
 def main_bench(args) -> int:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from . import trace
-from .zoo import BUGS, patched
+from kvledger.engine import trace
+from kvledger.tools.zoo import BUGS, patched
 
 HYPOTHESIS_CAP_S = 45.0
 MINIMIZE_BUDGET_S = 15.0
@@ -57,7 +57,7 @@ def _hypothesis_child(name: str, out: Path) -> int:
     from hypothesis import Phase, settings
     from hypothesis.stateful import run_state_machine_as_test
 
-    from .machine import LockstepMachine
+    from kvledger.properties.machine import LockstepMachine
 
     start = time.perf_counter()
     first: Dict[str, Any] = {}
@@ -97,11 +97,11 @@ def run_hypothesis(name: str, work: Path, cap_s: float = HYPOTHESIS_CAP_S) -> Di
     the first failure), kind, timed_out and, if caught, the failing trace's path."""
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "KVLEDGER_FAILURES": str(work), "HYPOTHESIS_PROFILE": "ci"}
-    cmd = [sys.executable, "-m", "properties.zoo_run", "--hypothesis-child", name, str(work)]
+    cmd = [sys.executable, "-m", "kvledger.tools.zoo_run", "--hypothesis-child", name, str(work)]
     timed_out, stderr = False, ""
     try:
         proc = subprocess.run(cmd, env=env, timeout=cap_s, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True, cwd=Path(__file__).resolve().parent.parent, check=False)
+                              text=True, cwd=Path(__file__).resolve().parents[2], check=False)
         stderr = proc.stderr
     except subprocess.TimeoutExpired:  # subprocess.run kills the child
         timed_out = True
@@ -124,7 +124,7 @@ def run_hypothesis(name: str, work: Path, cap_s: float = HYPOTHESIS_CAP_S) -> Di
 
 def _fuzz_fn():
     try:
-        from .fuzz import fuzz
+        from kvledger.tools.fuzz import fuzz
     except ImportError:
         return None
     return fuzz
@@ -132,7 +132,7 @@ def _fuzz_fn():
 
 def _minimize_fn():
     try:
-        from .minimize import minimize
+        from kvledger.tools.minimize import minimize
     except ImportError:
         return None
     return minimize
@@ -162,7 +162,7 @@ def minimize_trace(trace_path: str, name: str) -> tuple[int, str] | None:
     minimize = _minimize_fn()
     if minimize is None:
         return len(ops), trace_path
-    from .minimize import MinimizeError
+    from kvledger.tools.minimize import MinimizeError
 
     try:
         with patched(name):

@@ -18,11 +18,11 @@ from typing import Callable, Dict, Iterator, List, Tuple
 
 import torch
 
-import fast
-from fast.prefix_cache import CacheHandle, InsertResult, MatchResult
-from fast.radix_cache import RadixPrefixCache, _common_prefix
-from fast.requests import ChunkedReq, Req
-from reference.pages import div_ceil
+from kvledger import fast
+from kvledger.fast.prefix_cache import CacheHandle, InsertResult, MatchResult
+from kvledger.fast.radix_cache import RadixPrefixCache, _common_prefix
+from kvledger.fast.requests import ChunkedReq, Req
+from kvledger.reference.pages import div_ceil
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Dict, Optional
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_suite(examples: Optional[int] = None) -> None:
@@ -24,7 +24,7 @@ def run_suite(examples: Optional[int] = None) -> None:
     from hypothesis import settings
     from hypothesis.stateful import run_state_machine_as_test
 
-    from .machine import LockstepMachine
+    from kvledger.properties.machine import LockstepMachine
 
     chosen = settings(settings.default, max_examples=examples) if examples else settings.default
     run_state_machine_as_test(LockstepMachine, settings=chosen)
@@ -36,7 +36,7 @@ def measure(examples: Optional[int] = None, data_file: Optional[Path] = None) ->
     tmp = Path(tempfile.mkdtemp(prefix="kvledger-coverage-"))
     data_file = data_file or tmp / ".coverage"
     cmd = [sys.executable, "-m", "coverage", "run", "--branch", "--source=fast", f"--data-file={data_file}",
-           "-m", "properties.coverage_report", "--run-suite"]
+           "-m", "kvledger.tools.coverage_report", "--run-suite"]
     if examples:
         cmd.append(str(examples))
     env = {**os.environ, "HYPOTHESIS_PROFILE": "ci", "PYTHONPATH": os.pathsep.join(

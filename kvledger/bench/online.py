@@ -22,7 +22,9 @@ from typing import Dict, List, Optional, Sequence
 
 import httpx
 
-from engine.server.metrics import parse as parse_metrics
+from kvledger.bench.arguments import add_online_bench_arguments
+
+from kvledger.engine.server.metrics import parse as parse_metrics
 
 TOKEN_RANGE = (1000, 20000)  # ordinary vocabulary ids, clear of special tokens
 
@@ -245,24 +247,6 @@ def format_report(s: Dict) -> str:
 
 
 # -- command line -------------------------------------------------------------------------------
-def add_online_bench_arguments(p: argparse.ArgumentParser) -> None:
-    """The options `kvledger bench` lacks; it already has --prompts, --min-len, --max-len,
-    --output-len and --seed, which the online benchmark shares."""
-    p.add_argument("--serve", metavar="URL", default=None,
-                   help="benchmark a running server at URL (e.g. http://127.0.0.1:8000) instead of offline")
-    p.add_argument("--request-rate", dest="request_rate", type=float, default=math.inf,
-                   help="Poisson arrival rate in requests/s (default inf: all at once)")
-    p.add_argument("--max-concurrency", dest="max_concurrency", type=int, default=None,
-                   help="at most this many requests in flight")
-    p.add_argument("--shared-prefix-len", dest="shared_prefix_len", type=int, default=0,
-                   help="tokens of prefix shared within each group of prompts")
-    p.add_argument("--prefix-groups", dest="prefix_groups", type=int, default=1, help="number of shared prefixes")
-    p.add_argument("--api-key", dest="api_key", default=None)
-    p.add_argument("--served-model", dest="served_model", default=None, help="model id (default: the server's)")
-    p.add_argument("--output-json", dest="output_json", default=None, metavar="FILE", help="also write the figures")
-    p.add_argument("--no-progress", dest="no_progress", action="store_true", help="no progress bar")
-
-
 def main_online_bench(args: argparse.Namespace) -> int:
     """Run the online benchmark from parsed `kvledger bench --serve URL ...` arguments."""
     try:
@@ -282,7 +266,7 @@ def main_online_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.server.bench_online", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m kvledger.bench.online", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", type=int, default=32, help="number of requests")
     p.add_argument("--min-len", dest="min_len", type=int, default=32, help="shortest prompt suffix, tokens")

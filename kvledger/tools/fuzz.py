@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
-from .driver import Driver
-from .trace import Header
+from kvledger.engine.cache_scheduler import Driver
+from kvledger.engine.trace import Header
 
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # the in-progress driver may name requests whose sampled token ends them (EOS)
@@ -189,7 +189,7 @@ def case_trace(seed: int, worker: int, case: int, max_ops: Optional[int] = None)
     """Case `case` of worker `worker` under `seed`, run here (apply a bug with zoo.patched
     around it): the trace up to its end, `max_ops` (which may also lengthen the case), or its
     divergence (included)."""
-    from .lockstep import Divergence, Lockstep
+    from kvledger.properties.lockstep import Divergence, Lockstep
 
     cseed = case_seed(seed, worker, case)
     lock = Lockstep(make_case(cseed).header)
@@ -238,10 +238,10 @@ def _worker(index: int, seed: int, seconds: float, bug: Optional[str], out: Any,
     import torch
 
     torch.set_num_threads(1)  # tiny tensors; workers share the cores
-    from reference import events
+    from kvledger.reference import events
 
-    from .lockstep import Divergence, Lockstep
-    from .zoo import patched
+    from kvledger.properties.lockstep import Divergence, Lockstep
+    from kvledger.tools.zoo import patched
 
     reached: Set[str] = set()
     sent: Set[str] = set()
@@ -330,7 +330,7 @@ class FuzzResult:
 
 
 def _expected_events() -> Set[str]:
-    from .machine import EXPECTED_EVENTS  # the rare branches the property run must reach
+    from kvledger.properties.machine import EXPECTED_EVENTS  # the rare branches the property run must reach
 
     return set(EXPECTED_EVENTS) | FUZZ_EVENTS
 
@@ -348,7 +348,7 @@ def fuzz(seconds: float, workers: int = 1, seed: int = 0, out_dir: str | Path = 
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     if bug is not None:
-        from .zoo import BUGS
+        from kvledger.tools.zoo import BUGS
 
         if bug not in BUGS:
             raise KeyError(f"unknown bug {bug!r}; known: {', '.join(sorted(BUGS))}")
@@ -429,9 +429,9 @@ def _drain_and_join(procs: List[Any], messages: Any, ops: int, cases: int, reach
 
 def _handle_failure(msg: tuple, out_dir: Path, seed: int, bug: Optional[str], budget: float,
                     progress: bool) -> FuzzFailure:
-    from . import trace
-    from .minimize import MinimizeError, minimize
-    from .zoo import patched
+    from kvledger.engine import trace
+    from kvledger.tools.minimize import MinimizeError, minimize
+    from kvledger.tools.zoo import patched
 
     kind_of_msg, worker, case_no, header_dict, ops = msg[:5]
     header = Header(**header_dict)

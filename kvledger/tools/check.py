@@ -7,8 +7,8 @@ import time
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from .lockstep import Divergence
-from .machine import EXPECTED_EVENTS, REACHED, LockstepMachine, failures_dir
+from kvledger.properties.lockstep import Divergence
+from kvledger.properties.machine import EXPECTED_EVENTS, REACHED, LockstepMachine, failures_dir
 
 
 def run_check(profile: str, examples: int | None = None) -> int:

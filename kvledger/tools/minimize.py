@@ -32,12 +32,12 @@ import time
 from dataclasses import replace
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
-import fast
-import reference
+from kvledger import fast
+from kvledger import reference
 
-from .driver import InvalidOp
-from .lockstep import Divergence, Lockstep, replay
-from .trace import Header, dumps
+from kvledger.engine.cache_scheduler import InvalidOp
+from kvledger.properties.lockstep import Divergence, Lockstep, replay
+from kvledger.engine.trace import Header, dumps
 
 Ops = List[Dict]
 # ops that name a request: submit/finish/abort through "uid", prefill/decode through "stop"
@@ -140,9 +140,10 @@ def _common_prefix(a: Ops, b: Ops) -> int:
 
 class _Minimizer:
     def __init__(self, header: Header, ops: Ops, kind: str, deadline: float,
-                 log: Callable[[str], None]) -> None:
+                 log: Callable[[str], None], max_replays: Optional[int] = None) -> None:
         self.header, self.ops, self.kind = header, ops, kind
         self.deadline = deadline
+        self.max_replays = max_replays
         self.log = log
         # candidate key -> (passes, applied ops, replayed from the start?)
         self.cache: Dict[str, Tuple[bool, Ops, bool]] = {}
@@ -158,7 +159,7 @@ class _Minimizer:
         ops = [_tidy(op) for op in ops]
         key = _key(header, ops)
         if key not in self.cache or (self.strict and not self.cache[key][2]):
-            if time.monotonic() > self.deadline:
+            if time.monotonic() > self.deadline or (self.max_replays is not None and self.tests >= self.max_replays):
                 raise _OutOfTime
             self.tests += 1
             self.cache[key] = self._evaluate(header, ops)
@@ -486,8 +487,11 @@ def _relabeled_tokens(ops: Ops) -> Ops:
 
 
 def minimize(header: Header, ops: Ops, budget: float = 60.0,
-             log: Callable[[str], None] | None = None) -> Tuple[Header, Ops, str]:
-    """Shrink a failing trace within `budget` seconds; returns (header, ops, fingerprint).
+             log: Callable[[str], None] | None = None,
+             max_replays: Optional[int] = None) -> Tuple[Header, Ops, str]:
+    """Shrink a failing trace within `budget` seconds (math.inf: no time limit) and at most
+    `max_replays` candidate replays; returns (header, ops, fingerprint). A replay count, unlike
+    seconds, gives the same result on a loaded machine: tests bound the work with it.
 
     Raises MinimizeError if the trace does not fail (or is invalid). If the budget runs out the
     best trace so far is returned (log says so); otherwise the result is 1-minimal.
@@ -503,7 +507,7 @@ def minimize(header: Header, ops: Ops, budget: float = 60.0,
         kind2, _ = _replay_repairing(header, stripped)
         if kind2 == kind:
             ops = stripped
-    m = _Minimizer(header, ops, kind, start + budget, log)
+    m = _Minimizer(header, ops, kind, start + budget, log, max_replays)
     complete = m.run()
     log(f"{'1-minimal' if complete else 'budget exhausted (result may not be 1-minimal)'}: "
         f"{len(m.ops)} ops after {m.tests} replays in {time.monotonic() - start:.1f}s")
@@ -513,8 +517,8 @@ def minimize(header: Header, ops: Ops, budget: float = 60.0,
 
 def main_minimize(path: str, output: str, budget: float = 60.0, bug: str | None = None) -> int:
     """`kvledger minimize TRACE -o OUT`: exit 0 with the minimized trace written, 2 on an error."""
-    from .trace import TraceError, read, write
-    from .zoo import patched
+    from kvledger.engine.trace import TraceError, read, write
+    from kvledger.tools.zoo import patched
 
     def log(line: str) -> None:
         print(line, file=sys.stderr)

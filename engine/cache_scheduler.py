@@ -20,7 +20,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Sequence
 
-from reference.pages import div_ceil, tokens_to_finish
+from kvledger.reference.pages import div_ceil, tokens_to_finish
 
 
 class InvalidOp(ValueError):
@@ -38,6 +38,10 @@ def tolist(x: Any) -> List[int]:
 
 
 class Driver:
+
+    def is_chunked(self, req: Any) -> bool:
+        """Whether `req` is mid-prefill (its next chunk still to come): it samples no token."""
+        return isinstance(req, self.impl.ChunkedReq)
     def __init__(self, impl: ModuleType, *, num_pages: int, page_size: int, cache_type: str,
                  table_slots: int, max_seq_len: int, device: str = "cpu", check_admission: bool = True,
                  increasing_uids: bool = False) -> None:
@@ -110,7 +114,7 @@ class Driver:
                         raise InvariantViolation("4-failed-admission",
                                                  f"rejecting uid {pending.uid} changed locks, free list or table slots")
                 break
-            pending.chunked_req = req if _is_chunked(req) else None
+            pending.chunked_req = req if self.is_chunked(req) else None
             batch.append(req)
         self.waiting = [p for p in self.waiting[: len(batch)] if p.chunked_req is not None] + self.waiting[len(batch):]
         for req in batch:
@@ -186,7 +190,7 @@ class Driver:
         (`sample`, in batch order, cycled); those that reached max_tokens or are in `stop` (EOS)
         finish, in one lazy-free region; a prefill hands its prompt KV to the prefix cache."""
         stop = set(stop)
-        bad = stop - {r.uid for r in batch if not _is_chunked(r)}
+        bad = stop - {r.uid for r in batch if not self.is_chunked(r)}
         if bad:
             raise InvalidOp(f"stop names uids {sorted(bad)} that sampled no token in this batch")
         for req in batch:
@@ -196,7 +200,7 @@ class Driver:
             self.after_forward("prefill" if is_prefill else "decode", batch)
         with self.cm.lazy_free_region():
             for i, req in enumerate(batch):
-                if _is_chunked(req):
+                if self.is_chunked(req):
                     continue
                 req.append_host(int(sample[i % len(sample)]) if sample else 0)
                 if not req.can_decode or req.uid in stop:
@@ -249,7 +253,3 @@ class Driver:
             locked = self.cm.prefix_cache.size_info.protected_size
             if locked:
                 raise InvariantViolation("5-quiescence", f"no live request but {locked} cached tokens locked")
-
-
-def _is_chunked(req: Any) -> bool:
-    return type(req).__name__ == "ChunkedReq"

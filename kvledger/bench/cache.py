@@ -12,12 +12,12 @@ import random
 import time
 from typing import Callable, List
 
-import fast
-import reference
+from kvledger import fast
+from kvledger import reference
 
-from .driver import Driver
-from .lockstep import Lockstep
-from .trace import Header
+from kvledger.engine.cache_scheduler import Driver
+from kvledger.properties.lockstep import Lockstep
+from kvledger.engine.trace import Header
 
 
 def _timeit(fn: Callable[[], None], repeat: int) -> float:

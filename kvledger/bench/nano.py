@@ -37,20 +37,17 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from engine.bench import quiet_transformers
-from engine.bench_floor import decode_floor, format_floor, measure_bandwidth, param_count
-from engine.bench_profile import format_breakdown, profile_decode, sync
-from engine.config import BUILTIN_CONFIG_DIR, ModelConfig
+from kvledger.bench.arguments import NANO_MAX_LEN, NANO_MIN_LEN, NANO_NUM_REQUESTS, WORKLOAD
+from kvledger.bench.engine import quiet_transformers
+from kvledger.bench.bandwidth_floor import decode_floor, format_floor, measure_bandwidth, param_count
+from kvledger.bench.decode_profile import format_breakdown, profile_decode, sync
+from kvledger.engine.config import BUILTIN_CONFIG_DIR, ModelConfig
 
-WORKLOAD = "nano-vllm"
 ENGINE_ROW = "kvledger"
 HF_ROW = "transformers continuous batching"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # nano-vllm's bench.py
-NANO_NUM_REQUESTS = 256
-NANO_MIN_LEN = 100
-NANO_MAX_LEN = 1024
 NANO_VOCAB_MAX = 10000  # randint(0, 10000): inclusive, so the model needs a vocabulary of at least 10,001
 
 
@@ -181,7 +178,7 @@ def kv_tokens_for(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], p
 def build_engine(opts: "NanoOptions", kv_tokens_needed: int, max_seq_len: int):
     """This engine's LLM. The KV pool: as asked, else sized from free memory on CUDA, else just
     what the workload needs with every request running at once."""
-    from engine.llm import LLM
+    from kvledger.engine.llm import LLM
 
     cuda = torch.device(opts.device).type == "cuda"
     kv_tokens = opts.kv_cache_tokens if opts.kv_cache_tokens is not None else (None if cuda else kv_tokens_needed)
@@ -195,7 +192,7 @@ def build_engine(opts: "NanoOptions", kv_tokens_needed: int, max_seq_len: int):
 
 
 def run_engine(llm, workload: NanoWorkload, warmup: tuple[List[List[int]], List[int]], device: str) -> SystemRun:
-    from fast import SamplingParams
+    from kvledger.fast import SamplingParams
 
     def params(ms: Sequence[int]) -> List[Any]:
         return [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m) for m in ms]
@@ -247,7 +244,7 @@ def build_hf_model(opts: "NanoOptions"):
 
     with quiet_transformers(hide_stderr=False):
         if opts.model is not None:
-            from engine.bench import load_hf_model
+            from kvledger.bench.engine import load_hf_model
 
             model = load_hf_model(opts.dtype, opts.model, attn_implementation=opts.hf_attn)
             return model.to(opts.device).eval()
@@ -521,49 +518,6 @@ def run_nano_bench(opts: NanoOptions, print_fn: Callable[[str], None] = print) -
 
 
 # ------------------------------------------------------------------------------------ command line
-
-
-def add_nano_bench_arguments(p) -> None:
-    """Options of `kvledger bench --workload nano-vllm`. --dtype, --seed, --threads and --model come from
-    engine.bench's add_bench_arguments."""
-    g = p.add_argument_group("--workload nano-vllm (GPU throughput benchmark)")
-    g.add_argument("--workload", default=None, choices=[WORKLOAD],
-                   help="nano-vllm: its offline workload (256 requests, 142,827 in / 133,966 out tokens)")
-    g.add_argument("--num-requests", dest="num_requests", type=int, default=NANO_NUM_REQUESTS)
-    g.add_argument("--max-input-len", dest="max_input_len", type=int, default=NANO_MAX_LEN,
-                   help="longest prompt (shortest: 100/1024 of it)")
-    g.add_argument("--max-output-len", dest="max_output_len", type=int, default=NANO_MAX_LEN,
-                   help="largest max_tokens (smallest: 100/1024 of it)")
-    g.add_argument("--model-config", dest="model_config", default="qwen3-0.6b",
-                   help="shipped config (qwen3-0.6b, smollm2-135m) or a config.json, random weights")
-    g.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    g.add_argument("--compare", default="none", choices=["none", "transformers"],
-                   help="also run transformers' continuous batching")
-    g.add_argument("--out", default=None, metavar="FILE.json", help="write every raw number as JSON")
-    g.add_argument("--page-size", dest="page_size", type=int, default=16)
-    g.add_argument("--kv-cache-tokens", dest="kv_cache_tokens", type=int, default=None,
-                   help="KV pool size (default: from free GPU memory where the engine can, else the workload's need)")
-    g.add_argument("--max-running-reqs", dest="max_running_reqs", type=int, default=256)
-    g.add_argument("--max-prefill-tokens", dest="max_prefill_tokens", type=int, default=16384)
-    g.add_argument("--cuda-graphs", dest="cuda_graphs", default=None, action="store_const", const=True,
-                   help="engine CUDA graphs on (default: on for CUDA, where the engine has the option)")
-    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False,
-                   help="engine CUDA graphs off")
-    g.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],
-                   help="engine CPU/GPU overlap (auto: the engine's choice)")
-    g.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"], help="engine attention")
-    g.add_argument("--hf-attn", dest="hf_attn", default="sdpa",
-                   help="transformers attn_implementation (continuous batching may switch sdpa to flash)")
-    g.add_argument("--hf-max-batch-tokens", dest="hf_max_batch_tokens", type=int, default=None,
-                   help="transformers' max_batch_tokens (default: its own on CUDA, 2048 on CPU)")
-    g.add_argument("--bandwidth-bytes", dest="bandwidth_bytes", type=int, default=None,
-                   help="bytes copied to measure bandwidth (default 2 GiB on CUDA, 64 MiB on CPU)")
-    g.add_argument("--bandwidth-gbs", dest="bandwidth_gbs", type=float, default=None,
-                   help="use this bandwidth (GB/s) for the floor instead of measuring")
-    g.add_argument("--profile-requests", dest="profile_requests", type=int, default=256,
-                   help="requests in the profiled decode batch, the workload's first prompts (0: no profile)")
-    g.add_argument("--profile-output-len", dest="profile_output_len", type=int, default=32,
-                   help="tokens each profiled request generates")
 
 
 def options_from_args(args) -> NanoOptions:

@@ -101,7 +101,7 @@ def profile_decode(llm, prompts: List[List[int]], max_tokens: List[int], device:
     token (prefill done), by wrapping the scheduler's step; falls back to the whole generate."""
     from torch.profiler import ProfilerActivity, profile
 
-    from fast import SamplingParams
+    from kvledger.fast import SamplingParams
 
     cuda = torch.device(device).type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])

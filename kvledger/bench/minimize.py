@@ -25,12 +25,12 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from . import trace
-from .fuzz import Case, Walker, case_seed, make_case, walk
-from .lockstep import Divergence, Lockstep
-from .minimize import _copy, fingerprint_of, minimize
-from .trace import Header
-from .zoo import BUGS, patched
+from kvledger.engine import trace
+from kvledger.tools.fuzz import Case, Walker, case_seed, make_case, walk
+from kvledger.properties.lockstep import Divergence, Lockstep
+from kvledger.tools.minimize import _copy, fingerprint_of, minimize
+from kvledger.engine.trace import Header
+from kvledger.tools.zoo import BUGS, patched
 
 CACHE_DIR = Path(".kvledger/minimize-bench")
 # large pools: every replayed operation checks every page, so these are the slow traces

@@ -1,0 +1,88 @@
+"""Every benchmark's command-line options, in one light module: `kvledger --help` builds its parser
+without importing torch or the benchmarks themselves."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+BENCH_DTYPES = ("bfloat16", "float32")
+WORKLOAD = "nano-vllm"
+NANO_NUM_REQUESTS = 256
+NANO_MIN_LEN = 100
+NANO_MAX_LEN = 1024
+
+
+def add_bench_arguments(parser) -> None:
+    parser.add_argument("--prompts", type=int, default=32, help="number of requests")
+    parser.add_argument("--min-len", type=int, default=32, help="shortest prompt, tokens")
+    parser.add_argument("--max-len", type=int, default=256, help="longest prompt, tokens")
+    parser.add_argument("--output-len", type=int, default=64, help="tokens generated per request")
+    parser.add_argument("--dtype", default=None, choices=list(BENCH_DTYPES),
+                        help="default float32; with --workload nano-vllm: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-transformers", action="store_true", help="run this engine only")
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the embedded model; "
+                        "with --workload nano-vllm: real weights instead of --model-config's random ones)")
+
+
+def add_nano_bench_arguments(p) -> None:
+    """Options of `kvledger bench --workload nano-vllm`. --dtype, --seed, --threads and --model come from
+    add_bench_arguments."""
+    g = p.add_argument_group("--workload nano-vllm (GPU throughput benchmark)")
+    g.add_argument("--workload", default=None, choices=[WORKLOAD],
+                   help="nano-vllm: its offline workload (256 requests, 142,827 in / 133,966 out tokens)")
+    g.add_argument("--num-requests", dest="num_requests", type=int, default=NANO_NUM_REQUESTS)
+    g.add_argument("--max-input-len", dest="max_input_len", type=int, default=NANO_MAX_LEN,
+                   help="longest prompt (shortest: 100/1024 of it)")
+    g.add_argument("--max-output-len", dest="max_output_len", type=int, default=NANO_MAX_LEN,
+                   help="largest max_tokens (smallest: 100/1024 of it)")
+    g.add_argument("--model-config", dest="model_config", default="qwen3-0.6b",
+                   help="shipped config (qwen3-0.6b, smollm2-135m) or a config.json, random weights")
+    g.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    g.add_argument("--compare", default="none", choices=["none", "transformers"],
+                   help="also run transformers' continuous batching")
+    g.add_argument("--out", default=None, metavar="FILE.json", help="write every raw number as JSON")
+    g.add_argument("--page-size", dest="page_size", type=int, default=16)
+    g.add_argument("--kv-cache-tokens", dest="kv_cache_tokens", type=int, default=None,
+                   help="KV pool size (default: from free GPU memory where the engine can, else the workload's need)")
+    g.add_argument("--max-running-reqs", dest="max_running_reqs", type=int, default=256)
+    g.add_argument("--max-prefill-tokens", dest="max_prefill_tokens", type=int, default=16384)
+    g.add_argument("--cuda-graphs", dest="cuda_graphs", default=None, action="store_const", const=True,
+                   help="engine CUDA graphs on (default: on for CUDA, where the engine has the option)")
+    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False,
+                   help="engine CUDA graphs off")
+    g.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],
+                   help="engine CPU/GPU overlap (auto: the engine's choice)")
+    g.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"], help="engine attention")
+    g.add_argument("--hf-attn", dest="hf_attn", default="sdpa",
+                   help="transformers attn_implementation (continuous batching may switch sdpa to flash)")
+    g.add_argument("--hf-max-batch-tokens", dest="hf_max_batch_tokens", type=int, default=None,
+                   help="transformers' max_batch_tokens (default: its own on CUDA, 2048 on CPU)")
+    g.add_argument("--bandwidth-bytes", dest="bandwidth_bytes", type=int, default=None,
+                   help="bytes copied to measure bandwidth (default 2 GiB on CUDA, 64 MiB on CPU)")
+    g.add_argument("--bandwidth-gbs", dest="bandwidth_gbs", type=float, default=None,
+                   help="use this bandwidth (GB/s) for the floor instead of measuring")
+    g.add_argument("--profile-requests", dest="profile_requests", type=int, default=256,
+                   help="requests in the profiled decode batch, the workload's first prompts (0: no profile)")
+    g.add_argument("--profile-output-len", dest="profile_output_len", type=int, default=32,
+                   help="tokens each profiled request generates")
+
+
+def add_online_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """The options `kvledger bench` lacks; it already has --prompts, --min-len, --max-len,
+    --output-len and --seed, which the online benchmark shares."""
+    p.add_argument("--serve", metavar="URL", default=None,
+                   help="benchmark a running server at URL (e.g. http://127.0.0.1:8000) instead of offline")
+    p.add_argument("--request-rate", dest="request_rate", type=float, default=math.inf,
+                   help="Poisson arrival rate in requests/s (default inf: all at once)")
+    p.add_argument("--max-concurrency", dest="max_concurrency", type=int, default=None,
+                   help="at most this many requests in flight")
+    p.add_argument("--shared-prefix-len", dest="shared_prefix_len", type=int, default=0,
+                   help="tokens of prefix shared within each group of prompts")
+    p.add_argument("--prefix-groups", dest="prefix_groups", type=int, default=1, help="number of shared prefixes")
+    p.add_argument("--api-key", dest="api_key", default=None)
+    p.add_argument("--served-model", dest="served_model", default=None, help="model id (default: the server's)")
+    p.add_argument("--output-json", dest="output_json", default=None, metavar="FILE", help="also write the figures")
+    p.add_argument("--no-progress", dest="no_progress", action="store_true", help="no progress bar")
