@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import Any, Iterator, List, Optional, Sequence, Union
 
 import torch
 
@@ -13,7 +13,8 @@ from kvledger.engine.attention.torch_native import TorchNativeBackend
 from kvledger.engine.kv_pool import KVPool
 from kvledger.engine.model import CausalLM
 from kvledger.engine.observers import ShadowVerifier, TraceRecorder
-from kvledger.engine.options import DTYPE_NAMES, validate_engine_options, validate_for_model
+from kvledger.engine.engine_config import EngineConfig
+from kvledger.engine.options import DTYPE_NAMES, validate_for_model
 from kvledger.engine.scheduler import Scheduler, SchedulerConfig
 from kvledger.engine.tokenizer import Tokenizer
 from kvledger.engine.weights import load_weights
@@ -34,61 +35,42 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(
-        self,
-        model: Optional[str] = None,
-        *,
-        dtype: str = "float32",
-        device: str = "cpu",
-        page_size: int = 16,
-        cache_type: str = "radix",
-        kv_cache_tokens: Optional[int] = None,
-        max_running_reqs: int = 64,
-        max_seq_len: Optional[int] = None,
-        max_prefill_tokens: int = 2048,
-        verify: bool = False,
-        trace: Optional[str] = None,
-        seed: int = 0,
-        dummy_weights: bool = False,
-        threads: Optional[int] = None,
-        attention: str = "auto",
-        cuda_graphs: bool = True,
-        overlap: Optional[bool] = None,
-    ) -> None:
-        """kv_cache_tokens: the KV pool's size in tokens, rounded down to whole pages (at least one
-        page); None sizes it from free memory on CUDA (90% of what is free after the weights and a
-        reserve for activations) and means 32,768 on the CPU or with verify. max_seq_len: prompt plus
-        generated tokens per request; None means the model's max_position_embeddings, capped at 4096.
-        cuda_graphs: capture decode steps (CUDA). overlap: schedule the next step while the GPU runs
-        the current one (default: on for CUDA). Raises EngineOptionError (a ValueError naming the
-        option) for a bad option before loading anything; see engine.options for the rules."""
-        validate_engine_options(**{k: v for k, v in locals().items() if k != "self"})
-        if threads is not None:
-            torch.set_num_threads(threads)
-        config, state = load_weights(model, dummy=dummy_weights, seed=seed)
-        validate_for_model(max_seq_len, config)
+    def __init__(self, model: Any = None, *, config: Optional[EngineConfig] = None, **options: Any) -> None:
+        """`LLM(model, **options)` or `LLM(config=EngineConfig(...))`: the options are EngineConfig's
+        fields (engine/engine_config.py says what each means and its default). Raises
+        EngineOptionError (a ValueError naming the option) for a bad option before loading anything."""
+        if config is None:
+            config = EngineConfig.create(model=model, **options)
+        elif model is not None or options:
+            raise TypeError("LLM: pass either config or options, not both")
+        self.options = o = config
+        if o.threads is not None:
+            torch.set_num_threads(o.threads)
+        config, state = load_weights(o.model, dummy=o.dummy_weights, seed=o.seed)
+        validate_for_model(o.max_seq_len, config)
         self.config = config
-        self.tokenizer = None if dummy_weights or not _has_tokenizer(model) else Tokenizer.load(model)
-        self.model = CausalLM.from_state_dict(config, state, dtype=DTYPES[dtype], device=device)
-        self.model.attn_backend = _attention_backend(attention, device)
+        self.tokenizer = None if o.dummy_weights or not _has_tokenizer(o.model) else Tokenizer.load(o.model)
+        self.model = CausalLM.from_state_dict(config, state, dtype=DTYPES[o.dtype], device=o.device)
+        self.model.attn_backend = _attention_backend(o.attention, o.device)
         del state
-        if kv_cache_tokens is None:
+        kv_tokens = o.kv_cache_tokens
+        if kv_tokens is None:
             # shadow verification compares every page after every operation: keep its pool small
-            kv_cache_tokens = 32768 if verify else _auto_kv_tokens(config, DTYPES[dtype], device, max_running_reqs,
-                                                                    max_prefill_tokens)
-        num_pages = max(1, kv_cache_tokens // page_size)  # the automatic size may be under a page
-        self.model.kv_pool = KVPool.for_model(config, num_pages * page_size, DTYPES[dtype], device)
+            kv_tokens = 32768 if o.verify else _auto_kv_tokens(config, DTYPES[o.dtype], o.device, o.max_running_reqs,
+                                                                o.max_prefill_tokens)
+        num_pages = max(1, kv_tokens // o.page_size)  # the automatic size may be under a page
+        self.model.kv_pool = KVPool.for_model(config, num_pages * o.page_size, DTYPES[o.dtype], o.device)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else config.eos_token_ids
         sched = SchedulerConfig(
-            num_pages=num_pages, page_size=page_size, cache_type=cache_type, max_running_reqs=max_running_reqs,
-            max_seq_len=min(config.max_position_embeddings, 4096) if max_seq_len is None else max_seq_len,
-            max_prefill_tokens=max_prefill_tokens, seed=seed)
-        self.scheduler = Scheduler(self.model, sched, eos, device, overlap=overlap, cuda_graphs=cuda_graphs)
+            num_pages=num_pages, page_size=o.page_size, cache_type=o.cache_type, max_running_reqs=o.max_running_reqs,
+            max_seq_len=min(config.max_position_embeddings, 4096) if o.max_seq_len is None else o.max_seq_len,
+            max_prefill_tokens=o.max_prefill_tokens, seed=o.seed)
+        self.scheduler = Scheduler(self.model, sched, eos, o.device, overlap=o.overlap, cuda_graphs=o.cuda_graphs)
         self.scheduler.capture_graphs()
-        self.shadow = ShadowVerifier(self.scheduler.header) if verify else None
+        self.shadow = ShadowVerifier(self.scheduler.header) if o.verify else None
         if self.shadow:
             self.scheduler.observers.append(self.shadow)
-        self.recorder = TraceRecorder(trace, self.scheduler.header) if trace else None
+        self.recorder = TraceRecorder(o.trace, self.scheduler.header) if o.trace else None
         if self.recorder:
             self.scheduler.observers.append(self.recorder)
         self._next_uid = 0

@@ -1,7 +1,8 @@
 """Engine options are checked at start-up: every bad one raises EngineOptionError naming it before
 anything loads (LLM), or exits with status 2 and one line naming its flag (kvledger generate)."""
 
-import inspect
+import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import kvledger.engine.llm
-from kvledger.engine.cli import ENGINE_OPTIONS, _flags
+from kvledger.engine.engine_config import EngineConfig
 from kvledger.engine.config import ModelConfig
 from kvledger.engine.llm import LLM
 from kvledger.engine.options import EngineOptionError
@@ -93,9 +94,24 @@ def test_a_one_token_prefill_budget_runs_prompts_longer_than_it():
     assert outs[1] == outs[2048] and all(len(t) == 6 for t in outs[1])
 
 
-def test_every_llm_keyword_is_a_cli_option_with_a_flag():
-    params = [p for p in inspect.signature(LLM.__init__).parameters if p != "self"]
-    assert sorted(ENGINE_OPTIONS) == sorted(params) == sorted(_flags())
+def test_every_engine_option_is_a_cli_flag_with_help_and_its_default():
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_arguments(parser)
+    by_dest = {}
+    for action in parser._actions:
+        if action.dest != "help":
+            by_dest.setdefault(action.dest, []).append(action)
+    names = [f.name for f in dataclasses.fields(EngineConfig)]
+    assert sorted(by_dest) == sorted(names)
+    assert all(a.help for actions in by_dest.values() for a in actions)
+    defaults = vars(parser.parse_args([]))
+    assert EngineConfig.from_args(argparse.Namespace(**defaults)) == EngineConfig()
+    assert EngineConfig.flag("cache_type") == "--cache" and EngineConfig.flag("page_size") == "--page-size"
+
+
+def test_an_unknown_option_is_named():
+    with pytest.raises(EngineOptionError, match="pages_size is not an engine option"):
+        LLM(pages_size=16)
 
 
 @pytest.mark.parametrize("flag,value", [("--max-running-reqs", "0"), ("--max-prefill-tokens", "0"),

@@ -15,9 +15,10 @@ import socket
 import sys
 from typing import List, Optional
 
-from kvledger.engine.cli import add_engine_options, engine_kwargs, option_error
+from kvledger.engine.cli import option_error
+from kvledger.engine.engine_config import EngineConfig
 from kvledger.engine.cli_parser import OneLineErrorParser
-from kvledger.engine.options import EngineOptionError, validate_engine_options
+from kvledger.engine.options import EngineOptionError
 
 log = logging.getLogger("kvledger.serve")
 
@@ -67,7 +68,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, seconds open requests get to finish before they are stopped (default 30)")
     p.add_argument("--log-level", dest="log_level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
-    add_engine_options(p)
+    EngineConfig.add_arguments(p)
 
 
 def add_serve_parser(subparsers) -> None:
@@ -94,7 +95,7 @@ def _bind(host: str, port: int) -> socket.socket:
 def serve_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        validate_engine_options(**engine_kwargs(args))
+        config = EngineConfig.from_args(args)
     except EngineOptionError as e:
         return option_error("kvledger serve", e)
     try:  # before the model loads: a port in use fails in a second, not after the load
@@ -103,12 +104,12 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"kvledger serve: --port: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 2
     try:
-        return _serve(args, sock)
+        return _serve(args, config, sock)
     finally:
         sock.close()
 
 
-def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
+def _serve(args: argparse.Namespace, config: EngineConfig, sock: socket.socket) -> int:
     import uvicorn
 
     from kvledger.engine.llm import LLM
@@ -118,7 +119,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     from kvledger.engine.server.worker import EngineWorker
 
     try:
-        llm = LLM(**engine_kwargs(args))
+        llm = LLM(config=config)
     except EngineOptionError as e:  # the options that depend on the model's config
         return option_error("kvledger serve", e)
     except (ValueError, FileNotFoundError) as e:

@@ -1,0 +1,91 @@
+"""One frozen engine configuration: every option of `LLM`, `kvledger generate` and `kvledger serve`,
+with its default and its help. The command-line flags are generated from it, so an option is
+declared once; creating an EngineConfig checks every value (`engine/options.py` has the rules)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Dict, Optional, Sequence
+
+from kvledger.engine.options import ATTENTION_BACKENDS, CACHE_TYPES, DTYPE_NAMES, EngineOptionError, \
+    validate_engine_options
+
+
+def option(default: Any, help: str, *, flag: Optional[str] = None, choices: Optional[Sequence[str]] = None,
+           negative: Optional[str] = None, metavar: Optional[str] = None) -> Any:
+    """A config field with what its flag needs. `negative`: the flag that sets a boolean False."""
+    meta = {"help": help, "flag": flag, "choices": choices, "negative": negative, "metavar": metavar}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: Any = option(None, "a .gguf file or a Hugging Face directory (default: the embedded "
+                              "SmolLM2-135M-Instruct); with --dummy-weights also a shipped config name")
+    dtype: str = option("float32", "weights, activations and KV cache dtype", choices=DTYPE_NAMES)
+    device: str = option("cpu", "cpu, cuda or cuda:N")
+    page_size: int = option(16, "tokens per KV page")
+    cache_type: str = option("radix", "prefix cache", flag="--cache", choices=CACHE_TYPES)
+    kv_cache_tokens: Optional[int] = option(None, "KV pool size in tokens, rounded down to whole pages (default: "
+                                                  "32768 on the CPU or with --verify, from free memory on CUDA)")
+    max_running_reqs: int = option(64, "requests decoding at once (page-table rows)")
+    max_seq_len: Optional[int] = option(None, "prompt plus generated tokens per request (default: the model's "
+                                              "context, at most 4096)")
+    max_prefill_tokens: int = option(2048, "tokens one prefill step computes; longer prompts are chunked")
+    verify: bool = option(False, "shadow every cache operation in the reference model and compare")
+    trace: Optional[str] = option(None, "record every cache operation to this trace file", metavar="FILE")
+    seed: int = option(0, "base seed of sampling and of dummy weights")
+    dummy_weights: bool = option(False, "random weights in the model's shapes instead of loading them")
+    threads: Optional[int] = option(None, "torch CPU threads (default: torch's choice)")
+    attention: str = option("auto", "attention backend (auto: Triton on CUDA, torch-native on the CPU)",
+                            choices=ATTENTION_BACKENDS)
+    cuda_graphs: bool = option(True, "capture decode steps as CUDA graphs", negative="--no-cuda-graphs")
+    overlap: Optional[bool] = option(None, "schedule the next step while the current one runs (default: on for "
+                                           "CUDA)", negative="--no-overlap")
+
+    def __post_init__(self) -> None:
+        validate_engine_options(**self.as_dict())
+
+    @classmethod
+    def create(cls, **options: Any) -> EngineConfig:
+        """EngineConfig(**options), with an unknown option named like a bad value."""
+        known = {f.name for f in fields(cls)}
+        for name in options:
+            if name not in known:
+                raise EngineOptionError(name, f"is not an engine option (known: {', '.join(sorted(known))})")
+        return cls(**options)
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    # -- the command line -----------------------------------------------------------------------
+    @classmethod
+    def flag(cls, name: str) -> str:
+        """The flag that sets option `name`: --page-size, --cache, ..."""
+        meta = next(f.metadata for f in fields(cls) if f.name == name)
+        return meta["flag"] or "--" + name.replace("_", "-")
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("engine options")
+        for f in fields(cls):
+            meta, default = f.metadata, f.default if f.default is not MISSING else None
+            flag = cls.flag(f.name)
+            # a help that explains its default itself keeps it; ArgumentDefaultsHelpFormatter skips it too
+            shown = meta["help"] if "default" in meta["help"] else f"{meta['help']} (default: %(default)s)"
+            if isinstance(default, bool) or f.name == "overlap":
+                if meta["negative"] and default is True:  # only the negative flag: "--no-cuda-graphs"
+                    group.add_argument(meta["negative"], dest=f.name, action="store_false", help=f"do not {meta['help']}")
+                    continue
+                group.add_argument(flag, dest=f.name, action="store_true", default=default, help=shown)
+                if meta["negative"]:
+                    group.add_argument(meta["negative"], dest=f.name, action="store_false", help=f"do not {meta['help']}")
+                continue
+            kind = int if f.type in ("int", "Optional[int]") else str
+            group.add_argument(flag, dest=f.name, type=kind, default=default, choices=meta["choices"],
+                               metavar=meta["metavar"], help=shown)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
