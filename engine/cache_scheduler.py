@@ -91,7 +91,7 @@ class Driver:
         return {"batch": [r.uid for r in batch], "rejected": rejected}
 
     def decode(self, sample: Sequence[int] = (), stop: Sequence[int] = ()) -> Dict:
-        batch = list(self.dm.running_reqs.values())
+        batch = list(self.dm.running_reqs)
         self._run(batch, sample, stop, is_prefill=False)
         return {"batch": [r.uid for r in batch]}
 
@@ -234,7 +234,7 @@ class Driver:
             "size_info": tuple(self.cm.prefix_cache.size_info),
             "table_free": self.tm.free_slots(),
             "waiting": [p.uid for p in self.waiting],
-            "running": list(self.dm.running_reqs),
+            "running": self.dm.running_reqs.uids(),
             "inflight_tokens": self.dm.inflight_tokens,
         }
 

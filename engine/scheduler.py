@@ -219,7 +219,7 @@ class Scheduler:
                 for req in batch:
                     self.prefix_hit_tokens.setdefault(req.uid, req.cached_len)
             if not batch:
-                batch, phase = list(d.dm.running_reqs.values()), "decode"
+                batch, phase = list(d.dm.running_reqs), "decode"
             if not batch:
                 return None
             d.allocate(batch)

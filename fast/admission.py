@@ -7,6 +7,7 @@ from typing import Dict, Iterable, Tuple
 import torch
 
 from kvledger.reference.pages import div_ceil
+from kvledger.reference.running_reqs import RunningReqs
 
 from .cache_manager import CacheManager
 from .prefix_cache import CacheHandle
@@ -22,22 +23,22 @@ def _pages_to_finish(cached_len: int, max_device_len: int, page_size: int) -> in
 class DecodeManager:
     def __init__(self, page_size: int = 1) -> None:
         self.page_size = page_size
-        self.running_reqs: Dict[int, Req] = {}  # uid -> req; a dict keeps admission order
+        self.running_reqs: RunningReqs[Req] = RunningReqs()  # iterates requests, in admission order
 
     def filter_reqs(self, reqs: Iterable[Req]) -> None:
         for req in reqs:
             if req.can_decode:
-                self.running_reqs.setdefault(req.uid, req)
-        for uid in [uid for uid, r in self.running_reqs.items() if not r.can_decode]:
-            del self.running_reqs[uid]
+                self.running_reqs.add(req)
+        for req in [r for r in self.running_reqs if not r.can_decode]:
+            self.running_reqs.discard(req)
 
     def remove_req(self, req: Req) -> None:
-        self.running_reqs.pop(req.uid, None)
+        self.running_reqs.discard(req)
 
     @property
     def inflight_tokens(self) -> int:
         ps = self.page_size
-        return ps * sum(_pages_to_finish(r.cached_len, r.max_device_len, ps) for r in self.running_reqs.values())
+        return ps * sum(_pages_to_finish(r.cached_len, r.max_device_len, ps) for r in self.running_reqs)
 
     @property
     def runnable(self) -> bool:

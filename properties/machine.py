@@ -128,13 +128,13 @@ class LockstepMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.ref.dm.runnable)
     @rule(pick=st.integers(0, 63))
     def finish(self, pick: int) -> None:
-        uids = list(self.ref.dm.running_reqs)
+        uids = self.ref.dm.running_reqs.uids()
         self._do({"op": "finish", "uid": uids[pick % len(uids)]})
 
     @precondition(lambda self: self.ref.waiting or self.ref.dm.runnable)
     @rule(pick=st.integers(0, 63))
     def abort(self, pick: int) -> None:
-        uids = [p.uid for p in self.ref.waiting] + list(self.ref.dm.running_reqs)
+        uids = [p.uid for p in self.ref.waiting] + self.ref.dm.running_reqs.uids()
         uid = uids[pick % len(uids)]
         if any(p.uid == uid and p.chunked_req is not None for p in self.ref.waiting):
             note("driver: abort mid-chunk")

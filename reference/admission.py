@@ -14,27 +14,30 @@ from .events import note
 from .pages import tokens_to_finish
 from .prefix_cache import CacheHandle
 from .requests import ChunkedReq, PendingReq, Req
+from .running_reqs import RunningReqs
 from .table import TableManager
 
 
 class DecodeManager:
     def __init__(self, page_size: int = 1) -> None:
         self.page_size = page_size
-        self.running_reqs: Dict[int, Req] = {}  # uid -> req, in admission order
+        self.running_reqs: RunningReqs[Req] = RunningReqs()  # iterates requests, in admission order
 
     def filter_reqs(self, reqs: Iterable[Req]) -> None:
         for req in reqs:
-            self.running_reqs.setdefault(req.uid, req)
-        self.running_reqs = {uid: r for uid, r in self.running_reqs.items() if r.can_decode}
+            self.running_reqs.add(req)
+        for req in self.running_reqs:
+            if not req.can_decode:
+                self.running_reqs.discard(req)
 
     def remove_req(self, req: Req) -> None:
-        self.running_reqs.pop(req.uid, None)
+        self.running_reqs.discard(req)
 
     @property
     def inflight_tokens(self) -> int:
         return sum(
             tokens_to_finish(r.cached_len, r.max_device_len, self.page_size)
-            for r in self.running_reqs.values()
+            for r in self.running_reqs
         )
 
     @property

@@ -77,7 +77,7 @@ def test_row_pointing_outside_its_locked_prefix(impl):
 
 def test_quiescence_every_page_back_and_no_lock(impl):
     d = _running(impl)
-    for uid in list(d.dm.running_reqs):
+    for uid in d.dm.running_reqs.uids():
         d.finish(uid)
     d.check()
     info = d.cm.prefix_cache.size_info

@@ -24,7 +24,7 @@ def _long_failing_trace(n_ops: int = 1000, seed: int = 7) -> tuple:
         uid = 0
         while len(lock.ops) < n_ops:
             ref = lock.ref
-            running, waiting = list(ref.dm.running_reqs), [p.uid for p in ref.waiting]
+            running, waiting = ref.dm.running_reqs.uids(), [p.uid for p in ref.waiting]
             choice = rng.random()
             if choice < 0.25:
                 tokens = [100 + uid] + [rng.randrange(3) for _ in range(rng.randint(0, 9))]
@@ -41,7 +41,7 @@ def _long_failing_trace(n_ops: int = 1000, seed: int = 7) -> tuple:
             else:
                 op = {"op": "probe", "tokens": [100 + rng.randrange(max(uid, 1))]}
             lock.apply(op)
-        for u in [p.uid for p in lock.ref.waiting] + list(lock.ref.dm.running_reqs):
+        for u in [p.uid for p in lock.ref.waiting] + lock.ref.dm.running_reqs.uids():
             lock.apply({"op": "abort", "uid": u})
         ops = list(lock.ops)
     ops += [{"op": "submit", "uid": uid, "tokens": [1, 2, 3, 4, 5], "max_tokens": 4},

@@ -87,4 +87,4 @@ def test_decode_order_is_admission_order_so_traces_replay(impl):
 
     reqs = [R(u) for u in (5, 1, 9, 3)]
     dm.filter_reqs(reqs)
-    assert list(dm.running_reqs) == [5, 1, 9, 3]
+    assert dm.running_reqs.uids() == [5, 1, 9, 3]

@@ -119,3 +119,17 @@ def test_eviction_then_allocation_is_page_aligned_and_disjoint(impl, page_size):
     assert len(set(starts)) == len(starts)
     if owned is not None:
         assert not set(owned[::page_size]) & set(starts)
+
+
+def test_running_reqs_iterates_requests_in_admission_order_like_the_seeds_set(impl):
+    """Code written against the seed iterates `DecodeManager.running_reqs` as requests (a set of
+    Req there); kvledger keeps that, in admission order."""
+    dm = impl.DecodeManager(page_size=4)
+    ids = [1, 2, 3] if impl.__name__ == "kvledger.reference" else impl.requests.as_token_tensor([1, 2, 3])
+    reqs = [impl.Req(ids, table_idx=i, cached_len=2, output_len=4, uid=uid,
+                     sampling_params=impl.SamplingParams(), cache_handle=None) for i, uid in enumerate((7, 3, 5))]
+    dm.filter_reqs(reqs)
+    assert list(dm.running_reqs) == reqs and all(r in dm.running_reqs for r in reqs)
+    assert len(dm.running_reqs) == 3 and dm.running_reqs.get(3) is reqs[1]
+    dm.remove_req(reqs[1])
+    assert [r.uid for r in dm.running_reqs] == [7, 5] and reqs[1] not in dm.running_reqs

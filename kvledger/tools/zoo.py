@@ -195,8 +195,8 @@ _bug("reservation-in-tokens", "mini-sglang seed (worst-case reservation in token
 _bug("inflight-in-tokens", "mini-sglang seed (running reservation as remain_len)",
      "DecodeManager.inflight_tokens sums the running requests' remain_len, not their remaining pages",
      fast.DecodeManager, "inflight_tokens",
-     ("return ps * sum(_pages_to_finish(r.cached_len, r.max_device_len, ps) for r in self.running_reqs.values())",
-      "return sum(r.remain_len for r in self.running_reqs.values())  # BUG: tokens, not pages"))
+     ("return ps * sum(_pages_to_finish(r.cached_len, r.max_device_len, ps) for r in self.running_reqs)",
+      "return sum(r.remain_len for r in self.running_reqs)  # BUG: tokens, not pages"))
 
 _bug("no-recheck-after-lock", "mini-sglang seed (the second check after lock)",
      "_try_allocate_one skips the admission check after locking the hit, which stopped being evictable",
