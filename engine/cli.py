@@ -18,13 +18,13 @@ def option_error(prog: str, err: EngineOptionError) -> int:
 
 def add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt, streaming to the terminal")
-    p.add_argument("prompt")
+    p.add_argument("prompt", help="the text to continue (or, with --chat, the user's message)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    p.add_argument("--max-tokens", dest="max_tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", dest="top_k", type=int, default=-1)
-    p.add_argument("--top-p", dest="top_p", type=float, default=1.0)
-    p.add_argument("--ignore-eos", dest="ignore_eos", action="store_true")
+    p.add_argument("--max-tokens", dest="max_tokens", type=int, default=128, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-k", dest="top_k", type=int, default=-1, help="sample from the k most likely tokens (-1: all)")
+    p.add_argument("--top-p", dest="top_p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--ignore-eos", dest="ignore_eos", action="store_true", help="keep generating past end-of-sequence")
     EngineConfig.add_arguments(p)
     p.set_defaults(func=generate_command)
 

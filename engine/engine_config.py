@@ -72,8 +72,7 @@ class EngineConfig:
         for f in fields(cls):
             meta, default = f.metadata, f.default if f.default is not MISSING else None
             flag = cls.flag(f.name)
-            # a help that explains its default itself keeps it; ArgumentDefaultsHelpFormatter skips it too
-            shown = meta["help"] if "default" in meta["help"] else f"{meta['help']} (default: %(default)s)"
+            shown = meta["help"]  # the parser's formatter adds "(default: ...)" where it says something
             if isinstance(default, bool) or f.name == "overlap":
                 if meta["negative"] and default is True:  # only the negative flag: "--no-cuda-graphs"
                     group.add_argument(meta["negative"], dest=f.name, action="store_false", help=f"do not {meta['help']}")

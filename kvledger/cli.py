@@ -26,6 +26,9 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.output and not (args.serve or args.workload):
+        print(f"kvledger bench: --output needs --serve or --workload (bench {args.what} only prints)", file=sys.stderr)
+        return 2
     if getattr(args, "serve", None):
         from kvledger.bench.online import main_online_bench
 
@@ -50,14 +53,14 @@ def _bench(args: argparse.Namespace) -> int:
 def _zoo(args: argparse.Namespace) -> int:
     from kvledger.tools.zoo_run import main_zoo
 
-    return main_zoo(args.bugs, args.fuzz_seconds, args.out, args.hypothesis_seconds)
+    return main_zoo(args.bugs, args.fuzz_seconds, args.out_dir, args.hypothesis_seconds)
 
 
 def _fuzz(args: argparse.Namespace) -> int:
     from kvledger.tools.fuzz import fuzz
 
     try:
-        result = fuzz(args.seconds, workers=args.workers, seed=args.seed, out_dir=args.out, bug=args.bug,
+        result = fuzz(args.seconds, workers=args.workers, seed=args.seed, out_dir=args.out_dir, bug=args.bug,
                       minimize_budget=args.minimize_budget)
     except (KeyError, ValueError) as e:
         print(f"kvledger fuzz: {e}", file=sys.stderr)
@@ -84,22 +87,25 @@ def _coverage(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvledger.engine.cli_parser import OneLineErrorParser
+    from kvledger.engine.cli_parser import OneLineErrorParser, add_logging_options
 
     from kvledger import __version__
 
     parser = OneLineErrorParser(prog="kvledger", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kvledger {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    add_logging_options(parser)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("check", help="run the lockstep Hypothesis property run (reference vs fast)")
-    p.add_argument("--profile", default="ci", choices=["ci", "deep", "dev"])
+    p.add_argument("--profile", default="ci", choices=["ci", "deep", "dev"],
+                   help="Hypothesis profile: ci (1500 sequences of up to 60 operations), deep (5000 of up to 120), "
+                        "dev (40 of up to 30)")
     p.add_argument("--examples", type=int, default=None, help="override the profile's number of examples")
     p.set_defaults(func=_check)
 
     p = sub.add_parser("replay", help="replay a trace on reference and fast in lockstep")
-    p.add_argument("trace")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("trace", help="the trace file (.jsonl)")
+    p.add_argument("--device", default="cpu", help="where fast's tensors live: cpu or cuda")
     p.add_argument("--bug", default=None, help="patch this bug-zoo bug into fast first (see kvledger zoo)")
     p.set_defaults(func=_replay)
 
@@ -108,11 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
     from kvledger.engine.server.serve import add_serve_parser
 
-    add_serve_parser(sub)
+    add_serve_parser(sub)  # serve has its own --log-level (default warning) and sets up its own log
 
     p = sub.add_parser("bench", help="benchmarks that print numbers")
     p.add_argument("what", nargs="?", default="engine", choices=["engine", "cache"],
-                   help="engine: this engine vs transformers on one workload (default); cache: the cache manager")
+                   help="engine: this engine vs transformers on one workload; cache: the cache manager")
     from kvledger.bench.arguments import add_bench_arguments, add_nano_bench_arguments, add_online_bench_arguments
 
     add_bench_arguments(p)
@@ -124,39 +130,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bugs", default=None, help="comma-separated bug names (default: all)")
     p.add_argument("--fuzz-seconds", type=float, default=10.0, help="fuzzer time per bug (0: skip)")
     p.add_argument("--hypothesis-seconds", type=float, default=45.0, help="time cap per bug for the CI profile")
-    p.add_argument("--out", default=None, help="where to keep each bug's failing traces (default: a temp dir)")
+    p.add_argument("--out-dir", default=None, metavar="DIR",
+                   help="where to keep each bug's failing traces (default: a temp dir)")
     p.set_defaults(func=_zoo)
 
     p = sub.add_parser("fuzz", help="random-walk differential fuzzing of reference vs fast")
     p.add_argument("--seconds", type=float, required=True, help="how long to fuzz")
-    p.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--workers", type=int, default=1, help="worker processes")
     p.add_argument("--seed", type=int, default=0, help="same seed and workers give the same cases")
-    p.add_argument("--out", default=".kvledger/fuzz", help="where failing traces go (default .kvledger/fuzz)")
+    p.add_argument("--out-dir", default=".kvledger/fuzz", metavar="DIR", help="where failing traces go")
     p.add_argument("--bug", default=None, help="patch a bug-zoo bug into fast in every worker")
     p.add_argument("--minimize-budget", type=float, default=60.0, help="seconds to minimize a failure")
     p.set_defaults(func=_fuzz)
 
     p = sub.add_parser("minimize", help="shrink a failing trace, keeping its divergence kind")
-    p.add_argument("trace")
-    p.add_argument("-o", "--output", required=True, help="where to write the minimized trace")
-    p.add_argument("--budget", type=float, default=60.0, help="time budget in seconds (default 60)")
+    p.add_argument("trace", help="the failing trace (.jsonl)")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the minimized trace")
+    p.add_argument("--budget", type=float, default=60.0, help="time budget in seconds")
     p.add_argument("--bug", default=None, help="patch a bug-zoo bug into fast first")
     p.set_defaults(func=_minimize)
 
     p = sub.add_parser("show", help="draw a trace's page ownership over time (PNG)")
-    p.add_argument("trace")
-    p.add_argument("-o", "--output", required=True, help="the PNG to write")
+    p.add_argument("trace", help="the trace (.jsonl)")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="the PNG to write")
     p.add_argument("--bug", default=None, help="patch a bug-zoo bug into fast first")
     p.set_defaults(func=_show)
 
     p = sub.add_parser("coverage", help="line and branch coverage of fast/ by the property run (ci profile)")
     p.add_argument("--examples", type=int, default=None, help="override the profile's number of examples")
     p.set_defaults(func=_coverage)
+
+    for name, p in sub.choices.items():
+        if name != "serve":  # serve: its own --log-level
+            add_logging_options(p)
     return parser
 
 
 def main(argv: List[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command != "serve":  # serve configures its log itself, from its own --log-level
+        from kvledger.engine.cli_parser import configure_logging, log_level
+
+        configure_logging(log_level(args))
     return args.func(args)
 
 

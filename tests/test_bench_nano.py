@@ -183,7 +183,7 @@ def test_cli_smoke_smollm2_cpu(tmp_path, capsys):
     out_json = tmp_path / "nano.json"
     rc = main(["bench", "--workload", "nano-vllm", "--model-config", "smollm2-135m", "--device", "cpu",
                "--dtype", "float32", "--num-requests", "3", "--max-input-len", "16", "--max-output-len", "4",
-               "--profile-requests", "2", "--profile-output-len", "3", "--out", str(out_json)])
+               "--profile-requests", "2", "--profile-output-len", "3", "--output", str(out_json)])
     out = capsys.readouterr().out
     assert rc == 0, out
     w = make_nano_workload(3, 16, 4)
@@ -210,7 +210,7 @@ def test_cli_compare_transformers_per_request_lengths(tmp_path, capsys):
     out_json = tmp_path / "nano.json"
     rc = main(["bench", "--workload", "nano-vllm", "--model-config", TINY, "--device", "cpu", "--num-requests", "4",
                "--max-input-len", "24", "--max-output-len", "12", "--profile-requests", "0",
-               "--compare", "transformers", "--out", str(out_json)])
+               "--compare", "transformers", "-o", str(out_json)])
     out = capsys.readouterr().out
     assert rc == 0, out
     w = make_nano_workload(4, 24, 12)

@@ -49,7 +49,7 @@ def _positive(kind: type):
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free port)")
     p.add_argument("--api-key", dest="api_key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 and /debug")
     p.add_argument("--served-model-name", dest="served_model_name", default=None,
@@ -67,7 +67,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", dest="drain_timeout", type=_positive(float), default=30.0,
                    help="on SIGTERM, seconds open requests get to finish before they are stopped (default 30)")
     p.add_argument("--log-level", dest="log_level", default="warning",
-                   choices=["critical", "error", "warning", "info", "debug"])
+                   choices=["critical", "error", "warning", "info", "debug"], help="server log level")
     EngineConfig.add_arguments(p)
 
 

@@ -19,9 +19,10 @@ def add_bench_arguments(parser) -> None:
     parser.add_argument("--max-len", type=int, default=256, help="longest prompt, tokens")
     parser.add_argument("--output-len", type=int, default=64, help="tokens generated per request")
     parser.add_argument("--dtype", default=None, choices=list(BENCH_DTYPES),
-                        help="default float32; with --workload nano-vllm: bfloat16 on CUDA, float32 on CPU")
+                        help="weights and activations (default: float32; with --workload nano-vllm: bfloat16 on "
+                             "CUDA, float32 on CPU)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts (and of random weights)")
     parser.add_argument("--skip-transformers", action="store_true", help="run this engine only")
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the embedded model; "
                         "with --workload nano-vllm: real weights instead of --model-config's random ones)")
@@ -29,11 +30,12 @@ def add_bench_arguments(parser) -> None:
 
 def add_nano_bench_arguments(p) -> None:
     """Options of `kvledger bench --workload nano-vllm`. --dtype, --seed, --threads and --model come from
-    add_bench_arguments."""
+    add_bench_arguments, -o/--output from add_online_bench_arguments."""
     g = p.add_argument_group("--workload nano-vllm (GPU throughput benchmark)")
     g.add_argument("--workload", default=None, choices=[WORKLOAD],
                    help="nano-vllm: its offline workload (256 requests, 142,827 in / 133,966 out tokens)")
-    g.add_argument("--num-requests", dest="num_requests", type=int, default=NANO_NUM_REQUESTS)
+    g.add_argument("--num-requests", dest="num_requests", type=int, default=NANO_NUM_REQUESTS,
+                   help="requests in the workload (its first N)")
     g.add_argument("--max-input-len", dest="max_input_len", type=int, default=NANO_MAX_LEN,
                    help="longest prompt (shortest: 100/1024 of it)")
     g.add_argument("--max-output-len", dest="max_output_len", type=int, default=NANO_MAX_LEN,
@@ -43,19 +45,23 @@ def add_nano_bench_arguments(p) -> None:
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     g.add_argument("--compare", default="none", choices=["none", "transformers"],
                    help="also run transformers' continuous batching")
-    g.add_argument("--out", default=None, metavar="FILE.json", help="write every raw number as JSON")
-    g.add_argument("--page-size", dest="page_size", type=int, default=16)
+    g.add_argument("--page-size", dest="page_size", type=int, default=16, help="engine tokens per KV page")
     g.add_argument("--kv-cache-tokens", dest="kv_cache_tokens", type=int, default=None,
                    help="KV pool size (default: from free GPU memory where the engine can, else the workload's need)")
-    g.add_argument("--max-running-reqs", dest="max_running_reqs", type=int, default=256)
-    g.add_argument("--max-prefill-tokens", dest="max_prefill_tokens", type=int, default=16384)
+    g.add_argument("--max-running-reqs", dest="max_running_reqs", type=int, default=256,
+                   help="engine: requests decoding at once")
+    g.add_argument("--max-prefill-tokens", dest="max_prefill_tokens", type=int, default=16384,
+                   help="engine: tokens one prefill step computes; longer prompts are chunked")
     g.add_argument("--cuda-graphs", dest="cuda_graphs", default=None, action="store_const", const=True,
                    help="engine CUDA graphs on (default: on for CUDA, where the engine has the option)")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False,
                    help="engine CUDA graphs off")
-    g.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],
-                   help="engine CPU/GPU overlap (auto: the engine's choice)")
-    g.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"], help="engine attention")
+    g.add_argument("--overlap", dest="overlap", default=None, action="store_true",
+                   help="engine: schedule the next step while the current one runs (default: the engine's "
+                        "choice, on for CUDA)")
+    g.add_argument("--no-overlap", dest="overlap", action="store_false", help="engine: no CPU/GPU overlap")
+    g.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"],
+                   help="engine attention backend (auto: Triton on CUDA, torch-native on the CPU)")
     g.add_argument("--hf-attn", dest="hf_attn", default="sdpa",
                    help="transformers attn_implementation (continuous batching may switch sdpa to flash)")
     g.add_argument("--hf-max-batch-tokens", dest="hf_max_batch_tokens", type=int, default=None,
@@ -78,11 +84,12 @@ def add_online_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", dest="request_rate", type=float, default=math.inf,
                    help="Poisson arrival rate in requests/s (default inf: all at once)")
     p.add_argument("--max-concurrency", dest="max_concurrency", type=int, default=None,
-                   help="at most this many requests in flight")
+                   help="at most this many requests in flight (default: no limit)")
     p.add_argument("--shared-prefix-len", dest="shared_prefix_len", type=int, default=0,
                    help="tokens of prefix shared within each group of prompts")
     p.add_argument("--prefix-groups", dest="prefix_groups", type=int, default=1, help="number of shared prefixes")
-    p.add_argument("--api-key", dest="api_key", default=None)
+    p.add_argument("--api-key", dest="api_key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--served-model", dest="served_model", default=None, help="model id (default: the server's)")
-    p.add_argument("--output-json", dest="output_json", default=None, metavar="FILE", help="also write the figures")
-    p.add_argument("--no-progress", dest="no_progress", action="store_true", help="no progress bar")
+    p.add_argument("-o", "--output", dest="output", default=None, metavar="FILE.json",
+                   help="with --serve or --workload: also write the figures as JSON (nano-vllm: every raw number)")
+    p.add_argument("--no-progress", dest="no_progress", action="store_true", help="--serve: no progress bar")

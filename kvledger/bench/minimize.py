@@ -18,6 +18,7 @@ the same inputs; --rebuild makes them afresh.
 from __future__ import annotations
 
 import argparse
+import logging
 import random
 import signal
 import sys
@@ -26,11 +27,14 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from kvledger.engine import trace
+from kvledger.engine.cli_parser import configure_logging
 from kvledger.tools.fuzz import Case, Walker, case_seed, make_case, walk
 from kvledger.properties.lockstep import Divergence, Lockstep
 from kvledger.tools.minimize import _copy, fingerprint_of, minimize
 from kvledger.engine.trace import Header
 from kvledger.tools.zoo import BUGS, patched
+
+_log = logging.getLogger(__name__)  # `log` is the minimizer's callback
 
 CACHE_DIR = Path(".kvledger/minimize-bench")
 # large pools: every replayed operation checks every page, so these are the slow traces
@@ -89,7 +93,7 @@ def _walk(lock: Lockstep, case: Case, rng_seed: int, length: int, drain: bool) -
             walker.observe(op, lock.apply(op), lock.ref)
         done = length
         if drain:
-            for uid in [p.uid for p in lock.ref.waiting] + list(lock.ref.dm.running_reqs):
+            for uid in [p.uid for p in lock.ref.waiting] + lock.ref.dm.running_reqs.uids():
                 lock.apply({"op": "abort", "uid": uid})
     except Divergence as e:
         e.at = done  # type: ignore[attr-defined]
@@ -145,7 +149,7 @@ def load_or_build(bug: str, n_ops: int = 1000, rebuild: bool = False) -> Tuple[H
 def measure(bug: str, n_ops: int = 1000, budget: float = 60.0, rebuild: bool = False,
             verbose: bool = False) -> Dict:
     header, ops = load_or_build(bug, n_ops, rebuild)
-    log = (lambda line: print(f"    {line}", file=sys.stderr)) if verbose else None
+    log = (lambda line: _log.info("    %s", line)) if verbose else None
     with patched(bug):
         kind, step = fingerprint_of(header, ops)
         start = time.monotonic()
@@ -163,6 +167,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--rebuild", action="store_true", help="build the traces afresh")
     parser.add_argument("-v", "--verbose", action="store_true", help="the minimizer's log")
     args = parser.parse_args(argv)
+    configure_logging("info" if args.verbose else "warning")
     bugs = args.bugs.split(",") if args.bugs else sorted(BUGS)
     print(f"{'bug':30s} {'pool':>7s} {'ops':>5s} {'min':>4s} {'seconds':>7s}  fingerprint", flush=True)
     worst = 0.0

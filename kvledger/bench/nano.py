@@ -386,7 +386,7 @@ class NanoOptions:
     profile_requests: int = 256
     profile_output_len: int = 32
     warmup_requests: int = 8
-    out: Optional[str] = None
+    output: Optional[str] = None  # write the report here as JSON
     # resolved
     model_config_path: Optional[Path] = None
     hf_config: Dict[str, Any] = field(default_factory=dict)
@@ -509,9 +509,9 @@ def run_nano_bench(opts: NanoOptions, print_fn: Callable[[str], None] = print) -
         "breakdown": breakdown,
         "ok": all(r.ok for r in runs),
     }
-    if opts.out:
-        Path(opts.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
-        print_fn(f"wrote {opts.out}")
+    if opts.output:
+        Path(opts.output).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        print_fn(f"wrote {opts.output}")
     if cuda:
         _free_memory(opts.device)
     return report
@@ -521,10 +521,8 @@ def run_nano_bench(opts: NanoOptions, print_fn: Callable[[str], None] = print) -
 
 
 def options_from_args(args) -> NanoOptions:
-    overlap = {"auto": None, "on": True, "off": False}[getattr(args, "overlap", "auto")]
-    names = {f for f in NanoOptions.__dataclass_fields__ if f not in ("model_config_path", "hf_config", "overlap")}
-    kw = {n: getattr(args, n) for n in names if hasattr(args, n)}
-    return NanoOptions(overlap=overlap, **kw)
+    names = {f for f in NanoOptions.__dataclass_fields__ if f not in ("model_config_path", "hf_config")}
+    return NanoOptions(**{n: getattr(args, n) for n in names if hasattr(args, n)})  # overlap: None/True/False
 
 
 def main_nano_bench(args) -> int:

@@ -259,8 +259,8 @@ def main_online_bench(args: argparse.Namespace) -> int:
         print(f"kvledger bench --serve: {e}", file=sys.stderr)
         return 2
     print(format_report(summary))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
+    if args.output:
+        with open(args.output, "w") as f:
             json.dump(summary, f, indent=2)
     return 0 if summary["failed"] == 0 else 1
 
@@ -272,7 +272,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--min-len", dest="min_len", type=int, default=32, help="shortest prompt suffix, tokens")
     p.add_argument("--max-len", dest="max_len", type=int, default=256, help="longest prompt suffix, tokens")
     p.add_argument("--output-len", dest="output_len", type=int, default=64, help="tokens generated per request")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     add_online_bench_arguments(p)
     args = p.parse_args(argv)
     if args.serve is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 from hypothesis import settings
@@ -10,12 +11,14 @@ from hypothesis.stateful import run_state_machine_as_test
 from kvledger.properties.lockstep import Divergence
 from kvledger.properties.machine import EXPECTED_EVENTS, REACHED, LockstepMachine, failures_dir
 
+log = logging.getLogger(__name__)
+
 
 def run_check(profile: str, examples: int | None = None) -> int:
     settings.load_profile(profile)
     chosen = settings(settings.default, max_examples=examples) if examples else settings.default
-    print(f"kvledger check: profile {profile}, {chosen.max_examples} sequences of up to "
-          f"{chosen.stateful_step_count} operations, reference vs fast in lockstep")
+    log.info("kvledger check: profile %s, %d sequences of up to %d operations, reference vs fast in lockstep",
+             profile, chosen.max_examples, chosen.stateful_step_count)
     REACHED.clear()
     start = time.perf_counter()
     try:

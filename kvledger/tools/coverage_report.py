@@ -8,6 +8,7 @@ file: coverage's own table, then line and branch totals.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
+log = logging.getLogger(__name__)
 
 
 def run_suite(examples: Optional[int] = None) -> None:
@@ -74,12 +76,12 @@ def format_totals(report: Dict) -> str:
 
 
 def main_coverage(examples: Optional[int] = None) -> int:
-    print("kvledger coverage: the Hypothesis property run (ci profile"
-          + (f", {examples} examples" if examples else "") + ") under coverage.py, branch coverage of fast/")
+    log.info("kvledger coverage: the Hypothesis property run (ci profile%s) under coverage.py, branch coverage "
+             "of fast/", f", {examples} examples" if examples else "")
     try:
         report = measure(examples)
     except RuntimeError as e:
-        print(f"kvledger coverage: {e}", file=sys.stderr)
+        log.error("kvledger coverage: %s", e)
         return 1
     print(report["_table"])
     print(format_totals(report))
@@ -90,4 +92,7 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--run-suite"]:
         run_suite(int(sys.argv[2]) if len(sys.argv) > 2 else None)
     else:
+        from kvledger.engine.cli_parser import configure_logging
+
+        configure_logging()
         sys.exit(main_coverage())

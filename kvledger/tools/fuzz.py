@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import logging
 import multiprocessing as mp
 import queue as queue_mod
 import random
 import signal
-import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 from kvledger.engine.cache_scheduler import Driver
 from kvledger.engine.trace import Header
 
+log = logging.getLogger(__name__)
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # the in-progress driver may name requests whose sampled token ends them (EOS)
 _HAS_STOP = "stop" in inspect.signature(Driver.decode).parameters
@@ -115,7 +116,7 @@ class Walker:
 
     def next_op(self, ref: Driver) -> Dict:
         rng, case = self.rng, self.case
-        running = list(ref.dm.running_reqs)
+        running = ref.dm.running_reqs.uids()
         waiting = [p.uid for p in ref.waiting]
         evictable = ref.cm.prefix_cache.size_info.evictable_size
         choices = {"submit": True, "prefill": bool(waiting), "decode": bool(running), "finish": bool(running),
@@ -204,6 +205,7 @@ def case_trace(seed: int, worker: int, case: int, max_ops: Optional[int] = None)
 
 # -- worker processes ---------------------------------------------------------------------------
 REPORT_EVERY = 0.25  # seconds between a worker's progress messages
+PROGRESS_EVERY = 5.0  # seconds between the progress lines logged (INFO)
 OP_LIMIT_S = 10.0  # an operation still running after this long is reported as a hang
 
 
@@ -367,7 +369,6 @@ def fuzz(seconds: float, workers: int = 1, seed: int = 0, out_dir: str | Path = 
     found_at = None
     fuzz_start: Optional[float] = None  # when the first worker was ready
     done = 0
-    tty = sys.stderr.isatty()
     last_print = start
     try:
         while done < workers and failure_msg is None:
@@ -390,17 +391,13 @@ def fuzz(seconds: float, workers: int = 1, seed: int = 0, out_dir: str | Path = 
                     failure_msg = msg
                     found_at = time.monotonic() - (fuzz_start or start)
             now = time.monotonic()
-            if progress and fuzz_start is not None and now - last_print >= (1.0 if tty else 5.0):
-                line = _progress_line(now - fuzz_start, seconds, ops, cases, reached, expected)
-                print(("\r" + line + "\x1b[K") if tty else line, end="" if tty else "\n",
-                      file=sys.stderr, flush=True)
+            if progress and fuzz_start is not None and now - last_print >= PROGRESS_EVERY:
+                log.info(_progress_line(now - fuzz_start, seconds, ops, cases, reached, expected))
                 last_print = now
     finally:
         stop.set()
         ops, cases = _drain_and_join(procs, messages, ops, cases, reached)
     elapsed = time.monotonic() - (fuzz_start or start)
-    if progress and tty:
-        print(file=sys.stderr)
     result = FuzzResult(ops, cases, elapsed, workers, seed, bug, sorted(reached), seconds_to_find=found_at)
     if failure_msg is not None:
         result.failure = _handle_failure(failure_msg, Path(out_dir), seed, bug, minimize_budget, progress)
@@ -440,18 +437,17 @@ def _handle_failure(msg: tuple, out_dir: Path, seed: int, bug: Optional[str], bu
     trace.write(path, header, ops)
     if kind_of_msg in ("crash", "hang"):  # a hang is not minimized: each candidate could hang too
         if progress:
-            print(f"{kind_of_msg.upper()} in worker {worker}, case {case_no}: {msg[5].splitlines()[-1]}\n"
-                  f"  trace: {path} ({len(ops)} ops)", file=sys.stderr)
+            log.info("%s in worker %s, case %s: %s\n  trace: %s (%d ops)", kind_of_msg.upper(), worker, case_no,
+                     msg[5].splitlines()[-1], path, len(ops))
         return FuzzFailure(kind_of_msg, len(ops), msg[5], worker, case_no, path)
     kind, step, detail = msg[5:8]
     failure = FuzzFailure(kind, step, detail, worker, case_no, path)
     if progress:
-        print(f"DIVERGED in worker {worker}, case {case_no}, step {step}: {kind}\n  {detail}\n"
-              f"  trace: {path} ({len(ops)} ops); minimizing (budget {budget:g}s)...", file=sys.stderr)
-    log = (lambda line: print(line, file=sys.stderr)) if progress else None
+        log.info("DIVERGED in worker %s, case %s, step %s: %s\n  %s\n  trace: %s (%d ops); minimizing "
+                 "(budget %gs)...", worker, case_no, step, kind, detail, path, len(ops), budget)
     try:
         with patched(bug):
-            m_header, m_ops, m_kind = minimize(header, ops, budget=budget, log=log)
+            m_header, m_ops, m_kind = minimize(header, ops, budget=budget, log=log.info if progress else None)
     except MinimizeError as e:  # the divergence did not reproduce in this process
         failure.detail += f" (could not minimize: {e})"
         return failure

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import logging
 import sys
 import time
 from dataclasses import replace
@@ -38,6 +39,8 @@ from kvledger import reference
 from kvledger.engine.cache_scheduler import InvalidOp
 from kvledger.properties.lockstep import Divergence, Lockstep, replay
 from kvledger.engine.trace import Header, dumps
+
+_log = logging.getLogger(__name__)  # `log` is the minimizer's callback
 
 Ops = List[Dict]
 # ops that name a request: submit/finish/abort through "uid", prefill/decode through "stop"
@@ -520,14 +523,11 @@ def main_minimize(path: str, output: str, budget: float = 60.0, bug: str | None 
     from kvledger.engine.trace import TraceError, read, write
     from kvledger.tools.zoo import patched
 
-    def log(line: str) -> None:
-        print(line, file=sys.stderr)
-
     try:
         header, ops = read(path)
         with patched(bug):
             start = time.monotonic()
-            m_header, m_ops, kind = minimize(header, ops, budget=budget, log=log)
+            m_header, m_ops, kind = minimize(header, ops, budget=budget, log=_log.info)
     except (OSError, TraceError, MinimizeError, KeyError) as e:
         print(f"kvledger minimize: {path}: {e}", file=sys.stderr)
         return 2

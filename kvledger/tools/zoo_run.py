@@ -12,6 +12,7 @@ For each bug (see `zoo.py`):
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -23,6 +24,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from kvledger.engine import trace
 from kvledger.tools.zoo import BUGS, patched
+
+_log = logging.getLogger(__name__)  # `log` is run_zoo's callback
 
 HYPOTHESIS_CAP_S = 45.0
 MINIMIZE_BUDGET_S = 15.0
@@ -177,7 +180,8 @@ def minimize_trace(trace_path: str, name: str) -> tuple[int, str] | None:
 # -- the whole zoo -----------------------------------------------------------------------------
 
 def run_zoo(names: Sequence[str], fuzz_seconds: float, out_dir: Path,
-            hypothesis_cap_s: float = HYPOTHESIS_CAP_S, log: Callable[[str], None] = print) -> List[ZooRow]:
+            hypothesis_cap_s: float = HYPOTHESIS_CAP_S, log: Callable[[str], None] | None = None) -> List[ZooRow]:
+    log = log or _log.info
     rows = []
     for name in names:
         bug = BUGS[name]
@@ -240,8 +244,7 @@ def main_zoo(bugs: str | None, fuzz_seconds: float, out: str | None,
         return 2
     out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="kvledger-zoo-"))
     start = time.perf_counter()
-    rows = run_zoo(names, fuzz_seconds, out_dir, hypothesis_seconds,
-                   log=lambda s: print(s, file=sys.stderr, flush=True))
+    rows = run_zoo(names, fuzz_seconds, out_dir, hypothesis_seconds)
     print(format_table(rows))
     escaped = [r.bug for r in rows if r.escaped]
     missing_fuzz = any(r.fuzz_caught is None for r in rows) and fuzz_seconds > 0
@@ -258,5 +261,5 @@ def main_zoo(bugs: str | None, fuzz_seconds: float, out: str | None,
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--hypothesis-child":
         sys.exit(_hypothesis_child(sys.argv[2], Path(sys.argv[3])))
-    print("usage: kvledger zoo [--bugs a,b] [--fuzz-seconds N] [--out DIR]", file=sys.stderr)
+    print("usage: kvledger zoo [--bugs a,b] [--fuzz-seconds N] [--out-dir DIR]", file=sys.stderr)
     sys.exit(2)
