@@ -32,6 +32,7 @@ class RequestOutput:
     text: str = ""
     finish_reason: Optional[str] = None  # "length", "stop", "error"
     error: Optional[Exception] = None  # the ValueError (naming the field) of a rejected request, or why it failed
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
 
 class LLM:
@@ -120,6 +121,7 @@ class LLM:
         while self.scheduler.has_work:
             for ev in self.scheduler.step():
                 out = by_uid[ev.uid]
+                out.cached_tokens = ev.cached_tokens
                 if ev.error is not None:  # this request alone failed (the others go on)
                     out.error = RuntimeError(ev.error)
                 else:

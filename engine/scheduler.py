@@ -63,6 +63,18 @@ class TokenEvent:
     finished: bool
     finish_reason: Optional[str]  # "length", "stop" (EOS or a stop token), "error", or None
     error: Optional[str] = None  # why the request failed (finish_reason "error"); its token is not output
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+
+
+@dataclass
+class RequestRecord:
+    """The engine's state of one request, from submit until it ends; dropped then. (Its pages and
+    page-table row are the cache manager's; its sampling generator is the sampler's.)"""
+
+    uid: int
+    params: fast.SamplingParams
+    cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache, set at admission
+    finishing: Optional[str] = None  # its finish reason once bookkeeping released it, before delivery
 
 
 _GREEDY = fast.SamplingParams(temperature=0.0)
@@ -100,10 +112,9 @@ class Scheduler:
         self.driver = Driver(fast, device=str(self.device), check_admission=False, increasing_uids=True,
                              **self.header.driver_args())
         self.sampler = Sampler(config.seed)
-        self.params: Dict[int, fast.SamplingParams] = {}
+        self.requests: Dict[int, RequestRecord] = {}  # the live requests
         self.observers: List[Observer] = []
         self.step_no = 0
-        self.prefix_hit_tokens: Dict[int, int] = {}  # uid -> prompt tokens found in the prefix cache
         # per table row, the token its request feeds to the next decode step (last entry: scratch)
         self.next_tokens = torch.zeros(config.max_running_reqs + 1, dtype=torch.long, device=self.device)
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
@@ -112,7 +123,6 @@ class Scheduler:
             self.graphs = DecodeGraphs(model, self.driver.page_table, self.next_tokens,
                                        min(config.max_running_reqs, 256))
         self._inflight: Optional[_Step] = None
-        self._finishing: Dict[int, Optional[str]] = {}  # finished in bookkeeping, tokens not yet delivered
         self._ops: Deque[List] = deque()  # [op, ready, state]: observers see operations in order, with values
         # greedy requests that sampled a stop token in a step whose bookkeeping ran on placeholders:
         # delivered as finished, released at the next bookkeeping (see step())
@@ -154,13 +164,14 @@ class Scheduler:
     def submit(self, uid: int, token_ids: Sequence[int], params: fast.SamplingParams) -> None:
         ids = [int(t) for t in token_ids]
         self.validate(ids, params)
-        self.params[uid] = params
+        self.requests[uid] = RequestRecord(uid, params)
         self.sampler.add(uid, params)
         self._do({"op": "submit", "uid": uid, "tokens": ids, "max_tokens": params.max_tokens})
 
     def abort(self, uid: int) -> None:
         """Drop a waiting or running request and free its slot and pages at once."""
-        if uid in self._finishing:  # already released by its last step; its tokens are not delivered
+        rec = self.requests.get(uid)
+        if rec is not None and rec.finishing is not None:  # released by its last step, tokens not delivered
             self._forget(uid)
             return
         self._do({"op": "abort", "uid": uid})
@@ -216,8 +227,10 @@ class Scheduler:
             batch, phase = [], "prefill"
             if d.waiting:
                 batch, _ = d.admit(self.config.max_prefill_tokens)
-                for req in batch:
-                    self.prefix_hit_tokens.setdefault(req.uid, req.cached_len)
+                for req in batch:  # the first chunk's cached length is the prefix hit
+                    rec = self.requests[req.uid]
+                    if rec.cached_tokens is None:
+                        rec.cached_tokens = req.cached_len
             if not batch:
                 batch, phase = list(d.dm.running_reqs), "decode"
             if not batch:
@@ -261,10 +274,9 @@ class Scheduler:
     def _needs_values(self, step: _Step) -> bool:
         """Whether the step's bookkeeping must see its tokens: only when a row samples on the CPU.
         (A greedy request that may stop on a token is handled by a late stop instead.)"""
-        params = self.params
         for i in step.sampled:
-            p = params.get(step.batch[i].uid)
-            if p is not None and not p.is_greedy:
+            rec = self.requests.get(step.batch[i].uid)
+            if rec is not None and not rec.params.is_greedy:
                 return True
         return False
 
@@ -280,7 +292,7 @@ class Scheduler:
         self._wait(step)
         uids = [step.batch[i].uid for i in step.sampled]
         # a request that stopped late is still in this batch; its token is dropped: take the greedy one
-        params = [self.params.get(u, _GREEDY) for u in uids]
+        params = [rec.params if (rec := self.requests.get(u)) is not None else _GREEDY for u in uids]
         if all(p.is_greedy for p in params):
             step.values = step.host.tolist()
             return
@@ -297,7 +309,7 @@ class Scheduler:
                 sample[i] = t
         # a request whose sampling failed finishes here like a stop; its placeholder token is not output
         stop = [] if values is None else [batch[i].uid for i, t in zip(step.sampled, values)
-                                          if batch[i].uid in self.params and
+                                          if batch[i].uid in self.requests and
                                           (batch[i].uid in step.failed or self._stops(batch[i].uid, t))]
         late = [batch[i].uid for i in step.sampled if batch[i].uid in self._late_stops]
         stop += late
@@ -312,7 +324,10 @@ class Scheduler:
                 step.finished[req.uid] = "stop"
             elif not req.can_decode:
                 step.finished[req.uid] = "length"
-        self._finishing.update(step.finished)
+        for uid, reason in step.finished.items():
+            rec = self.requests.get(uid)
+            if rec is not None:  # None: it stopped late, and was delivered as finished already
+                rec.finishing = reason
         op: Dict = {"op": step.phase, "sample": sample, "stop": stop, "expect": {"batch": [r.uid for r in batch]}}
         if step.phase == "prefill":
             op = {"op": "prefill", "budget": self.config.max_prefill_tokens, **{k: v for k, v in op.items() if k != "op"}}
@@ -336,21 +351,22 @@ class Scheduler:
         for i, t in zip(step.sampled, step.values):
             uid = step.batch[i].uid
             reason = step.finished.get(uid)
-            self._finishing.pop(uid, None)
-            if uid not in self.params:  # aborted, or stopped late, while this step was in flight
+            rec = self.requests.get(uid)
+            if rec is None:  # aborted, or stopped late, while this step was in flight
                 continue
+            rec.finishing = None
             if reason is None and self._stops(uid, t):  # its step's bookkeeping ran before the value was known
                 reason = "stop"
                 self._late_stops.add(uid)
                 self.late_stops += 1
-            events.append(TokenEvent(uid, t, reason is not None, reason, step.failed.get(uid)))
+            events.append(TokenEvent(uid, t, reason is not None, reason, step.failed.get(uid), rec.cached_tokens or 0))
             if reason is not None:
                 self._forget(uid)
         self.host_seconds["land"] += time.perf_counter() - started
         return events
 
     def _stops(self, uid: int, token: int) -> bool:
-        p = self.params[uid]
+        p = self.requests[uid].params
         return (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids
 
     def _do(self, op: Dict) -> None:
@@ -373,5 +389,5 @@ class Scheduler:
                 observer(self.step_no, op, state if state is not None else self.driver)
 
     def _forget(self, uid: int) -> None:
-        self.params.pop(uid, None)
+        self.requests.pop(uid, None)
         self.sampler.remove(uid)

@@ -74,7 +74,8 @@ def test_duplicate_prompts_and_prefix_cache_hit(small_llm):
     assert [o.token_ids for o in pair] == [single, single]
     again = small_llm.generate([p], params)[0]
     assert again.token_ids == single
-    assert small_llm.scheduler.prefix_hit_tokens[again.uid] >= len(again.prompt_token_ids) - 16  # hit all but a partial page
+    assert again.cached_tokens >= len(again.prompt_token_ids) - 16  # hit all but a partial page
+    assert not small_llm.scheduler.requests  # every request's record is dropped when it ends
 
 
 def test_pool_too_small_gives_the_same_tokens(small_llm):

@@ -108,7 +108,7 @@ def test_abort_of_a_request_whose_last_step_is_in_flight():
     s.submit(100, [1, 2, 3], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=2))
     s.submit(101, [4, 5, 6], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6))
     events = []
-    while 100 not in s._finishing:
+    while s.requests[100].finishing is None:
         events += s.step()
         assert s.has_work
     s.abort(100)  # released by its last step already: no cache operation, and no more tokens

@@ -150,7 +150,7 @@ def test_fault_in_a_step_fails_open_requests_and_stops_service(llm, monkeypatch)
     finally:
         w.stop()
         monkeypatch.undo()
-        for uid in list(w.scheduler.params):  # leave the shared engine clean for other tests
+        for uid in list(w.scheduler.requests):  # leave the shared engine clean for other tests
             w.scheduler.abort(uid)
 
 

@@ -271,14 +271,14 @@ class EngineWorker:
     def _abort(self, uid: int, counter: str = "aborted") -> None:
         if uid not in self._sinks or self.fatal is not None:
             return  # already ended: finished, failed, or never accepted
+        rec = self.scheduler.requests.get(uid)
         self.scheduler.abort(uid)  # raises only if scheduler and worker disagree: a fault
         del self._sinks[uid]
         self._counts[counter] += 1
-        self._ended(uid)
+        self._ended(uid, None if rec is None else rec.cached_tokens)
 
     def _step(self) -> None:
         events = self.scheduler.step()
-        hits = self.scheduler.prefix_hit_tokens
         for ev in events:
             sink = self._sinks.get(ev.uid)
             if ev.finished:
@@ -289,16 +289,15 @@ class EngineWorker:
                     log.error("request %d failed: %s", ev.uid, ev.error)
                     _send(sink, Failed(ev.error, 500))
                 else:
-                    _send(sink, Token(ev.token, ev.finished, ev.finish_reason, hits.get(ev.uid, 0)))
+                    _send(sink, Token(ev.token, ev.finished, ev.finish_reason, ev.cached_tokens))
             if ev.finished:
-                self._ended(ev.uid)
+                self._ended(ev.uid, ev.cached_tokens)
         self._counts["generated_tokens"] += sum(ev.error is None for ev in events)
         self._rate.append((time.monotonic(), len(events)))
 
-    def _ended(self, uid: int) -> None:
+    def _ended(self, uid: int, hit: Optional[int]) -> None:
+        """Count an ended request's prompt and prefix hit, if it was ever admitted (hit not None)."""
         n = self._prompt_len.pop(uid, 0)
-        # the scheduler keeps one entry per admitted request forever; a server must not
-        hit = self.scheduler.prefix_hit_tokens.pop(uid, None)
         if hit is not None:
             self._counts["prompt_tokens"] += n
             self._counts["prefix_hit_tokens"] += hit
