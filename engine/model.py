@@ -125,7 +125,7 @@ class CausalLM(nn.Module):
 
     def uses_fused_path(self) -> bool:
         """CUDA with Triton and a backend that attends over already-stored KV."""
-        return fused_ops.available(self.embed_tokens.weight) and hasattr(self.attn_backend, "forward_stored")
+        return fused_ops.available(self.embed_tokens.weight) and self.attn_backend.reads_stored_kv
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,

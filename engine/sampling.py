@@ -17,6 +17,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
+from kvledger.engine.request_error import RequestError
 from kvledger.fast import SamplingParams
 
 MIN_TEMPERATURE = 1e-5  # below this the logits' scale overflows; it samples the argmax anyway
@@ -24,35 +25,35 @@ SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 
 
 def validate_sampling(params: SamplingParams) -> None:
-    """A ValueError naming the bad field."""
+    """A RequestError (a ValueError) naming the bad field."""
     _require_number(params.temperature, "temperature")
     if not math.isfinite(params.temperature) or params.temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0, got {params.temperature}")
+        raise RequestError("temperature", f"temperature must be a finite number >= 0, got {params.temperature}")
     _require_number(params.top_p, "top_p")
     if not 0 < params.top_p <= 1:  # also false for NaN
-        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+        raise RequestError("top_p", f"top_p must be in (0, 1], got {params.top_p}")
     _require_int(params.top_k, "top_k")
     if params.top_k == 0 or params.top_k < -1:
-        raise ValueError(f"top_k must be -1 (off) or >= 1, got {params.top_k}")
+        raise RequestError("top_k", f"top_k must be -1 (off) or >= 1, got {params.top_k}")
     _require_int(params.max_tokens, "max_tokens")
     if params.max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        raise RequestError("max_tokens", f"max_tokens must be >= 1, got {params.max_tokens}")
     if params.seed is not None:
         _require_int(params.seed, "seed")
         if not SEED_RANGE[0] <= params.seed < SEED_RANGE[1]:
-            raise ValueError(f"seed must fit in 64 bits, got {params.seed}")
+            raise RequestError("seed", f"seed must fit in 64 bits, got {params.seed}")
     for t in params.stop_token_ids:
         _require_int(t, "stop_token_ids")
 
 
 def _require_int(value, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise RequestError(name, f"{name} must be an integer, got {value!r}")
 
 
 def _require_number(value, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise RequestError(name, f"{name} must be a number, got {value!r}")
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

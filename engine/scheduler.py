@@ -37,6 +37,7 @@ from kvledger.engine.attention.base import AttentionBatch
 from kvledger.engine.cuda_graphs import DecodeGraphs
 from kvledger.engine.model import CausalLM
 from kvledger.engine.observers import FrozenState
+from kvledger.engine.request_error import RequestError
 from kvledger.engine.sampling import Sampler, validate_sampling
 from kvledger.engine.cache_scheduler import Driver
 from kvledger.engine.trace import Header
@@ -81,6 +82,16 @@ _GREEDY = fast.SamplingParams(temperature=0.0)
 
 
 @dataclass
+class _PendingOp:
+    """A cache operation waiting for its observers: `ready` once its tokens are known; `state` is
+    the engine's state frozen right after it (for observers that compare state)."""
+
+    op: Dict
+    ready: bool
+    state: Optional[FrozenState]
+
+
+@dataclass
 class _Step:
     """One launched batch, until its tokens are known on the host."""
 
@@ -91,7 +102,7 @@ class _Step:
     host: torch.Tensor  # greedy tokens of the sampled rows on the host (copied non-blocking on CUDA)
     ready: Optional[torch.cuda.Event] = None
     values: Optional[List[int]] = None  # sampled tokens, once known
-    entry: List = field(default_factory=list)  # its [op, ready, state] in the observers' queue
+    entry: Optional[_PendingOp] = None  # its operation in the observers' queue
     patch_at: List[int] = field(default_factory=list)  # per sampled row: its placeholder's index in input_ids
     finished: Dict[int, Optional[str]] = field(default_factory=dict)  # uid -> finish reason
     failed: Dict[int, str] = field(default_factory=dict)  # uid -> why sampling failed for that request alone
@@ -123,7 +134,7 @@ class Scheduler:
             self.graphs = DecodeGraphs(model, self.driver.page_table, self.next_tokens,
                                        min(config.max_running_reqs, 256))
         self._inflight: Optional[_Step] = None
-        self._ops: Deque[List] = deque()  # [op, ready, state]: observers see operations in order, with values
+        self._ops: Deque[_PendingOp] = deque()  # observers see operations in order, with their values
         # greedy requests that sampled a stop token in a step whose bookkeeping ran on placeholders:
         # delivered as finished, released at the next bookkeeping (see step())
         self._late_stops: set = set()
@@ -140,26 +151,26 @@ class Scheduler:
 
     # -- requests -----------------------------------------------------------------------------
     def validate(self, token_ids: Sequence[int], params: fast.SamplingParams) -> None:
-        """Raise ValueError naming the field if the request can never run."""
+        """Raise RequestError naming the field if the request can never run."""
         n = len(token_ids)
         if n == 0:
-            raise ValueError("prompt is empty")
+            raise RequestError("prompt", "prompt is empty")
         bad = [t for t in token_ids if not 0 <= int(t) < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            raise RequestError("prompt", f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         validate_sampling(params)
         bad = [t for t in params.stop_token_ids if not 0 <= int(t) < self.vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            raise RequestError("stop_token_ids", f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         limit = self.config.max_seq_len
         if n >= limit:
-            raise ValueError(f"prompt is {n} tokens, longer than max_seq_len allows ({limit - 1} + 1 generated)")
+            raise RequestError("prompt", f"prompt is {n} tokens, longer than max_seq_len allows ({limit - 1} + 1 generated)")
         if n + params.max_tokens > limit:
-            raise ValueError(f"max_tokens {params.max_tokens} plus the {n}-token prompt exceeds max_seq_len {limit}")
+            raise RequestError("max_tokens", f"max_tokens {params.max_tokens} plus the {n}-token prompt exceeds max_seq_len {limit}")
         pool = self.config.num_pages * self.config.page_size
         need = tokens_to_finish(0, n + params.max_tokens, self.config.page_size)
         if need > pool:
-            raise ValueError(f"max_tokens {params.max_tokens}: the request may need {need} KV tokens, the pool holds {pool}")
+            raise RequestError("max_tokens", f"max_tokens {params.max_tokens}: the request may need {need} KV tokens, the pool holds {pool}")
 
     def submit(self, uid: int, token_ids: Sequence[int], params: fast.SamplingParams) -> None:
         ids = [int(t) for t in token_ids]
@@ -331,7 +342,7 @@ class Scheduler:
         op: Dict = {"op": step.phase, "sample": sample, "stop": stop, "expect": {"batch": [r.uid for r in batch]}}
         if step.phase == "prefill":
             op = {"op": "prefill", "budget": self.config.max_prefill_tokens, **{k: v for k, v in op.items() if k != "op"}}
-        step.entry = [op, values is not None, self._state_for_observers()]
+        step.entry = _PendingOp(op, values is not None, self._state_for_observers())
         self._ops.append(step.entry)
         self._flush_ops()
 
@@ -341,11 +352,11 @@ class Scheduler:
         if step.values is None:
             self._wait(step)
             step.values = step.host.tolist()
-            sample = step.entry[0]["sample"]
+            sample = step.entry.op["sample"]
             for i, at, t in zip(step.sampled, step.patch_at, step.values):
                 step.batch[i].set_host_token(at, t)
                 sample[i] = t
-            step.entry[1] = True
+            step.entry.ready = True
             self._flush_ops()
         events = []
         for i, t in zip(step.sampled, step.values):
@@ -371,7 +382,7 @@ class Scheduler:
 
     def _do(self, op: Dict) -> None:
         self.driver.apply(op)
-        self._ops.append([op, True, self._state_for_observers()])
+        self._ops.append(_PendingOp(op, True, self._state_for_observers()))
         self._flush_ops()
 
     def _state_for_observers(self):
@@ -382,11 +393,11 @@ class Scheduler:
         return None
 
     def _flush_ops(self) -> None:
-        while self._ops and self._ops[0][1]:
-            op, _, state = self._ops.popleft()
+        while self._ops and self._ops[0].ready:
+            pending = self._ops.popleft()
             self.step_no += 1
             for observer in self.observers:
-                observer(self.step_no, op, state if state is not None else self.driver)
+                observer(self.step_no, pending.op, pending.state if pending.state is not None else self.driver)
 
     def _forget(self, uid: int) -> None:
         self.requests.pop(uid, None)

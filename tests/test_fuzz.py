@@ -127,8 +127,8 @@ def test_fuzz_reports_a_hang_with_its_trace(tmp_path, monkeypatch):
 
     inbox = Inbox()
     fz._worker(0, 0, 30.0, None, inbox, Never(), op_limit=0.5)
-    hang = [m for m in inbox.items if m[0] == "hang"]
-    assert len(hang) == 1 and "ran past 0.5 s" in hang[0][5]
+    hang = [m for m in inbox.items if isinstance(m, fz.WorkerFailure) and m.kind == "hang"]
+    assert len(hang) == 1 and "ran past 0.5 s" in hang[0].detail
     failure = fz._handle_failure(hang[0], tmp_path, 0, None, 1.0, progress=False)
     assert failure.kind == "hang" and failure.trace_path.exists()
     result = fz.FuzzResult(10, 0, 1.0, 1, 0, failure=failure)

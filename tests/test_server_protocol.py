@@ -6,7 +6,7 @@ import pytest
 
 
 from kvledger.engine.server.protocol import (  # noqa: E402
-    APIError, SamplingOptions, check_lengths, param_from_message, parse_chat_request, parse_completion_request,
+    APIError, SamplingOptions, check_lengths, parse_chat_request, parse_completion_request,
     parse_json_body,
 )
 
@@ -65,6 +65,3 @@ def test_json_body_and_engine_messages():
         parse_json_body(b'{"model": ')
     with pytest.raises(APIError, match="JSON object"):
         parse_json_body(b'"text"')
-    assert param_from_message("max_tokens 9 plus the 5-token prompt exceeds max_seq_len 10") == "max_tokens"
-    assert param_from_message("prompt token ids [99] are outside the vocabulary") == "prompt"
-    assert param_from_message("submit: uid 3 was already submitted") is None

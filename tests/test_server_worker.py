@@ -109,7 +109,10 @@ def test_rejections_name_the_field(worker):
     worker.submit(list(range(10, 20)), greedy(200), s)
     failed = s.get()
     assert isinstance(failed, Failed) and failed.param == "max_tokens" and "max_tokens" in failed.message
-    assert worker.stats.rejected == 2 and worker.alive
+    worker.submit(list(range(10, 20)), SamplingParams(max_tokens=2, stop_token_ids=(10**6,)), s)
+    failed = s.get()
+    assert isinstance(failed, Failed) and failed.param == "stop_token_ids"
+    assert worker.stats.rejected == 3 and worker.alive
 
 
 def test_overload_answers_503(llm):

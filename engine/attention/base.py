@@ -86,6 +86,10 @@ class AttentionBatch:
 class AttentionBackend(ABC):
     """plan() once per step, then forward() once per layer."""
 
+    # True for a backend with forward_stored(q, layer, pool): attention once the layer's K/V are
+    # already in the pool, which the fused norm/rope/KV-store kernels write themselves
+    reads_stored_kv: bool = False
+
     @abstractmethod
     def plan(self, batch: AttentionBatch) -> None: ...
 

@@ -83,6 +83,8 @@ class TritonPagedBackend(AttentionBackend):
     `plan_decode` sets device-side decode metadata directly, for CUDA-graph capture.
     """
 
+    reads_stored_kv = True
+
     def __init__(self, block_m: int | None = None, block_n: int = 64, max_batch: int = 256, max_splits: int = 16) -> None:
         """block_m: new tokens per program of the unified kernel; None picks 64 for 16-bit KV
         (prefill on the H200 ran 3x faster than with 16) and 16 for float32."""

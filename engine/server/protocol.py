@@ -12,7 +12,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Union
 
 Prompt = Union[str, List[int]]
 MAX_STOP_STRINGS = 8
@@ -433,10 +433,3 @@ def chat_chunk(rid: str, model: str, delta: Dict[str, Any], finish_reason: Optio
 def sse(data: Union[Dict[str, Any], str]) -> bytes:
     payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return f"data: {payload}\n\n".encode()
-
-
-def param_from_message(message: str, known: Sequence[str] = ("prompt", "max_tokens", "temperature", "top_p",
-                                                              "top_k", "seed", "stop_token_ids")) -> Optional[str]:
-    """The engine's ValueErrors start with the field they are about ("max_tokens 9 plus ...")."""
-    head = message.split(" ", 1)[0].rstrip(":")
-    return head if head in known else None

@@ -27,6 +27,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
+from kvledger.engine.cache_scheduler import InvalidOp
+from kvledger.engine.request_error import RequestError
 from kvledger.fast import SamplingParams
 
 log = logging.getLogger("kvledger.serve")
@@ -252,10 +254,10 @@ class EngineWorker:
                                              "retry later", 503))
         try:
             self.scheduler.submit(uid, ids, params)
-        except ValueError as e:  # names the field; the driver's InvalidOp is a ValueError too
-            from kvledger.engine.server.protocol import param_from_message
-
-            return self._reject(sink, Failed(str(e), 400, param_from_message(str(e))))
+        except RequestError as e:  # the request can never run: e.param names the field
+            return self._reject(sink, Failed(str(e), 400, e.param))
+        except InvalidOp as e:  # e.g. a uid the scheduler has seen: this request only
+            return self._reject(sink, Failed(str(e), 400))
         except Exception as e:
             self._reject(sink, Failed(f"engine fault while submitting the request: {type(e).__name__}: {e}", 500))
             raise

@@ -235,6 +235,37 @@ def limited_steps(steps: Iterator[None], seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, old)
 
 
+# -- what a worker tells the parent (through a multiprocessing queue) ----------------------------
+@dataclass
+class Ready:
+    worker: int
+
+
+@dataclass
+class Progress:
+    worker: int
+    ops: int
+    cases: int
+    reached: List[str]  # rare events first reached since the last report
+
+
+@dataclass
+class Done:
+    worker: int
+
+
+@dataclass
+class WorkerFailure:
+    kind: str  # "divergence", "crash" or "hang"
+    worker: int
+    case_no: int
+    header: Dict[str, Any]
+    ops: List[Dict[str, Any]]
+    detail: str  # the divergence's detail, the traceback, or what hung
+    divergence_kind: Optional[str] = None
+    step: Optional[int] = None
+
+
 def _worker(index: int, seed: int, seconds: float, bug: Optional[str], out: Any, stop: Any,
             op_limit: float = OP_LIMIT_S) -> None:
     import torch
@@ -254,7 +285,7 @@ def _worker(index: int, seed: int, seconds: float, bug: Optional[str], out: Any,
         nonlocal ops, cases, last
         now = time.monotonic()
         if force or now - last >= REPORT_EVERY:
-            out.put(("progress", index, ops, cases, sorted(reached - sent)))
+            out.put(Progress(index, ops, cases, sorted(reached - sent)))
             sent.update(reached)
             ops = cases = 0
             last = now
@@ -265,7 +296,7 @@ def _worker(index: int, seed: int, seconds: float, bug: Optional[str], out: Any,
     events.set_listener(reached.add)
     # the clock starts once imports are done: a loaded machine may take seconds to spawn us
     deadline = time.monotonic() + seconds
-    out.put(("ready", index))
+    out.put(Ready(index))
     with patched(bug):
         number = 0
         while keep_going():
@@ -278,20 +309,22 @@ def _worker(index: int, seed: int, seconds: float, bug: Optional[str], out: Any,
             except OpTimeout:
                 flush(force=True)
                 detail = f"operation {len(lock.ops)} ({lock.ops[-1].get('op')}) ran past {op_limit:g} s"
-                out.put(("hang", index, number, asdict(lock.header), list(lock.ops), detail))
+                out.put(WorkerFailure("hang", index, number, asdict(lock.header), list(lock.ops), detail))
                 return
             except Divergence as e:
                 flush(force=True)
-                out.put(("divergence", index, number, asdict(lock.header), list(lock.ops), e.kind, e.step, e.detail))
+                out.put(WorkerFailure("divergence", index, number, asdict(lock.header), list(lock.ops), e.detail,
+                                      e.kind, e.step))
                 return
             except Exception:
                 flush(force=True)
-                out.put(("crash", index, number, asdict(lock.header), list(lock.ops), traceback.format_exc()))
+                out.put(WorkerFailure("crash", index, number, asdict(lock.header), list(lock.ops),
+                                      traceback.format_exc()))
                 return
             cases += 1
             number += 1
     flush(force=True)
-    out.put(("done", index))
+    out.put(Done(index))
 
 
 # -- the parent ---------------------------------------------------------------------------------
@@ -378,18 +411,17 @@ def fuzz(seconds: float, workers: int = 1, seed: int = 0, out_dir: str | Path = 
                 msg = None
                 if not any(p.is_alive() for p in procs) and messages.empty():
                     break  # a worker died without a word (killed); stop
-            if msg is not None:
-                if msg[0] == "progress":
-                    ops += msg[2]
-                    cases += msg[3]
-                    reached.update(msg[4])
-                elif msg[0] == "ready":
-                    fuzz_start = fuzz_start or time.monotonic()
-                elif msg[0] == "done":
-                    done += 1
-                else:
-                    failure_msg = msg
-                    found_at = time.monotonic() - (fuzz_start or start)
+            if isinstance(msg, Progress):
+                ops += msg.ops
+                cases += msg.cases
+                reached.update(msg.reached)
+            elif isinstance(msg, Ready):
+                fuzz_start = fuzz_start or time.monotonic()
+            elif isinstance(msg, Done):
+                done += 1
+            elif isinstance(msg, WorkerFailure):
+                failure_msg = msg
+                found_at = time.monotonic() - (fuzz_start or start)
             now = time.monotonic()
             if progress and fuzz_start is not None and now - last_print >= PROGRESS_EVERY:
                 log.info(_progress_line(now - fuzz_start, seconds, ops, cases, reached, expected))
@@ -412,9 +444,9 @@ def _drain_and_join(procs: List[Any], messages: Any, ops: int, cases: int, reach
     while any(p.is_alive() for p in procs) and time.monotonic() < end:
         try:
             msg = messages.get(timeout=0.1)
-            if msg[0] == "progress":
-                ops, cases = ops + msg[2], cases + msg[3]
-                reached.update(msg[4])
+            if isinstance(msg, Progress):
+                ops, cases = ops + msg.ops, cases + msg.cases
+                reached.update(msg.reached)
         except queue_mod.Empty:
             pass
     for p in procs:
@@ -424,23 +456,23 @@ def _drain_and_join(procs: List[Any], messages: Any, ops: int, cases: int, reach
     return ops, cases
 
 
-def _handle_failure(msg: tuple, out_dir: Path, seed: int, bug: Optional[str], budget: float,
+def _handle_failure(msg: WorkerFailure, out_dir: Path, seed: int, bug: Optional[str], budget: float,
                     progress: bool) -> FuzzFailure:
     from kvledger.engine import trace
     from kvledger.tools.minimize import MinimizeError, minimize
     from kvledger.tools.zoo import patched
 
-    kind_of_msg, worker, case_no, header_dict, ops = msg[:5]
-    header = Header(**header_dict)
+    kind_of_msg, worker, case_no, ops = msg.kind, msg.worker, msg.case_no, msg.ops
+    header = Header(**msg.header)
     name = f"fuzz-s{seed}-w{worker}-c{case_no}"
     path = out_dir / f"{name}.jsonl"
     trace.write(path, header, ops)
     if kind_of_msg in ("crash", "hang"):  # a hang is not minimized: each candidate could hang too
         if progress:
             log.info("%s in worker %s, case %s: %s\n  trace: %s (%d ops)", kind_of_msg.upper(), worker, case_no,
-                     msg[5].splitlines()[-1], path, len(ops))
-        return FuzzFailure(kind_of_msg, len(ops), msg[5], worker, case_no, path)
-    kind, step, detail = msg[5:8]
+                     msg.detail.splitlines()[-1], path, len(ops))
+        return FuzzFailure(kind_of_msg, len(ops), msg.detail, worker, case_no, path)
+    kind, step, detail = msg.divergence_kind, msg.step, msg.detail
     failure = FuzzFailure(kind, step, detail, worker, case_no, path)
     if progress:
         log.info("DIVERGED in worker %s, case %s, step %s: %s\n  %s\n  trace: %s (%d ops); minimizing "
