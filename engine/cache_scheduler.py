@@ -1,6 +1,6 @@
 """Drive one implementation (`reference` or `fast`) the way the engine's scheduler does.
 
-Operations (each one line of a trace, see `trace.py`):
+Operations (typed in `cache_ops.py`; each is one line of a trace, see `trace.py`):
   submit(uid, tokens, max_tokens)  queue a request for admission
   prefill(budget, sample, stop)    admit from the queue head within a token budget, allocate,
                                    "run" the batch, cache_req(finished=False) or free at finish
@@ -18,13 +18,10 @@ The driver checks the five ownership invariants after every operation (`check`).
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence, Union
 
+from kvledger.engine.cache_ops import Abort, CacheOp, Decode, Evict, Finish, InvalidOp, Prefill, Probe, Submit, parse
 from kvledger.reference.pages import div_ceil, tokens_to_finish
-
-
-class InvalidOp(ValueError):
-    """An operation that makes no sense at its point (a bad trace, not a bug in the manager)."""
 
 
 class InvariantViolation(AssertionError):
@@ -38,10 +35,6 @@ def tolist(x: Any) -> List[int]:
 
 
 class Driver:
-
-    def is_chunked(self, req: Any) -> bool:
-        """Whether `req` is mid-prefill (its next chunk still to come): it samples no token."""
-        return isinstance(req, self.impl.ChunkedReq)
     def __init__(self, impl: ModuleType, *, num_pages: int, page_size: int, cache_type: str,
                  table_slots: int, max_seq_len: int, device: str = "cpu", check_admission: bool = True,
                  increasing_uids: bool = False) -> None:
@@ -66,6 +59,10 @@ class Driver:
         self.check_admission = check_admission
         # called after a batch's forward, before its results are processed (as the seed's table prints)
         self.after_forward: Callable[[str, List[Any]], None] | None = None
+
+    def is_chunked(self, req: Any) -> bool:
+        """Whether `req` is mid-prefill (its next chunk still to come): it samples no token."""
+        return isinstance(req, self.impl.ChunkedReq)
 
     # -- operations ---------------------------------------------------------------------------
     def submit(self, uid: int, tokens: Sequence[int], max_tokens: int) -> Dict:
@@ -161,17 +158,25 @@ class Driver:
         return {"cached_len": handle.cached_len, "indices": tolist(handle.get_matched_indices()),
                 "locked_available": locked_available}
 
-    def apply(self, op: Dict) -> Dict:
-        kind = op.get("op")
-        args = {k: v for k, v in op.items() if k not in ("op", "expect")}
-        fn = {"submit": self.submit, "prefill": self.prefill, "decode": self.decode, "finish": self.finish,
-              "abort": self.abort, "evict": self.evict, "probe": self.probe}.get(kind)
-        if fn is None:
-            raise InvalidOp(f"unknown operation {kind!r}")
-        try:
-            return fn(**args)
-        except TypeError as e:
-            raise InvalidOp(f"{kind}: bad arguments {sorted(args)}: {e}") from None
+    def apply(self, op: Union[Dict[str, Any], CacheOp]) -> Dict:
+        """Apply one operation, typed or as its trace line (checked by `cache_ops.parse`)."""
+        if isinstance(op, dict):
+            op = parse(op)
+        if isinstance(op, Submit):
+            return self.submit(op.uid, op.tokens, op.max_tokens)
+        if isinstance(op, Prefill):
+            return self.prefill(op.budget, op.sample, op.stop)
+        if isinstance(op, Decode):
+            return self.decode(op.sample, op.stop)
+        if isinstance(op, Finish):
+            return self.finish(op.uid)
+        if isinstance(op, Abort):
+            return self.abort(op.uid)
+        if isinstance(op, Evict):
+            return self.evict(op.tokens)
+        if isinstance(op, Probe):
+            return self.probe(op.tokens)
+        raise InvalidOp(f"not a cache operation: {op!r:.80}")
 
     # -- one step: admit or pick the decode batch, allocate, (the model runs), complete ------
     def _run(self, batch: List[Any], sample: Sequence[int], stop: Sequence[int], is_prefill: bool) -> None:

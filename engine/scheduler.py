@@ -39,6 +39,7 @@ from kvledger.engine.model import CausalLM
 from kvledger.engine.observers import FrozenState
 from kvledger.engine.request_error import RequestError
 from kvledger.engine.sampling import Sampler, validate_sampling
+from kvledger.engine.cache_ops import Abort, CacheOp, Finish, Submit, to_json
 from kvledger.engine.cache_scheduler import Driver
 from kvledger.engine.trace import Header
 from kvledger.reference.pages import tokens_to_finish
@@ -177,7 +178,7 @@ class Scheduler:
         self.validate(ids, params)
         self.requests[uid] = RequestRecord(uid, params)
         self.sampler.add(uid, params)
-        self._do({"op": "submit", "uid": uid, "tokens": ids, "max_tokens": params.max_tokens})
+        self._do(Submit(uid, tuple(ids), params.max_tokens))
 
     def abort(self, uid: int) -> None:
         """Drop a waiting or running request and free its slot and pages at once."""
@@ -185,7 +186,7 @@ class Scheduler:
         if rec is not None and rec.finishing is not None:  # released by its last step, tokens not delivered
             self._forget(uid)
             return
-        self._do({"op": "abort", "uid": uid})
+        self._do(Abort(uid))
         self._forget(uid)
 
     @property
@@ -219,7 +220,7 @@ class Scheduler:
             else:
                 self._inflight = launched
         for uid in sorted(self._late_stops):  # not in this step's batch (it was a prefill): finish now
-            self._do({"op": "finish", "uid": uid})
+            self._do(Finish(uid))
         self._late_stops.clear()
         if not self.has_work:
             self.check_idle()
@@ -380,9 +381,9 @@ class Scheduler:
         p = self.requests[uid].params
         return (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids
 
-    def _do(self, op: Dict) -> None:
+    def _do(self, op: CacheOp) -> None:
         self.driver.apply(op)
-        self._ops.append(_PendingOp(op, True, self._state_for_observers()))
+        self._ops.append(_PendingOp(to_json(op), True, self._state_for_observers()))
         self._flush_ops()
 
     def _state_for_observers(self):

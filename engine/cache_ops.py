@@ -1,0 +1,115 @@
+"""The cache operations, typed: one frozen dataclass per operation of the cache-side scheduler.
+
+A trace line is an operation as JSON (`{"op": "prefill", "budget": 64, ...}`, plus an optional
+`expect` the replay checks); `parse` turns one into its dataclass, checking every field, and
+`to_json` turns it back. The Driver dispatches on the dataclass, so a misspelt or mistyped field
+is an InvalidOp naming it, never a TypeError from deep inside.
+
+  Submit(uid, tokens, max_tokens)  queue a request for admission
+  Prefill(budget, sample, stop)    admit from the queue head within a token budget and run the batch
+  Decode(sample, stop)             one decode step for every running request
+  Finish(uid)                      a running request stops early (EOS)
+  Abort(uid)                       drop a request wherever it is, freeing what it holds
+  Evict(tokens)                    evict from the prefix cache directly
+  Probe(tokens)                    match, lock, read available_size, unlock
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, Dict, Tuple, Union
+
+
+class InvalidOp(ValueError):
+    """An operation that makes no sense at its point (a bad trace, not a bug in the manager)."""
+
+
+@dataclass(frozen=True)
+class Submit:
+    uid: int
+    tokens: Tuple[int, ...]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Prefill:
+    budget: int
+    sample: Tuple[int, ...] = ()
+    stop: Tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Decode:
+    sample: Tuple[int, ...] = ()
+    stop: Tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Finish:
+    uid: int
+
+
+@dataclass(frozen=True)
+class Abort:
+    uid: int
+
+
+@dataclass(frozen=True)
+class Evict:
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Probe:
+    tokens: Tuple[int, ...]
+
+
+CacheOp = Union[Submit, Prefill, Decode, Finish, Abort, Evict, Probe]
+KINDS: Dict[str, type] = {"submit": Submit, "prefill": Prefill, "decode": Decode, "finish": Finish,
+                          "abort": Abort, "evict": Evict, "probe": Probe}
+NAMES = {cls: name for name, cls in KINDS.items()}
+TRACE_ONLY = ("op", "expect")  # fields of a trace line that are not the operation's
+
+
+def parse(line: Dict[str, Any]) -> CacheOp:
+    """A trace line -> its operation; InvalidOp naming what is wrong."""
+    kind = line.get("op")
+    cls = KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise InvalidOp(f"unknown operation {kind!r}")
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(line) - names - set(TRACE_ONLY))
+    if unknown:
+        raise InvalidOp(f"{kind}: unknown field(s) {unknown}; it takes {sorted(names)}")
+    values = {}
+    for f in fields(cls):
+        if f.name not in line:
+            if f.default is MISSING:
+                raise InvalidOp(f"{kind}: missing field {f.name!r}")
+            continue
+        values[f.name] = _checked(kind, f.name, line[f.name], many=f.type.startswith("Tuple"))
+    return cls(**values)
+
+
+def to_json(op: CacheOp) -> Dict[str, Any]:
+    """The operation as a trace line (without `expect`)."""
+    return {"op": NAMES[type(op)], **{f.name: _plain(getattr(op, f.name)) for f in fields(op)}}
+
+
+def _checked(kind: str, name: str, value: Any, many: bool) -> Any:
+    if many:
+        if not isinstance(value, (list, tuple)) or not all(_is_int(v) for v in value):
+            raise InvalidOp(f"{kind}: {name} must be a list of integers, got {value!r:.80}")
+        return tuple(int(v) for v in value)
+    if not _is_int(value):
+        raise InvalidOp(f"{kind}: {name} must be an integer, got {value!r:.80}")
+    return int(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
