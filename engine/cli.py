@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from kvledger.engine.engine_config import EngineConfig
 from kvledger.engine.options import EngineOptionError
+
+log = logging.getLogger(__name__)
 
 
 def option_error(prog: str, err: EngineOptionError) -> int:
@@ -52,8 +55,7 @@ def generate_command(args: argparse.Namespace) -> int:
     finally:
         llm.close()
     if llm.shadow is not None:
-        print(f"[verify] {llm.shadow.steps} cache operations mirrored in the reference model: all agreed",
-              file=sys.stderr)
+        log.info("[verify] %d cache operations mirrored in the reference model: all agreed", llm.shadow.steps)
     if args.trace:
-        print(f"[trace] written to {args.trace} (kvledger replay {args.trace})", file=sys.stderr)
+        log.info("[trace] written to %s (kvledger replay %s)", args.trace, args.trace)
     return 0
