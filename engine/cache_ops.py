@@ -2,7 +2,7 @@
 
 A trace line is an operation as JSON (`{"op": "prefill", "budget": 64, ...}`, plus an optional
 `expect` the replay checks); `parse` turns one into its dataclass, checking every field, and
-`to_json` turns it back. The Driver dispatches on the dataclass, so a misspelt or mistyped field
+`to_json` turns it back. The CacheScheduler dispatches on the dataclass, so a misspelt or mistyped field
 is an InvalidOp naming it, never a TypeError from deep inside.
 
   Submit(uid, tokens, max_tokens)  queue a request for admission

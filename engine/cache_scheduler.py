@@ -34,7 +34,7 @@ def tolist(x: Any) -> List[int]:
     return x.tolist() if hasattr(x, "tolist") else list(x)
 
 
-class Driver:
+class CacheScheduler:
     def __init__(self, impl: ModuleType, *, num_pages: int, page_size: int, cache_type: str,
                  table_slots: int, max_seq_len: int, device: str = "cpu", check_admission: bool = True,
                  increasing_uids: bool = False) -> None:

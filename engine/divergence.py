@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from kvledger.engine.cache_scheduler import Driver, InvariantViolation
+from kvledger.engine.cache_scheduler import CacheScheduler, InvariantViolation
 
 
 class Divergence(AssertionError):
@@ -35,7 +35,7 @@ def _state_diff(ref: Dict, fst: Dict) -> tuple[str, str] | None:
     return None
 
 
-def compare(ref: Driver, fst: Driver, step: int, op: Dict) -> None:
+def compare(ref: CacheScheduler, fst: CacheScheduler, step: int, op: Dict) -> None:
     """Invariants on each side, then the whole observable state side by side."""
     for name, driver in (("reference", ref), ("fast", fst)):
         try:

@@ -11,7 +11,7 @@ import json
 from typing import IO, Dict
 
 from kvledger import reference
-from kvledger.engine.cache_scheduler import Driver, InvalidOp, InvariantViolation
+from kvledger.engine.cache_scheduler import CacheScheduler, InvalidOp, InvariantViolation
 from kvledger.engine.divergence import Divergence, compare
 from kvledger.engine.trace import Header, dumps
 
@@ -22,7 +22,7 @@ class TraceRecorder:
         self._file.write(dumps(header, []))
         self._file.flush()
 
-    def __call__(self, step: int, op: Dict, engine_driver: Driver) -> None:
+    def __call__(self, step: int, op: Dict, engine_driver: CacheScheduler) -> None:
         self._file.write(json.dumps(op, separators=(", ", ": ")) + "\n")
         self._file.flush()
 
@@ -34,7 +34,7 @@ class FrozenState:
     """A driver's invariant check and full snapshot, taken right after an operation, for an
     observer told of the operation later (with overlap, once the step's tokens are known)."""
 
-    def __init__(self, driver: Driver) -> None:
+    def __init__(self, driver: CacheScheduler) -> None:
         self.error: InvariantViolation | None = None
         try:
             driver.check()
@@ -65,10 +65,10 @@ class ShadowVerifier:
     needs_state = True
 
     def __init__(self, header: Header) -> None:
-        self.model = Driver(reference, **header.driver_args())
+        self.model = CacheScheduler(reference, **header.driver_args())
         self.steps = 0
 
-    def __call__(self, step: int, op: Dict, engine_driver: Driver) -> None:
+    def __call__(self, step: int, op: Dict, engine_driver: CacheScheduler) -> None:
         try:
             result = self.model.apply(op)
             expect = op.get("expect")

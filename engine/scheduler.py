@@ -4,7 +4,7 @@ Each step admits from the queue within a token budget (worst-case reservation, c
 radix prefix reuse) or, if nothing was admitted, decodes every running request; allocates pages,
 runs the model over the page table, samples, and completes the step (finishes in one lazy-free
 region, `cache_req` after prefill and at finish). The cache-side steps are those of
-`kvledger.engine.cache_scheduler.Driver`, so every step is one trace operation that replays on both
+`kvledger.engine.cache_scheduler.CacheScheduler`, so every step is one trace operation that replays on both
 implementations; observers (trace recorder, shadow verifier) see each operation.
 
 Overlap: sampled tokens stay on the device (`next_tokens`, one entry per table row, feeds the next
@@ -40,11 +40,11 @@ from kvledger.engine.observers import FrozenState
 from kvledger.engine.request_error import RequestError
 from kvledger.engine.sampling import Sampler, validate_sampling
 from kvledger.engine.cache_ops import Abort, CacheOp, Finish, Submit, to_json
-from kvledger.engine.cache_scheduler import Driver
+from kvledger.engine.cache_scheduler import CacheScheduler
 from kvledger.engine.trace import Header
 from kvledger.reference.pages import tokens_to_finish
 
-Observer = Callable[[int, Dict, Driver], None]
+Observer = Callable[[int, Dict, CacheScheduler], None]
 
 
 @dataclass
@@ -121,7 +121,7 @@ class Scheduler:
         self.header = Header(num_pages=config.num_pages, page_size=config.page_size, cache_type=config.cache_type,
                              table_slots=config.max_running_reqs, max_seq_len=config.max_seq_len,
                              seed=config.seed, producer="engine")
-        self.driver = Driver(fast, device=str(self.device), check_admission=False, increasing_uids=True,
+        self.driver = CacheScheduler(fast, device=str(self.device), check_admission=False, increasing_uids=True,
                              **self.header.driver_args())
         self.sampler = Sampler(config.seed)
         self.requests: Dict[int, RequestRecord] = {}  # the live requests

@@ -14,7 +14,7 @@ from typing import Any, Dict, List
 from kvledger import fast
 from kvledger import reference
 
-from kvledger.engine.cache_scheduler import Driver, InvalidOp, InvariantViolation
+from kvledger.engine.cache_scheduler import CacheScheduler, InvalidOp, InvariantViolation
 from kvledger.engine.divergence import Divergence, compare
 from kvledger.engine.trace import Header
 
@@ -22,8 +22,8 @@ from kvledger.engine.trace import Header
 class Lockstep:
     def __init__(self, header: Header, device: str = "cpu", fast_impl: Any = fast) -> None:
         self.header = header
-        self.ref = Driver(reference, **header.driver_args())
-        self.fast = Driver(fast_impl, device=device, **header.driver_args())
+        self.ref = CacheScheduler(reference, **header.driver_args())
+        self.fast = CacheScheduler(fast_impl, device=device, **header.driver_args())
         self.ops: List[Dict] = []
         self.step = 0
 

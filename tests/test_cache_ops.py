@@ -4,7 +4,7 @@ and turns back into the same line."""
 import pytest
 
 from kvledger.engine.cache_ops import Decode, InvalidOp, Prefill, Submit, parse, to_json
-from kvledger.engine.cache_scheduler import Driver
+from kvledger.engine.cache_scheduler import CacheScheduler
 from kvledger import reference
 
 
@@ -37,7 +37,7 @@ def test_a_bad_line_is_an_invalid_op_naming_the_field(line, words):
 
 def test_the_driver_takes_typed_operations_and_trace_lines_alike():
     kw = dict(num_pages=8, page_size=4, cache_type="radix", table_slots=4, max_seq_len=32)
-    typed, lines = Driver(reference, **kw), Driver(reference, **kw)
+    typed, lines = CacheScheduler(reference, **kw), CacheScheduler(reference, **kw)
     ops = [Submit(1, (5, 6, 7, 8, 9), 3), Prefill(64, (11,)), Decode((12,)), Decode((13,))]
     for op in ops:
         assert typed.apply(op) == lines.apply(to_json(op))

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from kvledger.engine.cache_scheduler import Driver
+from kvledger.engine.cache_scheduler import CacheScheduler
 
 
 def _running(impl, cache="radix", page_size=2):
-    d = Driver(impl, num_pages=16, page_size=page_size, cache_type=cache, table_slots=4, max_seq_len=32)
+    d = CacheScheduler(impl, num_pages=16, page_size=page_size, cache_type=cache, table_slots=4, max_seq_len=32)
     d.submit(0, [1, 2, 3, 4, 5], 6)
     d.submit(1, [1, 2, 3, 4, 9, 9, 9], 6)
     d.prefill(100)
@@ -92,7 +92,7 @@ def test_page_table_rows_must_hold_whole_pages(impl):
 
 def test_a_request_ending_near_max_seq_len_fills_its_last_page(impl):
     """Found by the fuzzer: with max_seq_len 10 and page size 4 the last page reaches column 11."""
-    d = Driver(impl, num_pages=8, page_size=4, cache_type="radix", table_slots=2, max_seq_len=10)
+    d = CacheScheduler(impl, num_pages=8, page_size=4, cache_type="radix", table_slots=2, max_seq_len=10)
     d.submit(0, [1, 2, 3, 4, 5, 6, 7], 3)
     d.prefill(64)
     for _ in range(2):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvledger import fast
-from kvledger.engine.cache_scheduler import Driver, InvariantViolation
+from kvledger.engine.cache_scheduler import CacheScheduler, InvariantViolation
 from kvledger.tools.zoo import patched
 from tests.conftest import as_list
 
@@ -19,21 +19,21 @@ def _tiny_requests(d):
 
 
 def test_seed_reservation_in_tokens_overcommits_pages():
-    d = Driver(fast, num_pages=3, page_size=4, cache_type="naive", table_slots=4, max_seq_len=16)
+    d = CacheScheduler(fast, num_pages=3, page_size=4, cache_type="naive", table_slots=4, max_seq_len=16)
     _tiny_requests(d)
     with patched("reservation-in-tokens"), pytest.raises(InvariantViolation, match="3-no-oom"):
         d.prefill(100)  # 4 x 3 tokens <= 12 admits all four; they need 4 pages
 
 
 def test_reservation_in_pages_admits_only_what_fits(impl):
-    d = Driver(impl, num_pages=3, page_size=4, cache_type="naive", table_slots=4, max_seq_len=16)
+    d = CacheScheduler(impl, num_pages=3, page_size=4, cache_type="naive", table_slots=4, max_seq_len=16)
     _tiny_requests(d)
     assert d.prefill(100) == {"batch": [0, 1, 2], "rejected": 3}
     d.check()
 
 
 def _same_prefix_pair(impl):
-    d = Driver(impl, num_pages=16, page_size=2, cache_type="radix", table_slots=4, max_seq_len=32)
+    d = CacheScheduler(impl, num_pages=16, page_size=2, cache_type="radix", table_slots=4, max_seq_len=32)
     d.submit(0, [1, 2, 3, 4, 5], 4)
     d.submit(1, [1, 2, 3, 4, 6], 4)  # the same 4-token prefix, prefilled in the same batch
     assert d.prefill(100)["batch"] == [0, 1]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvledger.engine.cache_scheduler import Driver
+from kvledger.engine.cache_scheduler import CacheScheduler
 from tests.conftest import as_list, make_manager, row
 
 
@@ -46,7 +46,7 @@ def test_self_test_4_allocates_pages_ceil_cached_to_ceil_device(impl):
 
 
 def test_self_test_3_match_stops_before_the_last_token(impl):
-    d = Driver(impl, num_pages=16, page_size=1, cache_type="radix", table_slots=2, max_seq_len=32)
+    d = CacheScheduler(impl, num_pages=16, page_size=1, cache_type="radix", table_slots=2, max_seq_len=32)
     prompt = [1, 2, 3, 4, 5]
     d.submit(0, prompt, 1)
     d.prefill(100)  # max_tokens 1: finishes at prefill, the whole prompt is cached
@@ -57,7 +57,7 @@ def test_self_test_3_match_stops_before_the_last_token(impl):
 
 
 def test_self_test_2_available_size_counts_the_evictable_cache(impl):
-    d = Driver(impl, num_pages=8, page_size=1, cache_type="radix", table_slots=2, max_seq_len=32)
+    d = CacheScheduler(impl, num_pages=8, page_size=1, cache_type="radix", table_slots=2, max_seq_len=32)
     d.submit(0, [1, 2, 3, 4, 5, 6], 1)
     d.prefill(100)
     assert len(d.cm.free_slots) == 2 and d.cm.available_size == 8  # 6 pages cached, all evictable
@@ -67,7 +67,7 @@ def test_self_test_2_available_size_counts_the_evictable_cache(impl):
 
 
 def test_self_test_1_admitted_requests_never_run_out(impl):
-    d = Driver(impl, num_pages=12, page_size=4, cache_type="radix", table_slots=8, max_seq_len=64)
+    d = CacheScheduler(impl, num_pages=12, page_size=4, cache_type="radix", table_slots=8, max_seq_len=64)
     for uid in range(8):
         d.submit(uid, [uid % 2] * (3 + uid), 9)
     steps = 0
@@ -81,7 +81,7 @@ def test_self_test_1_admitted_requests_never_run_out(impl):
 
 def test_the_seeds_64_page_example(impl):
     """Prompts of 5, 5, 4, 15, 5 tokens, max_tokens 8, page size 1, naive cache: the seed's table."""
-    d = Driver(impl, num_pages=64, page_size=1, cache_type="naive", table_slots=8, max_seq_len=128)
+    d = CacheScheduler(impl, num_pages=64, page_size=1, cache_type="naive", table_slots=8, max_seq_len=128)
     table = []
     d.after_forward = lambda phase, batch: table.append(
         (phase, [r.uid for r in batch], len(d.waiting), len(d.cm.free_slots), d.dm.inflight_tokens))
@@ -105,7 +105,7 @@ def test_the_seeds_64_page_example(impl):
 @pytest.mark.parametrize("page_size", [4, 8])
 def test_eviction_then_allocation_is_page_aligned_and_disjoint(impl, page_size):
     """The official repository's evict-then-allocate test: pages come back whole and aligned."""
-    d = Driver(impl, num_pages=6, page_size=page_size, cache_type="radix", table_slots=4, max_seq_len=128)
+    d = CacheScheduler(impl, num_pages=6, page_size=page_size, cache_type="radix", table_slots=4, max_seq_len=128)
     for uid in range(3):  # three cached prompts of 1.5 pages fill the cache
         d.submit(uid, [uid] * (page_size + page_size // 2 + 1), 1)
         d.prefill(1000)

@@ -15,7 +15,7 @@ from typing import Callable, List
 from kvledger import fast
 from kvledger import reference
 
-from kvledger.engine.cache_scheduler import Driver
+from kvledger.engine.cache_scheduler import CacheScheduler
 from kvledger.properties.lockstep import Lockstep
 from kvledger.engine.trace import Header
 
@@ -29,7 +29,7 @@ def _timeit(fn: Callable[[], None], repeat: int) -> float:
 
 
 def decode_step_cost(impl, page_size: int, batch: int = 256, steps: int = 200) -> float:
-    d = Driver(impl, num_pages=batch * (64 + steps) // page_size + batch, page_size=page_size,
+    d = CacheScheduler(impl, num_pages=batch * (64 + steps) // page_size + batch, page_size=page_size,
                cache_type="radix", table_slots=batch, max_seq_len=64 + steps + 8)
     for uid in range(batch):
         d.submit(uid, [uid % 7] * 8 + [uid] * 56, steps + 4)

@@ -26,13 +26,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
-from kvledger.engine.cache_scheduler import Driver
+from kvledger.engine.cache_scheduler import CacheScheduler
 from kvledger.engine.trace import Header
 
 log = logging.getLogger(__name__)
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # the in-progress driver may name requests whose sampled token ends them (EOS)
-_HAS_STOP = "stop" in inspect.signature(Driver.decode).parameters
+_HAS_STOP = "stop" in inspect.signature(CacheScheduler.decode).parameters
 
 # events the fuzzer notes itself, on top of the model's `reference.events`
 FUZZ_EVENTS = frozenset({
@@ -114,7 +114,7 @@ class Walker:
     def _sample(self) -> List[int]:
         return [self.rng.randrange(self.case.alphabet) for _ in range(self.rng.randint(0, 3))]
 
-    def next_op(self, ref: Driver) -> Dict:
+    def next_op(self, ref: CacheScheduler) -> Dict:
         rng, case = self.rng, self.case
         running = ref.dm.running_reqs.uids()
         waiting = [p.uid for p in ref.waiting]
@@ -156,7 +156,7 @@ class Walker:
             return {"op": "evict", "tokens": tokens}
         return {"op": "probe", "tokens": self._tokens(case.max_prompt)}
 
-    def observe(self, op: Dict, result: Dict, ref: Driver) -> None:
+    def observe(self, op: Dict, result: Dict, ref: CacheScheduler) -> None:
         if op["op"] == "prefill":
             if self.rejected & set(result["batch"]):
                 self.note("driver: rejected request admitted later")

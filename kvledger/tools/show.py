@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from kvledger.engine.cache_scheduler import Driver, InvalidOp, InvariantViolation
+from kvledger.engine.cache_scheduler import CacheScheduler, InvalidOp, InvariantViolation
 from kvledger.properties.lockstep import Divergence, Lockstep
 from kvledger.engine.trace import Header
 
@@ -28,7 +28,7 @@ class ShowError(ValueError):
     pass
 
 
-def _page_codes(driver: Driver, uid_code: Dict[int, int]) -> np.ndarray:
+def _page_codes(driver: CacheScheduler, uid_code: Dict[int, int]) -> np.ndarray:
     ps = driver.page_size
     owners = driver.cm.page_owners(list(driver.live.values()))
     row = np.full(driver.cm.num_pages, FREE, dtype=np.int32)
