@@ -67,21 +67,27 @@ class EngineConfig:
         return meta["flag"] or "--" + name.replace("_", "-")
 
     @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        group = parser.add_argument_group("engine options")
+    def add_arguments(cls, parser: argparse.ArgumentParser, *, only: Optional[Sequence[str]] = None,
+                      defaults: Optional[Dict[str, Any]] = None, helps: Optional[Dict[str, str]] = None,
+                      title: str = "engine options") -> None:
+        """Add the options' flags to `parser` (all of them, or those named in `only`), with their
+        help; `defaults` and `helps` override a default and its help (a benchmark's own workload)."""
+        group = parser.add_argument_group(title)
+        defaults = defaults or {}
         for f in fields(cls):
-            meta, default = f.metadata, f.default if f.default is not MISSING else None
-            flag = cls.flag(f.name)
-            shown = meta["help"]  # the parser's formatter adds "(default: ...)" where it says something
-            if isinstance(default, bool) or f.name == "overlap":
-                if meta["negative"] and default is True:  # only the negative flag: "--no-cuda-graphs"
-                    group.add_argument(meta["negative"], dest=f.name, action="store_false", help=f"do not {meta['help']}")
-                    continue
-                group.add_argument(flag, dest=f.name, action="store_true", default=default, help=shown)
-                if meta["negative"]:
-                    group.add_argument(meta["negative"], dest=f.name, action="store_false", help=f"do not {meta['help']}")
+            if only is not None and f.name not in only:
                 continue
-            kind = int if f.type in ("int", "Optional[int]") else str
+            meta = f.metadata
+            default = defaults.get(f.name, f.default if f.default is not MISSING else None)
+            flag, shown = cls.flag(f.name), (helps or {}).get(f.name, meta["help"])  # the formatter adds the default
+            if "bool" in f.type:
+                if default is not True:  # a True default has only its negative flag: --no-cuda-graphs
+                    group.add_argument(flag, dest=f.name, action="store_true", default=default, help=shown)
+                if meta["negative"]:
+                    group.add_argument(meta["negative"], dest=f.name, action="store_false", default=default,
+                                       help=f"do not {meta['help']}")
+                continue
+            kind = int if "int" in f.type else str
             group.add_argument(flag, dest=f.name, type=kind, default=default, choices=meta["choices"],
                                metavar=meta["metavar"], help=shown)
 

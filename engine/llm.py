@@ -20,6 +20,8 @@ from kvledger.engine.tokenizer import Tokenizer
 from kvledger.engine.weights import load_weights
 from kvledger.fast import SamplingParams
 
+__all__ = ["LLM", "RequestOutput", "SamplingParams"]  # SamplingParams: the seed's, what users pass to generate
+
 Prompt = Union[str, Sequence[int]]
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 

@@ -88,6 +88,14 @@ class Wake:
 Command = Union[Submit, Abort, Drain, Wake]
 
 
+@dataclass
+class OpenRequest:
+    """The worker's side of an accepted request, until it ends."""
+
+    sink: Sink
+    prompt_len: int
+
+
 # -- what it publishes -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class IntegrityReport:
@@ -143,8 +151,7 @@ class EngineWorker:
         # the LLM may have run requests before (a warm-up): uids must stay new to the scheduler
         last = self.scheduler.driver.last_uid
         self._uids = itertools.count(0 if last is None else last + 1)
-        self._sinks: Dict[int, Sink] = {}
-        self._prompt_len: Dict[int, int] = {}
+        self._open: Dict[int, OpenRequest] = {}  # accepted and not yet ended
         self._counts = {"finished": 0, "aborted": 0, "rejected": 0, "failed": 0, "prompt_tokens": 0,
                         "prefix_hit_tokens": 0, "generated_tokens": 0}
         self._rate: Deque[Tuple[float, int]] = deque()
@@ -205,7 +212,7 @@ class EngineWorker:
         self._drain(block=not busy)
         if self.fatal is None and self.scheduler.has_work:
             self._step()
-        if self._dirty and self.fatal is None and not self.scheduler.has_work and not self._sinks:
+        if self._dirty and self.fatal is None and not self.scheduler.has_work and not self._open:
             self._check_idle()
 
     def _drain(self, block: bool) -> None:
@@ -233,11 +240,11 @@ class EngineWorker:
     def _check_drained(self) -> None:
         # the drain window is the one place wall-clock time decides: it only chooses when the
         # remaining requests are aborted at shutdown, never what a running request computes
-        if self._sinks and time.monotonic() < self._drain_until:
+        if self._open and time.monotonic() < self._drain_until:
             return
-        if self._sinks:
-            log.warning("drain window over: aborting %d open request(s)", len(self._sinks))
-            for uid, sink in list(self._sinks.items()):
+        if self._open:
+            log.warning("drain window over: aborting %d open request(s)", len(self._open))
+            for uid, sink in [(uid, o.sink) for uid, o in self._open.items()]:
                 self._abort(uid, counter="failed")
                 _send(sink, Failed("the server is shutting down; the request was stopped before it finished",
                                    503, code="shutting_down"))
@@ -261,8 +268,7 @@ class EngineWorker:
         except Exception as e:
             self._reject(sink, Failed(f"engine fault while submitting the request: {type(e).__name__}: {e}", 500))
             raise
-        self._sinks[uid] = sink
-        self._prompt_len[uid] = len(ids)
+        self._open[uid] = OpenRequest(sink, len(ids))
         self._dirty = True
         _send(sink, Accepted(uid))
 
@@ -271,20 +277,21 @@ class EngineWorker:
         _send(sink, failure)
 
     def _abort(self, uid: int, counter: str = "aborted") -> None:
-        if uid not in self._sinks or self.fatal is not None:
+        if uid not in self._open or self.fatal is not None:
             return  # already ended: finished, failed, or never accepted
         rec = self.scheduler.requests.get(uid)
         self.scheduler.abort(uid)  # raises only if scheduler and worker disagree: a fault
-        del self._sinks[uid]
+        prompt_len = self._open.pop(uid).prompt_len
         self._counts[counter] += 1
-        self._ended(uid, None if rec is None else rec.cached_tokens)
+        self._ended(prompt_len, None if rec is None else rec.cached_tokens)
 
     def _step(self) -> None:
         events = self.scheduler.step()
         for ev in events:
-            sink = self._sinks.get(ev.uid)
+            open_ = self._open.get(ev.uid)
+            sink = open_.sink if open_ is not None else None
             if ev.finished:
-                self._sinks.pop(ev.uid, None)
+                self._open.pop(ev.uid, None)
                 self._counts["failed" if ev.error is not None else "finished"] += 1
             if sink is not None:
                 if ev.error is not None:  # this request alone failed; the engine goes on
@@ -292,34 +299,32 @@ class EngineWorker:
                     _send(sink, Failed(ev.error, 500))
                 else:
                     _send(sink, Token(ev.token, ev.finished, ev.finish_reason, ev.cached_tokens))
-            if ev.finished:
-                self._ended(ev.uid, ev.cached_tokens)
+            if ev.finished and open_ is not None:
+                self._ended(open_.prompt_len, ev.cached_tokens)
         self._counts["generated_tokens"] += sum(ev.error is None for ev in events)
         self._rate.append((time.monotonic(), len(events)))
 
-    def _ended(self, uid: int, hit: Optional[int]) -> None:
+    def _ended(self, prompt_len: int, hit: Optional[int]) -> None:
         """Count an ended request's prompt and prefix hit, if it was ever admitted (hit not None)."""
-        n = self._prompt_len.pop(uid, 0)
         if hit is not None:
-            self._counts["prompt_tokens"] += n
+            self._counts["prompt_tokens"] += prompt_len
             self._counts["prefix_hit_tokens"] += hit
 
     def _fault(self, exc: BaseException) -> None:
         # the scheduler's state can no longer be trusted, so the engine stops serving
         first = self.fatal is None
         self.fatal = self.fatal or f"{type(exc).__name__}: {exc}"
-        log.error("engine fault, failing %d open request(s) and stopping the engine", len(self._sinks),
+        log.error("engine fault, failing %d open request(s) and stopping the engine", len(self._open),
                   exc_info=exc)
         self._fail_all(f"engine fault: {self.fatal}", 500)
         if first and self.on_fault is not None:
             self.on_fault(self.fatal)
 
     def _fail_all(self, message: str, status: int, code: Optional[str] = None) -> None:
-        for sink in list(self._sinks.values()):
+        for o in list(self._open.values()):
             self._counts["failed"] += 1
-            _send(sink, Failed(message, status, code=code))
-        self._sinks.clear()
-        self._prompt_len.clear()
+            _send(o.sink, Failed(message, status, code=code))
+        self._open.clear()
 
     def _check_idle(self) -> None:
         self._dirty = False

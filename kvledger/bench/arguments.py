@@ -6,11 +6,15 @@ from __future__ import annotations
 import argparse
 import math
 
+from kvledger.engine.engine_config import EngineConfig
+
 BENCH_DTYPES = ("bfloat16", "float32")
 WORKLOAD = "nano-vllm"
 NANO_NUM_REQUESTS = 256
 NANO_MIN_LEN = 100
 NANO_MAX_LEN = 1024
+NANO_ENGINE_OPTIONS = ("page_size", "kv_cache_tokens", "max_running_reqs", "max_prefill_tokens", "cuda_graphs",
+                       "overlap", "attention")
 
 
 def add_bench_arguments(parser) -> None:
@@ -45,23 +49,6 @@ def add_nano_bench_arguments(p) -> None:
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     g.add_argument("--compare", default="none", choices=["none", "transformers"],
                    help="also run transformers' continuous batching")
-    g.add_argument("--page-size", dest="page_size", type=int, default=16, help="engine tokens per KV page")
-    g.add_argument("--kv-cache-tokens", dest="kv_cache_tokens", type=int, default=None,
-                   help="KV pool size (default: from free GPU memory where the engine can, else the workload's need)")
-    g.add_argument("--max-running-reqs", dest="max_running_reqs", type=int, default=256,
-                   help="engine: requests decoding at once")
-    g.add_argument("--max-prefill-tokens", dest="max_prefill_tokens", type=int, default=16384,
-                   help="engine: tokens one prefill step computes; longer prompts are chunked")
-    g.add_argument("--cuda-graphs", dest="cuda_graphs", default=None, action="store_const", const=True,
-                   help="engine CUDA graphs on (default: on for CUDA, where the engine has the option)")
-    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False,
-                   help="engine CUDA graphs off")
-    g.add_argument("--overlap", dest="overlap", default=None, action="store_true",
-                   help="engine: schedule the next step while the current one runs (default: the engine's "
-                        "choice, on for CUDA)")
-    g.add_argument("--no-overlap", dest="overlap", action="store_false", help="engine: no CPU/GPU overlap")
-    g.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"],
-                   help="engine attention backend (auto: Triton on CUDA, torch-native on the CPU)")
     g.add_argument("--hf-attn", dest="hf_attn", default="sdpa",
                    help="transformers attn_implementation (continuous batching may switch sdpa to flash)")
     g.add_argument("--hf-max-batch-tokens", dest="hf_max_batch_tokens", type=int, default=None,
@@ -74,6 +61,11 @@ def add_nano_bench_arguments(p) -> None:
                    help="requests in the profiled decode batch, the workload's first prompts (0: no profile)")
     g.add_argument("--profile-output-len", dest="profile_output_len", type=int, default=32,
                    help="tokens each profiled request generates")
+    # the engine's own options, from its one config (with this workload's defaults)
+    EngineConfig.add_arguments(p, only=NANO_ENGINE_OPTIONS, title="--workload nano-vllm: engine options",
+                               defaults={"max_running_reqs": 256, "max_prefill_tokens": 16384, "cuda_graphs": None},
+                               helps={"kv_cache_tokens": "KV pool size in tokens (default: from free GPU memory where "
+                                                         "the engine can, else the workload's need)"})
 
 
 def add_online_bench_arguments(p: argparse.ArgumentParser) -> None:
