@@ -47,15 +47,18 @@ from kvledger.reference.pages import tokens_to_finish
 Observer = Callable[[int, Dict, CacheScheduler], None]
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
+    """EngineConfig's options resolved for one engine (the pool in pages, max_seq_len from the
+    model): LLM builds it, so it has no defaults of its own."""
+
     num_pages: int
-    page_size: int = 16
-    cache_type: str = "radix"
-    max_running_reqs: int = 64
-    max_seq_len: int = 2048
-    max_prefill_tokens: int = 2048
-    seed: int = 0
+    page_size: int
+    cache_type: str
+    max_running_reqs: int
+    max_seq_len: int
+    max_prefill_tokens: int
+    seed: int
 
 
 @dataclass

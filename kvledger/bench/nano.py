@@ -42,6 +42,7 @@ from kvledger.bench.engine import quiet_transformers
 from kvledger.bench.bandwidth_floor import decode_floor, format_floor, measure_bandwidth, param_count
 from kvledger.bench.decode_profile import format_breakdown, profile_decode, sync
 from kvledger.engine.config import BUILTIN_CONFIG_DIR, ModelConfig
+from kvledger.engine.engine_config import EngineConfig
 
 ENGINE_ROW = "kvledger"
 HF_ROW = "transformers continuous batching"
@@ -371,13 +372,13 @@ class NanoOptions:
     max_output_len: int = NANO_MAX_LEN
     seed: int = 0
     compare: str = "none"
-    page_size: int = 16
+    page_size: int = EngineConfig.page_size
     kv_cache_tokens: Optional[int] = None
     max_running_reqs: int = 256
     max_prefill_tokens: int = 16384
     cuda_graphs: Optional[bool] = None  # default: on CUDA only
     overlap: Optional[bool] = None
-    attention: str = "auto"
+    attention: str = EngineConfig.attention
     threads: Optional[int] = None
     hf_attn: str = "sdpa"
     hf_max_batch_tokens: Optional[int] = None
