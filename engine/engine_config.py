@@ -45,7 +45,7 @@ class EngineConfig:
                                            "CUDA)", negative="--no-overlap")
 
     def __post_init__(self) -> None:
-        validate_engine_options(**self.as_dict())
+        validate_engine_options(self)
 
     @classmethod
     def create(cls, **options: Any) -> EngineConfig:

@@ -49,24 +49,24 @@ class LLM:
         self.options = o = config
         if o.threads is not None:
             torch.set_num_threads(o.threads)
-        config, state = load_weights(o.model, dummy=o.dummy_weights, seed=o.seed)
-        validate_for_model(o.max_seq_len, config)
-        self.config = config
+        model_config, state = load_weights(o.model, dummy=o.dummy_weights, seed=o.seed)
+        validate_for_model(o.max_seq_len, model_config)
+        self.config = model_config  # the model's hyper-parameters (self.options: the engine's)
         self.tokenizer = None if o.dummy_weights or not _has_tokenizer(o.model) else Tokenizer.load(o.model)
-        self.model = CausalLM.from_state_dict(config, state, dtype=DTYPES[o.dtype], device=o.device)
+        self.model = CausalLM.from_state_dict(model_config, state, dtype=DTYPES[o.dtype], device=o.device)
         self.model.attn_backend = _attention_backend(o.attention, o.device)
         del state
         kv_tokens = o.kv_cache_tokens
         if kv_tokens is None:
             # shadow verification compares every page after every operation: keep its pool small
-            kv_tokens = 32768 if o.verify else _auto_kv_tokens(config, DTYPES[o.dtype], o.device, o.max_running_reqs,
-                                                                o.max_prefill_tokens)
+            kv_tokens = 32768 if o.verify else _auto_kv_tokens(model_config, DTYPES[o.dtype], o.device,
+                                                                o.max_running_reqs, o.max_prefill_tokens)
         num_pages = max(1, kv_tokens // o.page_size)  # the automatic size may be under a page
-        self.model.kv_pool = KVPool.for_model(config, num_pages * o.page_size, DTYPES[o.dtype], o.device)
-        eos = self.tokenizer.eos_token_ids if self.tokenizer else config.eos_token_ids
+        self.model.kv_pool = KVPool.for_model(model_config, num_pages * o.page_size, DTYPES[o.dtype], o.device)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else model_config.eos_token_ids
         sched = SchedulerConfig(
             num_pages=num_pages, page_size=o.page_size, cache_type=o.cache_type, max_running_reqs=o.max_running_reqs,
-            max_seq_len=min(config.max_position_embeddings, 4096) if o.max_seq_len is None else o.max_seq_len,
+            max_seq_len=min(model_config.max_position_embeddings, 4096) if o.max_seq_len is None else o.max_seq_len,
             max_prefill_tokens=o.max_prefill_tokens, seed=o.seed)
         self.scheduler = Scheduler(self.model, sched, eos, o.device, overlap=o.overlap, cuda_graphs=o.cuda_graphs)
         self.scheduler.capture_graphs()

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import numbers
 import os
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from kvledger.engine.config import BUILTIN_CONFIG_DIR, ModelConfig
+
+if TYPE_CHECKING:  # engine_config imports this module
+    from kvledger.engine.engine_config import EngineConfig
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 CACHE_TYPES = ("radix", "naive")
@@ -27,28 +30,27 @@ class EngineOptionError(ValueError):
         self.problem = problem
 
 
-def validate_engine_options(*, model: Any, dtype: Any, device: Any, page_size: Any, cache_type: Any,
-                            kv_cache_tokens: Any, max_running_reqs: Any, max_seq_len: Any,
-                            max_prefill_tokens: Any, verify: Any, trace: Any, seed: Any, dummy_weights: Any,
-                            threads: Any, attention: Any, cuda_graphs: Any, overlap: Any) -> None:
-    """Raise EngineOptionError for the first bad option among LLM's keywords (all of them, by name).
+def validate_engine_options(c: "EngineConfig") -> None:
+    """Raise EngineOptionError for the first bad option of `c` (an EngineConfig), naming it.
     Checks all that needs no model; validate_for_model checks the rest once its config is read."""
-    for name, value in (("verify", verify), ("dummy_weights", dummy_weights), ("cuda_graphs", cuda_graphs)):
-        _check_bool(name, value)
-    _check_bool("overlap", overlap, none_ok=True)
-    _check_model(model, dummy_weights)
-    _check_choice("dtype", dtype, DTYPE_NAMES)
-    _check_device(device)
-    _check_int("page_size", page_size, 1)
-    _check_choice("cache_type", cache_type, CACHE_TYPES)
-    _check_int("kv_cache_tokens", kv_cache_tokens, page_size, none_ok=True, least_is=f"one page ({page_size} tokens)")
-    _check_int("max_running_reqs", max_running_reqs, 1)
-    _check_int("max_seq_len", max_seq_len, 2, none_ok=True, least_is="2 (a one-token prompt and one generated token)")
-    _check_int("max_prefill_tokens", max_prefill_tokens, 1)
-    _check_trace(trace)
-    _check_int("seed", seed, 0, below=SEED_LIMIT)
-    _check_int("threads", threads, 1, none_ok=True)
-    _check_choice("attention", attention, ATTENTION_BACKENDS)
+    for name in ("verify", "dummy_weights", "cuda_graphs"):
+        _check_bool(name, getattr(c, name))
+    _check_bool("overlap", c.overlap, none_ok=True)
+    _check_model(c.model, c.dummy_weights)
+    _check_choice("dtype", c.dtype, DTYPE_NAMES)
+    _check_device(c.device)
+    _check_int("page_size", c.page_size, 1)
+    _check_choice("cache_type", c.cache_type, CACHE_TYPES)
+    _check_int("kv_cache_tokens", c.kv_cache_tokens, c.page_size, none_ok=True,
+               least_is=f"one page ({c.page_size} tokens)")
+    _check_int("max_running_reqs", c.max_running_reqs, 1)
+    _check_int("max_seq_len", c.max_seq_len, 2, none_ok=True,
+               least_is="2 (a one-token prompt and one generated token)")
+    _check_int("max_prefill_tokens", c.max_prefill_tokens, 1)
+    _check_trace(c.trace)
+    _check_int("seed", c.seed, 0, below=SEED_LIMIT)
+    _check_int("threads", c.threads, 1, none_ok=True)
+    _check_choice("attention", c.attention, ATTENTION_BACKENDS)
 
 
 def validate_for_model(max_seq_len: Optional[int], config: ModelConfig) -> None:

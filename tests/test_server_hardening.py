@@ -26,14 +26,14 @@ KEY = "hardening-key"
 MODEL = "SmolLM2-135M-Instruct"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 JSON = {**AUTH, "Content-Type": "application/json"}
-HEADER_TIMEOUT = 1.0
+HEADER_TIMEOUT = 3.0  # short enough to wait for, long enough that no real request's headers miss it
 FAULT_SERVER = Path(__file__).parent / "support" / "fault_injecting_server.py"
 
 
 @pytest.fixture(scope="module")
 def server():
     with ServerProcess(["--api-key", KEY, "--max-seq-len", "512", "--kv-cache-tokens", "4096",
-                        "--timeout-header", str(HEADER_TIMEOUT), "--timeout-body", "1"]) as srv:
+                        "--timeout-header", str(HEADER_TIMEOUT), "--timeout-body", "10"]) as srv:
         yield srv
         assert "Traceback" not in srv.log(tail=None)
 
