@@ -12,7 +12,13 @@ Operations (typed in `cache_ops.py`; each is one line of a trace, see `trace.py`
 `sample` gives the sampled tokens in batch order (cycled), so a trace replays identically;
 `stop` names requests whose sampled token ends them (EOS or a stop token).
 The engine runs the same steps with its model between `allocate` and `complete`.
-The driver checks the five ownership invariants after every operation (`check`).
+The driver checks the ownership invariants after every operation (`check`).
+
+Under optimistic admission (`AdmissionPolicy("optimistic")`) a prefill or decode whose pages do
+not fit preempts the most recently admitted live requests first (`Preemptor.make_room`, in the
+implementation): a victim leaves the running set (or stops mid-chunk) and waits again at the head
+of the queue, behind a request still mid-chunk, resuming from its prompt plus its output. Under
+`reserve` a step that does not fit is an invariant violation, as it always was.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from types import ModuleType
 from typing import Any, Callable, Dict, List, Sequence, Union
 
 from kvledger.engine.cache_ops import Abort, CacheOp, Decode, Evict, Finish, InvalidOp, Prefill, Probe, Submit, parse
+from kvledger.reference.admission_policy import RESERVE, AdmissionPolicy
+from kvledger.reference.events import note
 from kvledger.reference.pages import div_ceil, tokens_to_finish
 
 
@@ -37,15 +45,22 @@ def tolist(x: Any) -> List[int]:
 class CacheScheduler:
     def __init__(self, impl: ModuleType, *, num_pages: int, page_size: int, cache_type: str,
                  table_slots: int, max_seq_len: int, device: str = "cpu", check_admission: bool = True,
-                 increasing_uids: bool = False) -> None:
+                 increasing_uids: bool = False, admission: AdmissionPolicy = RESERVE) -> None:
         self.impl = impl
         self.page_size = page_size
+        self.num_pages = num_pages
+        self.policy = admission
         self.max_seq_len = max_seq_len
         # rows hold whole pages: a request near max_seq_len still fills its last page
         self.page_table = impl.make_page_table(table_slots, div_ceil(max_seq_len, page_size) * page_size, device=device)
         self.cm = impl.CacheManager(num_pages, page_size, self.page_table, cache_type)
         self.tm = impl.TableManager(table_slots, self.page_table)
-        self.dm = impl.DecodeManager(page_size)
+        self.dm = impl.DecodeManager(page_size, policy=admission)
+        self.preemptor = impl.Preemptor(self.cm, self.tm)
+        self.preemptions = 0  # requests preempted so far
+        self.recomputed_tokens = 0  # KV positions computed again after a preemption (not found in the cache)
+        # uid -> (KV positions it had computed when last preempted, times preempted) while it lives
+        self._preempted: Dict[int, tuple[int, int]] = {}
         self.waiting: List[Any] = []
         self.live: Dict[int, Any] = {}  # uid -> admitted request (running or mid-chunk)
         self.known: set = set()
@@ -71,6 +86,9 @@ class CacheScheduler:
                             + (f" (uids must increase; the last was {self.last_uid})" if self.increasing_uids else ""))
         if len(tokens) + max_tokens > self.max_seq_len:
             raise InvalidOp(f"submit: uid {uid} needs {len(tokens) + max_tokens} positions, max_seq_len is {self.max_seq_len}")
+        worst, pool = tokens_to_finish(0, len(tokens) + max_tokens, self.page_size), self.num_pages * self.page_size
+        if self.policy.preempts and worst > pool:  # preemption could never make it fit
+            raise InvalidOp(f"submit: uid {uid} may need {worst} tokens of KV, the pool holds {pool}")
         params = self.impl.SamplingParams(max_tokens=max_tokens)
         try:
             pending = self.impl.PendingReq(uid, list(tokens), params)
@@ -84,13 +102,15 @@ class CacheScheduler:
 
     def prefill(self, budget: int, sample: Sequence[int] = (), stop: Sequence[int] = ()) -> Dict:
         batch, rejected = self.admit(budget)
-        self._run(batch, sample, stop, is_prefill=True)
-        return {"batch": [r.uid for r in batch], "rejected": rejected}
+        batch, preempted = self._run(batch, sample, stop, is_prefill=True)
+        return {"batch": [r.uid for r in batch], "rejected": rejected, **self._preempted_result(preempted)}
 
     def decode(self, sample: Sequence[int] = (), stop: Sequence[int] = ()) -> Dict:
-        batch = list(self.dm.running_reqs)
-        self._run(batch, sample, stop, is_prefill=False)
-        return {"batch": [r.uid for r in batch]}
+        batch, preempted = self._run(list(self.dm.running_reqs), sample, stop, is_prefill=False)
+        return {"batch": [r.uid for r in batch], **self._preempted_result(preempted)}
+
+    def _preempted_result(self, preempted: List[int]) -> Dict:
+        return {"preempted": preempted} if self.policy.preempts else {}
 
     def admit(self, budget: int) -> tuple[List[Any], int | None]:
         """Admit from the head of the queue within `budget` tokens until one does not fit.
@@ -98,11 +118,12 @@ class CacheScheduler:
         of the request that was turned away, if any."""
         if budget < 1:
             raise InvalidOp(f"prefill: budget must be >= 1, got {budget}")
-        adder = self.impl.PrefillAdder(budget, self.dm.inflight_tokens, self.cm, self.tm)
+        adder = self.impl.PrefillAdder(budget, self.dm.inflight_tokens, self.cm, self.tm, policy=self.policy)
         batch = []
         rejected = None
         for pending in self.waiting:
-            before = self._admission_state() if self.check_admission and pending.chunked_req is None else None
+            fresh = pending.chunked_req is None
+            before = self._admission_state() if self.check_admission and fresh else None
             req = adder.try_add_one(pending)
             if req is None:
                 if before is not None and adder.token_budget > 0:
@@ -112,11 +133,20 @@ class CacheScheduler:
                                                  f"rejecting uid {pending.uid} changed locks, free list or table slots")
                 break
             pending.chunked_req = req if self.is_chunked(req) else None
+            if fresh and req.uid in self._preempted:
+                self._readmitted(req)
             batch.append(req)
         self.waiting = [p for p in self.waiting[: len(batch)] if p.chunked_req is not None] + self.waiting[len(batch):]
         for req in batch:
             self.live[req.uid] = req
         return batch, rejected
+
+    def _readmitted(self, req: Any) -> None:
+        computed, times = self._preempted[req.uid]
+        self._preempted[req.uid] = (0, times)
+        self.recomputed_tokens += max(computed - req.cached_len, 0)
+        if req.cached_len > 0:
+            note("preempt: re-prefill hits the prefix cache")
 
     def finish(self, uid: int) -> Dict:
         req = self.dm.running_reqs.get(uid)
@@ -133,6 +163,8 @@ class CacheScheduler:
                 del self.waiting[i]
                 if pending.chunked_req is not None:
                     self._release(pending.chunked_req)
+                if self._preempted.pop(uid, None) is not None:
+                    note("preempt: a preempted request aborted while waiting")
                 return {"where": "waiting"}
         req = self.dm.running_reqs.get(uid)
         if req is None:
@@ -179,16 +211,54 @@ class CacheScheduler:
         raise InvalidOp(f"not a cache operation: {op!r:.80}")
 
     # -- one step: admit or pick the decode batch, allocate, (the model runs), complete ------
-    def _run(self, batch: List[Any], sample: Sequence[int], stop: Sequence[int], is_prefill: bool) -> None:
+    def _run(self, batch: List[Any], sample: Sequence[int], stop: Sequence[int],
+             is_prefill: bool) -> tuple[List[Any], List[int]]:
+        if not batch:
+            return [], []
+        batch, preempted = self.allocate(batch)
         if batch:
-            self.allocate(batch)
             self.complete(batch, sample, stop, is_prefill)
+        return batch, preempted
 
-    def allocate(self, batch: List[Any]) -> None:
+    def allocate(self, batch: List[Any]) -> tuple[List[Any], List[int]]:
+        """Give the step its pages. Under optimistic admission, first preempt the newest live
+        requests until they fit. Returns the batch that runs and the uids preempted, in order."""
+        victims: List[Any] = []
+        if self.policy.preempts:
+            newest_first = list(self.live.values())[::-1]
+            try:
+                victims = self.preemptor.make_room(batch, list(self.live.values()))
+            except RuntimeError as e:
+                raise InvariantViolation("3-no-oom", f"preemption could not make room for uids "
+                                                     f"{[r.uid for r in batch]}: {e}") from e
+            if [v.uid for v in victims] != [r.uid for r in newest_first[: len(victims)]]:
+                raise InvariantViolation("6-preemption-order", f"preempted uids {[v.uid for v in victims]}, but the "
+                                         f"newest live requests are {[r.uid for r in newest_first[: len(victims)]]}")
+            for victim in victims:
+                self._requeue(victim)
+            batch = [r for r in batch if r.uid not in {v.uid for v in victims}]
         try:
             self.cm.allocate_paged(batch)
-        except Exception as e:  # a running request found no memory: the worst-case promise broke
+        except Exception as e:  # a running request found no memory: the promise broke
             raise InvariantViolation("3-no-oom", f"allocation failed for uids {[r.uid for r in batch]}: {e}") from e
+        return batch, [v.uid for v in victims]
+
+    def _requeue(self, victim: Any) -> None:
+        """A victim waits again: mid-chunk, in its own queue entry; otherwise at the queue head,
+        behind the request mid-chunk (that one is older, and holds pages it needs to finish)."""
+        del self.live[victim.uid]
+        self.dm.remove_req(victim)
+        self.preemptions += 1
+        times = self._preempted.get(victim.uid, (0, 0))[1] + 1
+        self._preempted[victim.uid] = (victim.cached_len, times)
+        if times == 2:
+            note("preempt: the same request preempted twice")
+        for pending in self.waiting:
+            if pending.chunked_req is victim:
+                pending.chunked_req = None
+                return
+        head = 1 if self.waiting and self.waiting[0].chunked_req is not None else 0
+        self.waiting.insert(head, self.preemptor.resumed(victim))
 
     def complete(self, batch: List[Any], sample: Sequence[int], stop: Sequence[int], is_prefill: bool) -> None:
         """After the forward: every request computed its tokens; the sampled ones get their token
@@ -218,6 +288,7 @@ class CacheScheduler:
         self.tm.free(req.table_idx)
         self.cm.cache_req(req, finished=True)
         self.live.pop(req.uid, None)
+        self._preempted.pop(req.uid, None)
 
     # -- observation --------------------------------------------------------------------------
     def _admission_state(self) -> tuple:
@@ -238,22 +309,31 @@ class CacheScheduler:
             "available_size": self.cm.available_size,
             "size_info": tuple(self.cm.prefix_cache.size_info),
             "table_free": self.tm.free_slots(),
-            "waiting": [p.uid for p in self.waiting],
+            "waiting": [(p.uid, p.input_len, p.output_len) for p in self.waiting],
             "running": self.dm.running_reqs.uids(),
             "inflight_tokens": self.dm.inflight_tokens,
+            "preemptions": self.preemptions,
         }
 
     def check(self) -> None:
-        """The five invariants, on this implementation alone."""
+        """The invariants, on this implementation alone."""
         live = list(self.live.values())
         try:
             self.cm.check_integrity(live)
         except RuntimeError as e:
             raise InvariantViolation("1-2-partition", str(e)) from e
-        need = sum(tokens_to_finish(r.cached_len, r.max_device_len, self.page_size) for r in live)
-        if need > self.cm.available_size:
-            raise InvariantViolation("3-no-oom", f"live requests may still need {need} tokens of pages, "
-                                                 f"only {self.cm.available_size} available")
+        if self.policy.preempts:
+            # what preemption relies on: any one request alone fits the pool
+            pool = self.num_pages * self.page_size
+            for uid, length in [(r.uid, r.max_device_len) for r in live] + \
+                               [(p.uid, p.input_len + p.output_len) for p in self.waiting]:
+                if tokens_to_finish(0, length, self.page_size) > pool:
+                    raise InvariantViolation("3-no-oom", f"uid {uid} may need more than the pool's {pool} tokens")
+        else:
+            need = sum(tokens_to_finish(r.cached_len, r.max_device_len, self.page_size) for r in live)
+            if need > self.cm.available_size:
+                raise InvariantViolation("3-no-oom", f"live requests may still need {need} tokens of pages, "
+                                                     f"only {self.cm.available_size} available")
         if not live:
             locked = self.cm.prefix_cache.size_info.protected_size
             if locked:

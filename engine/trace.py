@@ -1,10 +1,15 @@
 """The trace format: JSON lines, one header then one operation per line.
 
-Header: {"kvledger_trace": 1, "num_pages", "page_size", "cache_type", "table_slots",
-"max_seq_len", "seed", "producer"}. Operations are the driver's (see `driver.py`), e.g.
-{"op": "submit", "uid": 3, "tokens": [5, 1, 2], "max_tokens": 4} or
-{"op": "prefill", "budget": 16, "sample": [7]}; an optional "expect" records what the producer
-saw (for example the batch's uids) and is checked on replay.
+Header: {"kvledger_trace": 2, "num_pages", "page_size", "cache_type", "table_slots",
+"max_seq_len", "admission", "reserve_ratio", "seed", "producer"}. Operations are the cache
+scheduler's (see `cache_scheduler.py`), e.g. {"op": "submit", "uid": 3, "tokens": [5, 1, 2],
+"max_tokens": 4} or {"op": "prefill", "budget": 16, "sample": [7]}; an optional "expect" records
+what the producer saw (for example the batch's uids, and under optimistic admission the uids
+preempted) and is checked on replay.
+
+Versions: 2 added "admission" ("reserve" or "optimistic") and "reserve_ratio" (the fraction of the
+remaining max_tokens optimistic admission reserves). A version 1 trace has neither and replays as
+"reserve", the only policy there was; it is still read, and written back as version 2.
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Tuple
 
-VERSION = 1
+from kvledger.reference.admission_policy import AdmissionPolicy
+
+VERSION = 2
+READABLE = (1, 2)
 OPS = ("submit", "prefill", "decode", "finish", "abort", "evict", "probe")
 
 
@@ -29,6 +37,8 @@ class Header:
     cache_type: str
     table_slots: int
     max_seq_len: int
+    admission: str = "reserve"
+    reserve_ratio: float = 0.5
     seed: int | None = None
     producer: str = "unknown"
     kvledger_trace: int = field(default=VERSION)
@@ -40,12 +50,21 @@ class Header:
                 raise TraceError(f"header: {name} must be a positive integer, got {value!r}")
         if self.cache_type not in ("naive", "radix"):
             raise TraceError(f"header: cache_type must be 'naive' or 'radix', got {self.cache_type!r}")
-        if self.kvledger_trace != VERSION:
-            raise TraceError(f"header: trace version {self.kvledger_trace} is not supported (expected {VERSION})")
+        if self.kvledger_trace not in READABLE:
+            raise TraceError(f"header: trace version {self.kvledger_trace!r} is not supported "
+                             f"(this kvledger reads {', '.join(map(str, READABLE))})")
+        try:
+            self.policy
+        except ValueError as e:
+            raise TraceError(f"header: {e}") from None
+
+    @property
+    def policy(self) -> AdmissionPolicy:
+        return AdmissionPolicy(self.admission, self.reserve_ratio)
 
     def driver_args(self) -> Dict:
         return {"num_pages": self.num_pages, "page_size": self.page_size, "cache_type": self.cache_type,
-                "table_slots": self.table_slots, "max_seq_len": self.max_seq_len}
+                "table_slots": self.table_slots, "max_seq_len": self.max_seq_len, "admission": self.policy}
 
 
 def dumps(header: Header, ops: Iterable[Dict]) -> str:
@@ -74,6 +93,8 @@ def loads(text: str, source: str = "<trace>") -> Tuple[Header, List[Dict]]:
     head = records[0]
     if "kvledger_trace" not in head:
         raise TraceError(f"{source}:1: the first line must be the header with 'kvledger_trace'")
+    if head.get("kvledger_trace") == 1 and ({"admission", "reserve_ratio"} & set(head)):
+        raise TraceError(f"{source}:1: a version 1 header has no admission fields (they came with version 2)")
     try:
         header = Header(**head)
     except TypeError as e:

@@ -1,4 +1,4 @@
-"""Admission by worst-case reservation over the tensor cache manager (see the reference)."""
+"""Admission over the tensor cache manager: worst-case or optimistic reservation (see the reference)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from typing import Dict, Iterable, Tuple
 
 import torch
 
+from kvledger.reference.admission_policy import RESERVE, AdmissionPolicy
 from kvledger.reference.pages import div_ceil
 from kvledger.reference.running_reqs import RunningReqs
 
@@ -20,9 +21,22 @@ def _pages_to_finish(cached_len: int, max_device_len: int, page_size: int) -> in
     return max(div_ceil(max_device_len - 1, page_size) - div_ceil(cached_len, page_size), 0)
 
 
+def _reserved_pages(policy: AdmissionPolicy, cached_len: int, device_len: int, max_device_len: int,
+                    page_size: int) -> int:
+    """Pages still reserved for a request: to max_device_len (reserve), or to device_len plus the
+    ratio of what it may still generate, rounded up, and at least its next token (optimistic)."""
+    if not policy.preempts:
+        return _pages_to_finish(cached_len, max_device_len, page_size)
+    remaining = max_device_len - device_len
+    grow = -(-remaining * round(policy.reserve_ratio * 1_000_000) // 1_000_000)
+    end = device_len + (max(grow, 1) if remaining > 0 else 0)
+    return _pages_to_finish(cached_len, end, page_size)
+
+
 class DecodeManager:
-    def __init__(self, page_size: int = 1) -> None:
+    def __init__(self, page_size: int = 1, policy: AdmissionPolicy = RESERVE) -> None:
         self.page_size = page_size
+        self.policy = policy
         self.running_reqs: RunningReqs[Req] = RunningReqs()  # iterates requests, in admission order
 
     def filter_reqs(self, reqs: Iterable[Req]) -> None:
@@ -38,7 +52,8 @@ class DecodeManager:
     @property
     def inflight_tokens(self) -> int:
         ps = self.page_size
-        return ps * sum(_pages_to_finish(r.cached_len, r.max_device_len, ps) for r in self.running_reqs)
+        pages, policy = _reserved_pages, self.policy
+        return ps * sum(pages(policy, r.cached_len, r.device_len, r.max_device_len, ps) for r in self.running_reqs)
 
     @property
     def runnable(self) -> bool:
@@ -47,15 +62,17 @@ class DecodeManager:
 
 class PrefillAdder:
     def __init__(self, token_budget: int, reserved_size: int,
-                 cache_manager: CacheManager, table_manager: TableManager) -> None:
+                 cache_manager: CacheManager, table_manager: TableManager,
+                 policy: AdmissionPolicy = RESERVE) -> None:
         self.token_budget = token_budget
         self.reserved_size = reserved_size
         self.cache_manager = cache_manager
         self.table_manager = table_manager
+        self.policy = policy
 
     def _need(self, cached_len: int, req: PendingReq) -> int:
         ps = self.cache_manager.page_size
-        return ps * _pages_to_finish(cached_len, req.input_len + req.output_len, ps)
+        return ps * _reserved_pages(self.policy, cached_len, req.input_len, req.input_len + req.output_len, ps)
 
     def _try_allocate_one(self, req: PendingReq) -> Tuple[CacheHandle, int] | None:
         if self.table_manager.available_size == 0:

@@ -60,6 +60,11 @@ class CacheManager:
     def _page_to_token(self, pages: torch.Tensor) -> torch.Tensor:
         return (pages.unsqueeze(1) + self._offsets).flatten()
 
+    def needed_size(self, reqs: Sequence[Req]) -> int:
+        """Tokens of whole pages `allocate_paged(reqs)` would take (host arithmetic, no sync)."""
+        ps = self.page_size
+        return sum(div_ceil(r.device_len, ps) * ps - div_ceil(r.cached_len, ps) * ps for r in reqs)
+
     def allocate_paged(self, reqs: Sequence[Req]) -> None:
         """Give each request the pages for positions [cached_len, device_len) it lacks."""
         ps = self.page_size

@@ -1,8 +1,10 @@
-"""Admission by worst-case reservation, and the running set whose reservation it respects.
+"""Admission, and the running set whose reservation it respects.
 
-A request is admitted only if everything it may still need, plus everything already promised
-to others, fits in `available_size` (free pages plus the evictable part of the prefix cache).
-So a running request never finds the pool empty and nothing is ever preempted.
+A request is admitted only if what the policy reserves for it, plus what is reserved for the
+running requests, fits in `available_size` (free pages plus the evictable part of the prefix
+cache). Under `reserve` (the default) that is the worst case, so a running request never finds
+the pool empty and nothing is ever preempted; under `optimistic` it is a fraction of the output,
+and `preemption.py` makes room when a step does not fit (see `admission_policy.py`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Dict, Iterable, Tuple
 
 from .cache_manager import CacheManager
 from .events import note
-from .pages import tokens_to_finish
+from .admission_policy import RESERVE, AdmissionPolicy
 from .prefix_cache import CacheHandle
 from .requests import ChunkedReq, PendingReq, Req
 from .running_reqs import RunningReqs
@@ -19,8 +21,9 @@ from .table import TableManager
 
 
 class DecodeManager:
-    def __init__(self, page_size: int = 1) -> None:
+    def __init__(self, page_size: int = 1, policy: AdmissionPolicy = RESERVE) -> None:
         self.page_size = page_size
+        self.policy = policy
         self.running_reqs: RunningReqs[Req] = RunningReqs()  # iterates requests, in admission order
 
     def filter_reqs(self, reqs: Iterable[Req]) -> None:
@@ -35,10 +38,8 @@ class DecodeManager:
 
     @property
     def inflight_tokens(self) -> int:
-        return sum(
-            tokens_to_finish(r.cached_len, r.max_device_len, self.page_size)
-            for r in self.running_reqs
-        )
+        reserved = self.policy.reserved_tokens
+        return sum(reserved(r.cached_len, r.device_len, r.max_device_len, self.page_size) for r in self.running_reqs)
 
     @property
     def runnable(self) -> bool:
@@ -47,14 +48,17 @@ class DecodeManager:
 
 class PrefillAdder:
     def __init__(self, token_budget: int, reserved_size: int,
-                 cache_manager: CacheManager, table_manager: TableManager) -> None:
+                 cache_manager: CacheManager, table_manager: TableManager,
+                 policy: AdmissionPolicy = RESERVE) -> None:
         self.token_budget = token_budget
         self.reserved_size = reserved_size
         self.cache_manager = cache_manager
         self.table_manager = table_manager
+        self.policy = policy
 
     def _need(self, cached_len: int, req: PendingReq) -> int:
-        return tokens_to_finish(cached_len, req.input_len + req.output_len, self.cache_manager.page_size)
+        return self.policy.reserved_tokens(cached_len, req.input_len, req.input_len + req.output_len,
+                                           self.cache_manager.page_size)
 
     def _try_allocate_one(self, req: PendingReq) -> Tuple[CacheHandle, int] | None:
         if self.table_manager.available_size == 0:

@@ -55,6 +55,11 @@ class CacheManager:
         allocated, self.free_slots = self.free_slots[:needed_pages], self.free_slots[needed_pages:]
         return allocated
 
+    def needed_size(self, reqs: Sequence[Req]) -> int:
+        """Tokens of whole pages `allocate_paged(reqs)` would take."""
+        ps = self.page_size
+        return ps * sum(div_ceil(r.device_len, ps) - div_ceil(r.cached_len, ps) for r in reqs)
+
     def allocate_paged(self, reqs: Sequence[Req]) -> None:
         """Give each request the pages for positions [cached_len, device_len) it lacks."""
         ps = self.page_size

@@ -189,13 +189,13 @@ _bug("available-ignores-evictable", "mini-sglang seed (available_size must count
 _bug("reservation-in-tokens", "mini-sglang seed (worst-case reservation in tokens)",
      "PrefillAdder reserves input_len - cached_len + max_tokens tokens, not whole pages",
      fast.PrefillAdder, "_need",
-     ("return ps * _pages_to_finish(cached_len, req.input_len + req.output_len, ps)",
+     ("return ps * _reserved_pages(self.policy, cached_len, req.input_len, req.input_len + req.output_len, ps)",
       "return req.input_len - cached_len + req.output_len  # BUG: no page rounding"))
 
 _bug("inflight-in-tokens", "mini-sglang seed (running reservation as remain_len)",
      "DecodeManager.inflight_tokens sums the running requests' remain_len, not their remaining pages",
      fast.DecodeManager, "inflight_tokens",
-     ("return ps * sum(_pages_to_finish(r.cached_len, r.max_device_len, ps) for r in self.running_reqs)",
+     ("return ps * sum(pages(policy, r.cached_len, r.device_len, r.max_device_len, ps) for r in self.running_reqs)",
       "return sum(r.remain_len for r in self.running_reqs)  # BUG: tokens, not pages"))
 
 _bug("no-recheck-after-lock", "mini-sglang seed (the second check after lock)",
