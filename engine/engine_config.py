@@ -8,8 +8,8 @@ import argparse
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Dict, Optional, Sequence
 
-from kvledger.engine.options import ATTENTION_BACKENDS, CACHE_TYPES, DTYPE_NAMES, EngineOptionError, \
-    validate_engine_options
+from kvledger.engine.options import ADMISSION_POLICIES, ATTENTION_BACKENDS, CACHE_TYPES, DTYPE_NAMES, \
+    EngineOptionError, validate_engine_options
 
 
 def option(default: Any, help: str, *, flag: Optional[str] = None, choices: Optional[Sequence[str]] = None,
@@ -33,6 +33,11 @@ class EngineConfig:
     max_seq_len: Optional[int] = option(None, "prompt plus generated tokens per request (default: the model's "
                                               "context, at most 4096)")
     max_prefill_tokens: int = option(2048, "tokens one prefill step computes; longer prompts are chunked")
+    admission: str = option("reserve", "admission policy: reserve each request's worst case (never preempts), or "
+                                       "optimistic (reserve part of max_tokens, preempt the newest request when "
+                                       "KV runs short)", choices=ADMISSION_POLICIES)
+    reserve_ratio: float = option(0.5, "with --admission optimistic: the fraction of a request's remaining "
+                                       "max_tokens reserved at admission")
     verify: bool = option(False, "shadow every cache operation in the reference model and compare")
     trace: Optional[str] = option(None, "record every cache operation to this trace file", metavar="FILE")
     seed: int = option(0, "base seed of sampling and of dummy weights")
@@ -87,7 +92,7 @@ class EngineConfig:
                     group.add_argument(meta["negative"], dest=f.name, action="store_false", default=default,
                                        help=f"do not {meta['help']}")
                 continue
-            kind = int if "int" in f.type else str
+            kind = float if "float" in f.type else int if "int" in f.type else str
             group.add_argument(flag, dest=f.name, type=kind, default=default, choices=meta["choices"],
                                metavar=meta["metavar"], help=shown)
 

@@ -18,7 +18,7 @@ from kvledger.engine.options import DTYPE_NAMES, validate_for_model
 from kvledger.engine.scheduler import Scheduler, SchedulerConfig
 from kvledger.engine.tokenizer import Tokenizer
 from kvledger.engine.weights import load_weights
-from kvledger.fast import SamplingParams
+from kvledger.fast import AdmissionPolicy, SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]  # SamplingParams: the seed's, what users pass to generate
 
@@ -67,7 +67,8 @@ class LLM:
         sched = SchedulerConfig(
             num_pages=num_pages, page_size=o.page_size, cache_type=o.cache_type, max_running_reqs=o.max_running_reqs,
             max_seq_len=min(model_config.max_position_embeddings, 4096) if o.max_seq_len is None else o.max_seq_len,
-            max_prefill_tokens=o.max_prefill_tokens, seed=o.seed)
+            max_prefill_tokens=o.max_prefill_tokens, seed=o.seed,
+            admission=AdmissionPolicy(o.admission, o.reserve_ratio))
         self.scheduler = Scheduler(self.model, sched, eos, o.device, overlap=o.overlap, cuda_graphs=o.cuda_graphs)
         self.scheduler.capture_graphs()
         self.shadow = ShadowVerifier(self.scheduler.header) if o.verify else None

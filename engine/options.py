@@ -10,6 +10,7 @@ import os
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from kvledger.engine.config import BUILTIN_CONFIG_DIR, ModelConfig
+from kvledger.reference.admission_policy import POLICIES
 
 if TYPE_CHECKING:  # engine_config imports this module
     from kvledger.engine.engine_config import EngineConfig
@@ -17,6 +18,7 @@ if TYPE_CHECKING:  # engine_config imports this module
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 CACHE_TYPES = ("radix", "naive")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ADMISSION_POLICIES = POLICIES
 # the sampler seeds request uid with seed * 1_000_003 + uid, which torch needs to fit in 64 bits
 SEED_LIMIT = 2**32
 
@@ -47,6 +49,8 @@ def validate_engine_options(c: "EngineConfig") -> None:
     _check_int("max_seq_len", c.max_seq_len, 2, none_ok=True,
                least_is="2 (a one-token prompt and one generated token)")
     _check_int("max_prefill_tokens", c.max_prefill_tokens, 1)
+    _check_choice("admission", c.admission, ADMISSION_POLICIES)
+    _check_ratio("reserve_ratio", c.reserve_ratio)
     _check_trace(c.trace)
     _check_int("seed", c.seed, 0, below=SEED_LIMIT)
     _check_int("threads", c.threads, 1, none_ok=True)
@@ -58,6 +62,11 @@ def validate_for_model(max_seq_len: Optional[int], config: ModelConfig) -> None:
     if max_seq_len is not None and max_seq_len > config.max_position_embeddings:
         raise EngineOptionError("max_seq_len", f"must be at most the model's max_position_embeddings "
                                                f"({config.max_position_embeddings}), got {max_seq_len!r}")
+
+
+def _check_ratio(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value <= 1:
+        raise EngineOptionError(name, f"must be a number in [0, 1], got {value!r}")
 
 
 def _check_int(name: str, value: Any, least: int, *, none_ok: bool = False, least_is: str = "",

@@ -59,6 +59,7 @@ class SchedulerConfig:
     max_seq_len: int
     max_prefill_tokens: int
     seed: int
+    admission: fast.AdmissionPolicy
 
 
 @dataclass
@@ -105,6 +106,7 @@ class _Step:
     logits: torch.Tensor  # [len(sampled), vocab] on the device
     host: torch.Tensor  # greedy tokens of the sampled rows on the host (copied non-blocking on CUDA)
     ready: Optional[torch.cuda.Event] = None
+    preempted: List[int] = field(default_factory=list)  # uids preempted to make room for this step
     values: Optional[List[int]] = None  # sampled tokens, once known
     entry: Optional[_PendingOp] = None  # its operation in the observers' queue
     patch_at: List[int] = field(default_factory=list)  # per sampled row: its placeholder's index in input_ids
@@ -123,6 +125,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.header = Header(num_pages=config.num_pages, page_size=config.page_size, cache_type=config.cache_type,
                              table_slots=config.max_running_reqs, max_seq_len=config.max_seq_len,
+                             admission=config.admission.kind, reserve_ratio=config.admission.reserve_ratio,
                              seed=config.seed, producer="engine")
         self.driver = CacheScheduler(fast, device=str(self.device), check_admission=False, increasing_uids=True,
                              **self.header.driver_args())
@@ -143,6 +146,9 @@ class Scheduler:
         # delivered as finished, released at the next bookkeeping (see step())
         self._late_stops: set = set()
         self.late_stops = 0  # how many requests finished that way (one wasted token each)
+        # requests preempted while the step that sampled their last token was in flight: uid -> the
+        # waiting request whose last token is still a placeholder (patched when that step lands)
+        self._resumed_placeholders: Dict[int, Any] = {}
         # host seconds per part of step() (schedule includes launching the GPU work; wait is the
         # host blocked on the GPU), and steps per phase: benchmarks report them
         self.host_seconds: Dict[str, float] = {"schedule": 0.0, "complete": 0.0, "land": 0.0, "wait": 0.0}
@@ -222,8 +228,8 @@ class Scheduler:
                 events += self._land(launched)
             else:
                 self._inflight = launched
-        for uid in sorted(self._late_stops):  # not in this step's batch (it was a prefill): finish now
-            self._do(Finish(uid))
+        for uid in sorted(self._late_stops):  # not in this step's batch (a prefill, or it was preempted)
+            self._do(Finish(uid) if self.driver.dm.running_reqs.get(uid) is not None else Abort(uid))
         self._late_stops.clear()
         if not self.has_work:
             self.check_idle()
@@ -250,16 +256,41 @@ class Scheduler:
                 batch, phase = list(d.dm.running_reqs), "decode"
             if not batch:
                 return None
-            d.allocate(batch)
+            batch, preempted = d.allocate(batch)
+            if preempted:
+                self._note_preempted(preempted)
+            if not batch:  # every request of the step was preempted: the operation ran, nothing to compute
+                self._record_empty(phase, preempted)
+                return None
             sampled = [i for i, r in enumerate(batch) if not d.is_chunked(r)]
             logits, tokens = self._forward(batch, phase, sampled)
             if self.device.type != "cuda":
-                return _Step(batch, phase, sampled, logits, tokens)
-            step = _Step(batch, phase, sampled, logits, torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True))
+                return _Step(batch, phase, sampled, logits, tokens, preempted=preempted)
+            step = _Step(batch, phase, sampled, logits, torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True),
+                         preempted=preempted)
             step.host.copy_(tokens, non_blocking=True)
             step.ready = torch.cuda.Event()
             step.ready.record()
         return step
+
+    def _note_preempted(self, uids: List[int]) -> None:
+        """Victims whose last token the in-flight step has not delivered yet resume from a
+        placeholder: remember their waiting request, to patch it when that step lands."""
+        inflight = self._inflight
+        if inflight is None or inflight.values is not None:
+            return
+        pending = {p.uid: p for p in self.driver.waiting}
+        in_flight = {inflight.batch[i].uid for i in inflight.sampled}
+        for uid in uids:
+            if uid in in_flight and uid in pending:
+                self._resumed_placeholders[uid] = pending[uid]
+
+    def _record_empty(self, phase: str, preempted: List[int]) -> None:
+        op: Dict = {"op": phase, "sample": [], "stop": [], "expect": {"batch": [], "preempted": preempted}}
+        if phase == "prefill":
+            op = {"op": "prefill", "budget": self.config.max_prefill_tokens, **{k: v for k, v in op.items() if k != "op"}}
+        self._ops.append(_PendingOp(op, True, self._state_for_observers()))
+        self._flush_ops()
 
     def _forward(self, batch: List, phase: str, sampled: List[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the model; returns (logits, greedy tokens) of the sampled rows, on the device.
@@ -343,7 +374,10 @@ class Scheduler:
             rec = self.requests.get(uid)
             if rec is not None:  # None: it stopped late, and was delivered as finished already
                 rec.finishing = reason
-        op: Dict = {"op": step.phase, "sample": sample, "stop": stop, "expect": {"batch": [r.uid for r in batch]}}
+        expect: Dict = {"batch": [r.uid for r in batch]}
+        if self.driver.policy.preempts:
+            expect["preempted"] = step.preempted
+        op: Dict = {"op": step.phase, "sample": sample, "stop": stop, "expect": expect}
         if step.phase == "prefill":
             op = {"op": "prefill", "budget": self.config.max_prefill_tokens, **{k: v for k, v in op.items() if k != "op"}}
         step.entry = _PendingOp(op, values is not None, self._state_for_observers())
@@ -360,6 +394,9 @@ class Scheduler:
             for i, at, t in zip(step.sampled, step.patch_at, step.values):
                 step.batch[i].set_host_token(at, t)
                 sample[i] = t
+                resumed = self._resumed_placeholders.pop(step.batch[i].uid, None)
+                if resumed is not None:  # preempted by the next step: it waits with this token last
+                    resumed.input_ids[at] = t
             step.entry.ready = True
             self._flush_ops()
         events = []
@@ -370,7 +407,9 @@ class Scheduler:
             if rec is None:  # aborted, or stopped late, while this step was in flight
                 continue
             rec.finishing = None
-            if reason is None and self._stops(uid, t):  # its step's bookkeeping ran before the value was known
+            if reason == "length" and self._stops(uid, t):  # its last token is a stop token, as without overlap
+                reason = "stop"
+            elif reason is None and self._stops(uid, t):  # its step's bookkeeping ran before the value was known
                 reason = "stop"
                 self._late_stops.add(uid)
                 self.late_stops += 1
@@ -405,4 +444,5 @@ class Scheduler:
 
     def _forget(self, uid: int) -> None:
         self.requests.pop(uid, None)
+        self._resumed_placeholders.pop(uid, None)
         self.sampler.remove(uid)

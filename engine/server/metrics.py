@@ -30,6 +30,10 @@ def _engine_metrics(s: EngineStats, healthy: bool) -> List[_Metric]:
         ("kvledger_generation_tokens_per_second", "gauge", "tokens generated per second over the last 10 s",
          s.tokens_per_s),
         ("kvledger_cache_operations_total", "counter", "operations applied to the cache manager", s.cache_ops),
+        ("kvledger_preemptions_total", "counter", "requests preempted to make room (optimistic admission)",
+         s.preemptions),
+        ("kvledger_recomputed_tokens_total", "counter", "KV positions computed again after a preemption "
+                                                        "(not found in the prefix cache)", s.recomputed_tokens),
     ]
     if s.verified_ops is not None:
         out.append(("kvledger_verified_operations_total", "counter",

@@ -129,6 +129,8 @@ class EngineStats:
     rejected: int = 0
     failed: int = 0
     verified_ops: Optional[int] = None  # operations mirrored in the reference model (--verify)
+    preemptions: int = 0  # requests preempted to make room (optimistic admission only)
+    recomputed_tokens: int = 0  # KV positions computed again after a preemption
 
 
 @dataclass(frozen=True)
@@ -365,7 +367,8 @@ class EngineWorker:
             prompt_tokens=c["prompt_tokens"], prefix_hit_tokens=c["prefix_hit_tokens"],
             generated_tokens=c["generated_tokens"], tokens_per_s=sum(n for _, n in self._rate) / span,
             cache_ops=self.scheduler.step_no, finished=c["finished"], aborted=c["aborted"], rejected=c["rejected"],
-            failed=c["failed"], verified_ops=self.llm.shadow.steps if self.llm.shadow is not None else None)
+            failed=c["failed"], verified_ops=self.llm.shadow.steps if self.llm.shadow is not None else None,
+            preemptions=d.preemptions, recomputed_tokens=d.recomputed_tokens)
 
 
 def _send(sink: Sink, event: Event) -> None:

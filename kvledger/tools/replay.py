@@ -34,7 +34,10 @@ def replay_file(path: str, device: str = "cpu", bug: str | None = None) -> int:
         print(f"  {e.detail}")
         return 1
     ref = lock.ref
+    admission = header.admission + (f" (reserve_ratio {header.reserve_ratio})" if ref.policy.preempts else "")
     print(f"OK: {len(ops)} operations agree on reference and fast ({header.cache_type} cache, page size "
-          f"{header.page_size}, {header.num_pages} pages); live requests at the end: {len(ref.live)}, "
-          f"free pages: {len(ref.cm.free_slots)}, cached tokens: {ref.cm.prefix_cache.size_info.total_size}")
+          f"{header.page_size}, {header.num_pages} pages, {admission} admission); live requests at the end: "
+          f"{len(ref.live)}, free pages: {len(ref.cm.free_slots)}, cached tokens: "
+          f"{ref.cm.prefix_cache.size_info.total_size}; preemptions: {ref.preemptions}, recomputed tokens: "
+          f"{ref.recomputed_tokens}")
     return 0
