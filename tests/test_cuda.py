@@ -162,3 +162,22 @@ def test_a_graph_decode_launch_never_waits_for_the_gpu():
     assert launched >= 5
     while s.has_work:
         s.step()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_heavy_preemption_on_cuda_changes_no_greedy_token(dtype):
+    """Optimistic admission in a pool barely larger than the longest request, with graphs and
+    overlap, shadow-verified: requests are preempted over and over, and every greedy token equals
+    that of a pool big enough for all of them at once."""
+    from kvledger.engine.llm import LLM
+
+    prompts, params = _nano_like(n=24, seed=2)
+    kw = dict(dummy_weights=True, device="cuda", dtype=dtype, page_size=16, max_running_reqs=24, max_seq_len=512,
+              max_prefill_tokens=256)
+    expected = [o.token_ids for o in LLM(_qwen_tiny(), kv_cache_tokens=20000, **kw).generate(prompts, params)]
+    small = LLM(_qwen_tiny(), kv_cache_tokens=320, admission="optimistic", reserve_ratio=0.0, verify=True, **kw)
+    assert small.scheduler.overlap and small.scheduler.graphs is not None
+    got = [o.token_ids for o in small.generate(prompts, params)]
+    assert got == expected
+    assert small.scheduler.driver.preemptions >= 10
+    small.scheduler.check_idle()
