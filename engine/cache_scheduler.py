@@ -27,7 +27,7 @@ from types import ModuleType
 from typing import Any, Callable, Dict, List, Sequence, Union
 
 from kvledger.engine.cache_ops import Abort, CacheOp, Decode, Evict, Finish, InvalidOp, Prefill, Probe, Submit, parse
-from kvledger.reference.admission_policy import RESERVE, AdmissionPolicy
+from kvledger.reference.admission_policy import RESERVE, AdmissionPolicy, ObservedOutputRatio
 from kvledger.reference.events import note
 from kvledger.reference.pages import div_ceil, tokens_to_finish
 
@@ -61,6 +61,9 @@ class CacheScheduler:
         self.recomputed_tokens = 0  # KV positions computed again after a preemption (not found in the cache)
         # uid -> (KV positions it had computed when last preempted, times preempted) while it lives
         self._preempted: Dict[int, tuple[int, int]] = {}
+        # adaptive admission: the ratio follows what ended requests generated (uid -> prompt length)
+        self.observed_ratio = ObservedOutputRatio(admission.reserve_ratio) if admission.kind == "adaptive" else None
+        self._prompt_len: Dict[int, int] = {}
         self.waiting: List[Any] = []
         self.live: Dict[int, Any] = {}  # uid -> admitted request (running or mid-chunk)
         self.known: set = set()
@@ -97,6 +100,8 @@ class CacheScheduler:
         if not self.increasing_uids:
             self.known.add(uid)
         self.last_uid = uid if self.last_uid is None else max(self.last_uid, uid)
+        if self.observed_ratio is not None:
+            self._prompt_len[uid] = len(tokens)
         self.waiting.append(pending)
         return {}
 
@@ -165,6 +170,7 @@ class CacheScheduler:
                     self._release(pending.chunked_req)
                 if self._preempted.pop(uid, None) is not None:
                     note("preempt: a preempted request aborted while waiting")
+                self._prompt_len.pop(uid, None)
                 return {"where": "waiting"}
         req = self.dm.running_reqs.get(uid)
         if req is None:
@@ -289,6 +295,16 @@ class CacheScheduler:
         self.cm.cache_req(req, finished=True)
         self.live.pop(req.uid, None)
         self._preempted.pop(req.uid, None)
+        prompt_len = self._prompt_len.pop(req.uid, None)
+        if prompt_len is not None and not self.is_chunked(req):
+            self._observe_output(len(req.input_ids) - prompt_len, req.max_device_len - prompt_len)
+
+    def _observe_output(self, generated: int, max_tokens: int) -> None:
+        ratio = self.observed_ratio.observe(generated, max_tokens)
+        if ratio != self.policy.reserve_ratio:
+            note("adaptive: the reserve ratio changed")
+            self.policy = self.policy.with_ratio(ratio)
+            self.dm.policy = self.policy
 
     # -- observation --------------------------------------------------------------------------
     def _admission_state(self) -> tuple:
@@ -313,6 +329,7 @@ class CacheScheduler:
             "running": self.dm.running_reqs.uids(),
             "inflight_tokens": self.dm.inflight_tokens,
             "preemptions": self.preemptions,
+            "reserve_ratio": self.policy.reserve_ratio,
         }
 
     def check(self) -> None:

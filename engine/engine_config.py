@@ -33,11 +33,12 @@ class EngineConfig:
     max_seq_len: Optional[int] = option(None, "prompt plus generated tokens per request (default: the model's "
                                               "context, at most 4096)")
     max_prefill_tokens: int = option(2048, "tokens one prefill step computes; longer prompts are chunked")
-    admission: str = option("reserve", "admission policy: reserve each request's worst case (never preempts), or "
-                                       "optimistic (reserve part of max_tokens, preempt the newest request when "
-                                       "KV runs short)", choices=ADMISSION_POLICIES)
-    reserve_ratio: float = option(0.5, "with --admission optimistic: the fraction of a request's remaining "
-                                       "max_tokens reserved at admission")
+    admission: str = option("reserve", "admission policy: reserve each request's worst case (never preempts); "
+                                       "optimistic: reserve part of max_tokens, preempt the newest request when "
+                                       "KV runs short; adaptive: optimistic, the part learned from the output "
+                                       "lengths of requests that ended", choices=ADMISSION_POLICIES)
+    reserve_ratio: float = option(0.5, "optimistic: the fraction of a request's remaining max_tokens reserved at "
+                                       "admission (adaptive: until 8 requests have ended)")
     verify: bool = option(False, "shadow every cache operation in the reference model and compare")
     trace: Optional[str] = option(None, "record every cache operation to this trace file", metavar="FILE")
     seed: int = option(0, "base seed of sampling and of dummy weights")

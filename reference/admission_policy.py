@@ -4,16 +4,21 @@
 request may still generate, so a running request never finds the pool empty and nothing is ever
 preempted. `optimistic` (the seed's exercise 2, what vLLM, SGLang and nano-vllm do) reserves the
 rest of the prompt plus `reserve_ratio` of the output still allowed; when a step's pages then do not
-fit, the most recently admitted request is preempted (see `preemption.py`).
+fit, the most recently admitted request is preempted (see `preemption.py`). `adaptive` is
+optimistic with the ratio learned from the requests that ended (`ObservedOutputRatio`): it starts
+at `reserve_ratio` and then follows what requests actually generate.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Deque
 
 from .pages import tokens_to_finish
 
-POLICIES = ("reserve", "optimistic")
+POLICIES = ("reserve", "optimistic", "adaptive")
 _SCALE = 1_000_000  # the ratio in millionths: exact integer arithmetic, the same on every machine
 
 
@@ -31,7 +36,10 @@ class AdmissionPolicy:
 
     @property
     def preempts(self) -> bool:
-        return self.kind == "optimistic"
+        return self.kind != "reserve"
+
+    def with_ratio(self, reserve_ratio: float) -> AdmissionPolicy:
+        return replace(self, reserve_ratio=reserve_ratio)
 
     def reserved_tokens(self, cached_len: int, device_len: int, max_device_len: int, page_size: int) -> int:
         """KV still to reserve, in tokens of whole pages, for a request that holds [0, cached_len),
@@ -50,3 +58,26 @@ class AdmissionPolicy:
 
 
 RESERVE = AdmissionPolicy()
+
+
+class ObservedOutputRatio:
+    """The ratio adaptive admission reserves: the 90th percentile of the fraction of `max_tokens`
+    that each of the last `window` requests to end had generated (by EOS, a stop, its length, or an
+    abort while running). Reserving what nine requests in ten stayed under makes preemption the
+    exception; a percentile, unlike a mean, is not fooled by many short answers when some run long.
+    Until `min_samples` requests have ended it is the configured ratio. Determined by the operation
+    stream alone, so a trace replays it exactly.
+    """
+
+    def __init__(self, initial: float, window: int = 100, min_samples: int = 8) -> None:
+        self.ratio = initial
+        self.min_samples = min_samples
+        self._fractions: Deque[float] = deque(maxlen=window)
+
+    def observe(self, generated: int, max_tokens: int) -> float:
+        """A request ended after `generated` of its `max_tokens`; returns the updated ratio."""
+        self._fractions.append(min(max(generated / max_tokens, 0.0), 1.0))
+        if len(self._fractions) >= self.min_samples:
+            p90 = statistics.quantiles(self._fractions, n=10, method="inclusive")[-1]
+            self.ratio = min(max(p90, 0.0), 1.0)
+        return self.ratio
