@@ -43,7 +43,9 @@ def _current(patches):
 
 
 def _function(value):
-    return value.fget if isinstance(value, property) else value
+    if isinstance(value, property):
+        return value.fget
+    return value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
 
 
 def _instructions(code):

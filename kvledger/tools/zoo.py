@@ -1,6 +1,7 @@
 """The bug zoo: realistic cache-manager bugs, each a small runtime patch of one `fast` method.
 
 The product code carries no bug switches: `patched(name)` swaps one method of a `fast` class
+(or one function of a `fast` module, looked up through the module's globals at call time)
 for a buggy version for the duration of a `with` block (in this process only). `reference` is
 never patched, so the lockstep harness sees fast diverge from the model.
 
@@ -20,7 +21,7 @@ import linecache
 import textwrap
 from contextlib import contextmanager
 from dataclasses import dataclass
-from types import FunctionType
+from types import FunctionType, ModuleType
 from typing import Dict, Iterator, List, Tuple
 
 from kvledger import fast
@@ -38,17 +39,18 @@ class Bug:
     name: str
     origin: str  # where such a bug was seen (project / issue), or "ours"
     description: str
-    target: type  # the class patched (the method may be defined on a base class)
+    target: type | ModuleType  # the class patched (the method may be defined on a base class), or a module
     method: str
     edits: Tuple[Edit, ...]
 
     def live_function(self) -> FunctionType:
-        """The function the live class defines for `method` (a property's getter)."""
-        owner = next((c for c in self.target.__mro__ if self.method in c.__dict__), None)
+        """The function the live class (or module) defines for `method` (a property's getter, a static
+        method's function)."""
+        owners = getattr(self.target, "__mro__", (self.target,))  # a module: its own functions
+        owner = next((c for c in owners if self.method in c.__dict__), None)
         if owner is None:
             raise ZooEditError(f"zoo bug {self.name!r}: {self.target.__name__} has no {self.method!r}")
-        value = owner.__dict__[self.method]
-        fn = value.fget if isinstance(value, property) else value
+        fn = _function(owner.__dict__[self.method])
         # inside patched() the class holds a zoo function: derive from the one it replaced
         return getattr(fn, "__zoo_live__", fn)
 
@@ -79,17 +81,26 @@ class Bug:
         namespace: Dict[str, object] = {}
         exec(compile(src, filename, "exec", flags=flags, dont_inherit=True), live.__globals__, namespace)
         value = namespace[live.__name__]  # a decorated source (@property) yields the decorated value
-        fn = value.fget if isinstance(value, property) else value
+        fn = _function(value)
         fn.__zoo_live__ = live
         # lets inspect.getsource and tracebacks show the buggy lines
         linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
         return [(self.target, self.method, value)]
 
 
+def _function(value: object) -> FunctionType:
+    """The function behind a class attribute: a property's getter, a static or class method's function."""
+    if isinstance(value, property):
+        return value.fget
+    if isinstance(value, (staticmethod, classmethod)):
+        return value.__func__
+    return value
+
+
 BUGS: Dict[str, Bug] = {}
 
 
-def _bug(name: str, origin: str, description: str, target: type, method: str, *edits: Edit) -> None:
+def _bug(name: str, origin: str, description: str, target: type | ModuleType, method: str, *edits: Edit) -> None:
     BUGS[name] = Bug(name, origin, description, target, method, edits)
 
 
@@ -272,3 +283,97 @@ _bug("lru-evicts-mru", "ours (heap key sign flip; vLLM evictor ordering bugs)",
      RadixPrefixCache, "_changed",
      ("(node.last_access, node.id, node.version, node))",
       "(-node.last_access, node.id, node.version, node))  # BUG: sign"))
+
+
+# -- preemption (optimistic admission) ---------------------------------------------------------
+
+_bug("preempt-frees-to-free-list", "SGLang retract_decode (frees the uncached suffix and dec_lock_ref; "
+     "nothing inserted into the radix tree)",
+     "preempt releases the victim's lock and frees its own pages to the free list instead of handing "
+     "its computed KV to the prefix cache",
+     fast.Preemptor, "preempt",
+     ("self.cache_manager.cache_req(req, finished=True)",
+      "cm, start = self.cache_manager, req.cache_handle.cached_len\n"
+      "    cm.unlock(req.cache_handle)\n"
+      "    cm._free(cm.page_table[req.table_idx, start : req.cached_len])  # BUG: should be cache_req(finished=True)"))
+
+_bug("preempt-keeps-prefix-lock", "SGLang retract (sglang#33783: the radix-owned prefix is only released "
+     "through dec_lock_ref; a retract path without it pins the prefix)",
+     "preempt frees the victim's own pages but never unlocks the cached prefix it matched",
+     fast.Preemptor, "preempt",
+     ("self.cache_manager.cache_req(req, finished=True)",
+      "cm, start = self.cache_manager, req.cache_handle.cached_len\n"
+      "    cm._free(cm.page_table[req.table_idx, start : req.cached_len])  # BUG: no cache_req, no unlock"))
+
+_bug("preempt-frees-whole-row", "SGLang retract_decode (the ChunkCache branch frees req_to_token[:seq_len], "
+     "right only without a radix cache)",
+     "preempt frees the victim's whole row, the cached prefix that other requests still map included",
+     fast.Preemptor, "preempt",
+     ("self.cache_manager.cache_req(req, finished=True)",
+      "cm = self.cache_manager\n"
+      "    cm.unlock(req.cache_handle)\n"
+      "    cm._free(cm.page_table[req.table_idx, : req.cached_len])  # BUG: from 0, not from the handle's cached_len"))
+
+_bug("preempt-double-free", "SGLang / sglang-jax (sglang#12224, sglang-jax#994: KV release on scattered "
+     "paths frees the same slots twice)",
+     "preempt hands the KV to the cache with cache_req and then also frees the victim's uncached pages",
+     fast.Preemptor, "preempt",
+     ("self.cache_manager.cache_req(req, finished=True)",
+      "self.cache_manager.cache_req(req, finished=True)\n"
+      "    start = req.cache_handle.cached_len\n"
+      "    self.cache_manager._free(self.cache_manager.page_table[req.table_idx, start : req.cached_len])"
+      "  # BUG: cache_req already freed or cached these"))
+
+_bug("resume-from-prompt", "vLLM plugins (vllm-gaudi#524, vllm-ascend#11334: a preempted sequence "
+     "re-prefilled from its prompt tokens only)",
+     "resumed rebuilds the waiting request from the prompt alone: the output generated so far is dropped "
+     "and the full max_tokens allowed again",
+     fast.Preemptor, "resumed",
+     ("ids = req.input_ids.clone()  # the request's buffer is not ours to keep",
+      "ids = req.input_ids[: req.max_device_len - req.sampling_params.max_tokens].clone()  # BUG: the prompt only"))
+
+_bug("resume-keeps-max-tokens", "ours (vLLM / nano-vllm count max_tokens against all completion tokens; "
+     "a resume that restarts the count)",
+     "resumed keeps the original max_tokens although the output so far is now part of the prompt",
+     fast.Preemptor, "resumed",
+     ("max_tokens=req.max_device_len - len(ids)))",
+      "max_tokens=req.sampling_params.max_tokens))  # BUG: should be max_device_len - len(ids)"))
+
+_bug("resume-drops-inflight-token", "ours (the last sampled token has no KV yet: commit 0765986 patches a "
+     "victim's in-flight token into its waiting request)",
+     "resumed rebuilds from the tokens with KV only, losing the last sampled token",
+     fast.Preemptor, "resumed",
+     ("ids = req.input_ids.clone()  # the request's buffer is not ours to keep",
+      "ids = req.input_ids[: req.cached_len].clone()  # BUG: drops the in-flight token"))
+
+_bug("preempt-oldest-first", "nano-vllm (Scheduler preempts running.pop(), the newest; popleft takes the oldest)",
+     "make_room picks victims oldest first",
+     fast.Preemptor, "make_room",
+     ("newest_first = list(live)[::-1]", "newest_first = list(live)  # BUG: oldest first"))
+
+_bug("victim-still-counted", "vLLM v1 scheduler (a preempted request must leave scheduled_running_reqs "
+     "before the next allocation is tried)",
+     "make_room keeps counting a victim of the step's own batch in the pages the step needs, so it "
+     "preempts more than it must",
+     fast.Preemptor, "make_room",
+     ("keep.pop(id(victim), None)", "pass  # BUG: keep.pop(id(victim), None) is missing"))
+
+_bug("optimistic-ratio-of-whole-length", "ours (SGLang new_token_ratio applied to max_new_tokens, "
+     "not to what is left)",
+     "_reserved_pages applies the optimistic ratio to the whole max_device_len, not to the output still allowed",
+     fast.admission, "_reserved_pages",
+     ("remaining = max_device_len - device_len", "remaining = max_device_len  # BUG: should subtract device_len"))
+
+_bug("optimistic-no-next-token", "ours (vLLM / nano-vllm reserve the next decode slot: can_append)",
+     "_reserved_pages drops the minimum of one token, so with a small ratio a request never reserves its "
+     "next token's page",
+     fast.admission, "_reserved_pages",
+     ("end = device_len + (max(grow, 1) if remaining > 0 else 0)",
+      "end = device_len + grow  # BUG: at least one more token while the request may grow"))
+
+_bug("needed-size-in-tokens", "ours (vLLM's can_append_slots counts new blocks, not tokens; SGLang "
+     "check_decode_mem in tokens without page rounding)",
+     "needed_size counts the step's new tokens, not the whole pages they start, so preemption stops too early",
+     fast.CacheManager, "needed_size",
+     ("return sum(div_ceil(r.device_len, ps) * ps - div_ceil(r.cached_len, ps) * ps for r in reqs)",
+      "return sum(r.device_len - r.cached_len for r in reqs)  # BUG: tokens, not whole pages"))
