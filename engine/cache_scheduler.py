@@ -299,6 +299,13 @@ class CacheScheduler:
         if prompt_len is not None and not self.is_chunked(req):
             self._observe_output(len(req.input_ids) - prompt_len, req.max_device_len - prompt_len)
 
+    def forget_observed_outputs(self) -> None:
+        """Adaptive admission starts over from the configured ratio (after a benchmark's warm-up)."""
+        if self.observed_ratio is not None:
+            initial = self.observed_ratio.initial
+            self.observed_ratio = ObservedOutputRatio(initial)
+            self.policy = self.dm.policy = self.policy.with_ratio(initial)
+
     def _observe_output(self, generated: int, max_tokens: int) -> None:
         ratio = self.observed_ratio.observe(generated, max_tokens)
         if ratio != self.policy.reserve_ratio:

@@ -70,7 +70,7 @@ class ObservedOutputRatio:
     """
 
     def __init__(self, initial: float, window: int = 100, min_samples: int = 8) -> None:
-        self.ratio = initial
+        self.initial = self.ratio = initial
         self.min_samples = min_samples
         self._fractions: Deque[float] = deque(maxlen=window)
 

@@ -10,11 +10,23 @@ from kvledger.engine.engine_config import EngineConfig
 
 BENCH_DTYPES = ("bfloat16", "float32")
 WORKLOAD = "nano-vllm"
+EARLY_STOP = "early-stop"
+WORKLOADS = (WORKLOAD, EARLY_STOP)
 NANO_NUM_REQUESTS = 256
 NANO_MIN_LEN = 100
 NANO_MAX_LEN = 1024
 NANO_ENGINE_OPTIONS = ("page_size", "kv_cache_tokens", "max_running_reqs", "max_prefill_tokens", "cuda_graphs",
                        "overlap", "attention")
+EARLY_STOP_RATIOS = "0.5,0.1"
+
+
+class _Given(argparse.Action):
+    """Store the value and note the option as given (in `namespace.given`): `--workload early-stop`
+    picks its own, device-dependent defaults for the shared options left out."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, "given", frozenset(getattr(namespace, "given", frozenset())) | {self.dest})
 
 
 def add_bench_arguments(parser) -> None:
@@ -35,17 +47,21 @@ def add_bench_arguments(parser) -> None:
 def add_nano_bench_arguments(p) -> None:
     """Options of `kvledger bench --workload nano-vllm`. --dtype, --seed, --threads and --model come from
     add_bench_arguments, -o/--output from add_online_bench_arguments."""
+    p.set_defaults(given=frozenset())
     g = p.add_argument_group("--workload nano-vllm (GPU throughput benchmark)")
-    g.add_argument("--workload", default=None, choices=[WORKLOAD],
-                   help="nano-vllm: its offline workload (256 requests, 142,827 in / 133,966 out tokens)")
-    g.add_argument("--num-requests", dest="num_requests", type=int, default=NANO_NUM_REQUESTS,
-                   help="requests in the workload (its first N)")
-    g.add_argument("--max-input-len", dest="max_input_len", type=int, default=NANO_MAX_LEN,
-                   help="longest prompt (shortest: 100/1024 of it)")
+    g.add_argument("--workload", default=None, choices=list(WORKLOADS),
+                   help="nano-vllm: its offline workload (256 requests, 142,827 in / 133,966 out tokens); "
+                        "early-stop: outputs end before max_tokens, unknown to the scheduler (reserve vs "
+                        "optimistic admission)")
+    g.add_argument("--num-requests", dest="num_requests", type=int, default=NANO_NUM_REQUESTS, action=_Given,
+                   help="requests in the workload (its first N; early-stop: 256 on CUDA, 24 on the CPU)")
+    g.add_argument("--max-input-len", dest="max_input_len", type=int, default=NANO_MAX_LEN, action=_Given,
+                   help="longest prompt (shortest: 100/1024 of it; early-stop: 1024 on CUDA, 128 on the CPU)")
     g.add_argument("--max-output-len", dest="max_output_len", type=int, default=NANO_MAX_LEN,
                    help="largest max_tokens (smallest: 100/1024 of it)")
-    g.add_argument("--model-config", dest="model_config", default="qwen3-0.6b",
-                   help="shipped config (qwen3-0.6b, smollm2-135m) or a config.json, random weights")
+    g.add_argument("--model-config", dest="model_config", default="qwen3-0.6b", action=_Given,
+                   help="shipped config (qwen3-0.6b, smollm2-135m) or a config.json, random weights (early-stop "
+                        "on the CPU without it: the embedded model)")
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     g.add_argument("--compare", default="none", choices=["none", "transformers"],
                    help="also run transformers' continuous batching")
@@ -65,7 +81,22 @@ def add_nano_bench_arguments(p) -> None:
     EngineConfig.add_arguments(p, only=NANO_ENGINE_OPTIONS, title="--workload nano-vllm: engine options",
                                defaults={"max_running_reqs": 256, "max_prefill_tokens": 16384, "cuda_graphs": None},
                                helps={"kv_cache_tokens": "KV pool size in tokens (default: from free GPU memory where "
-                                                         "the engine can, else the workload's need)"})
+                                                         "the engine can, else the workload's need; early-stop: "
+                                                         "ceil(min(max_running_reqs, requests) / 8) worst cases, "
+                                                         "the longest prompt plus max_tokens each)"})
+    g = p.add_argument_group("--workload early-stop (reserve vs optimistic admission; also --num-requests, "
+                             "--max-input-len, --model-config, --device and the engine options above)")
+    g.add_argument("--max-tokens", dest="max_tokens", type=int, default=None,
+                   help="max_tokens of every request, all the scheduler knows (default: 2048 on CUDA, 256 on the CPU)")
+    g.add_argument("--output-median", dest="output_median", type=float, default=None,
+                   help="median of the lognormal output lengths, tokens (default: max_tokens * 200 / 2048)")
+    g.add_argument("--output-sigma", dest="output_sigma", type=float, default=1.0,
+                   help="sigma of the lognormal output lengths (the tail); lengths are capped at max_tokens")
+    g.add_argument("--policies", default="reserve,optimistic",
+                   help="admission policies, comma-separated: reserve runs first (always), each other policy once "
+                        "per --ratios entry")
+    g.add_argument("--ratios", default=EARLY_STOP_RATIOS,
+                   help="reserve ratios of the preempting policies, comma-separated")
 
 
 def add_online_bench_arguments(p: argparse.ArgumentParser) -> None:
