@@ -61,12 +61,13 @@ RESERVE = AdmissionPolicy()
 
 
 class ObservedOutputRatio:
-    """The ratio adaptive admission reserves: the 90th percentile of the fraction of `max_tokens`
-    that each of the last `window` requests to end had generated (by EOS, a stop, its length, or an
-    abort while running). Reserving what nine requests in ten stayed under makes preemption the
-    exception; a percentile, unlike a mean, is not fooled by many short answers when some run long.
-    Until `min_samples` requests have ended it is the configured ratio. Determined by the operation
-    stream alone, so a trace replays it exactly.
+    """The ratio adaptive admission reserves: the mean fraction of `max_tokens` that the last
+    `window` requests to end had generated (by EOS, a stop, its length, or an abort while running).
+    The reservation covers the running requests' growth together, and the sum of many requests'
+    growth is close to their mean (a high percentile would reserve for every request's bad case at
+    once, which is what `reserve` does); preemption absorbs the rest. Until `min_samples` requests
+    have ended it is the configured ratio. Determined by the operation stream alone, so a trace
+    replays it exactly.
     """
 
     def __init__(self, initial: float, window: int = 100, min_samples: int = 8) -> None:
@@ -78,6 +79,5 @@ class ObservedOutputRatio:
         """A request ended after `generated` of its `max_tokens`; returns the updated ratio."""
         self._fractions.append(min(max(generated / max_tokens, 0.0), 1.0))
         if len(self._fractions) >= self.min_samples:
-            p90 = statistics.quantiles(self._fractions, n=10, method="inclusive")[-1]
-            self.ratio = min(max(p90, 0.0), 1.0)
+            self.ratio = min(max(statistics.fmean(self._fractions), 0.0), 1.0)
         return self.ratio
