@@ -221,10 +221,17 @@ class CacheScheduler:
              is_prefill: bool) -> tuple[List[Any], List[int]]:
         if not batch:
             return [], []
+        self._check_stop(batch, stop)  # before allocating or preempting: a bad stop takes no page
         batch, preempted = self.allocate(batch)
         if batch:
-            self.complete(batch, sample, stop, is_prefill)
+            # a request this step preempted samples no token, so no token of its can stop it
+            self.complete(batch, sample, [u for u in stop if u not in preempted], is_prefill)
         return batch, preempted
+
+    def _check_stop(self, batch: List[Any], stop: Sequence[int]) -> None:
+        bad = set(stop) - {r.uid for r in batch if not self.is_chunked(r)}
+        if bad:
+            raise InvalidOp(f"stop names uids {sorted(bad)} that sampled no token in this batch")
 
     def allocate(self, batch: List[Any]) -> tuple[List[Any], List[int]]:
         """Give the step its pages. Under optimistic admission, first preempt the newest live
@@ -270,10 +277,8 @@ class CacheScheduler:
         """After the forward: every request computed its tokens; the sampled ones get their token
         (`sample`, in batch order, cycled); those that reached max_tokens or are in `stop` (EOS)
         finish, in one lazy-free region; a prefill hands its prompt KV to the prefix cache."""
+        self._check_stop(batch, stop)
         stop = set(stop)
-        bad = stop - {r.uid for r in batch if not self.is_chunked(r)}
-        if bad:
-            raise InvalidOp(f"stop names uids {sorted(bad)} that sampled no token in this batch")
         for req in batch:
             req.complete_one()
         self.dm.filter_reqs(batch)

@@ -3,7 +3,8 @@ reproducible from its seed."""
 
 import pytest
 
-from kvledger.tools.fuzz import PAGE_SIZES, case_seed, case_trace, format_summary, fuzz, make_case
+from kvledger.reference.pages import tokens_to_finish
+from kvledger.tools.fuzz import PAGE_SIZES, RESERVE_RATIOS, case_seed, case_trace, format_summary, fuzz, make_case
 from kvledger.properties.lockstep import Divergence, replay
 from kvledger.engine.trace import read
 from kvledger.tools.zoo import patched
@@ -56,6 +57,43 @@ def test_cases_cover_the_edges():
     assert any(c.budgets[0] == 1 for c in cases)  # chunking
     assert all(h.max_seq_len % h.page_size == 0 for h in headers)
     assert all(100 <= c.length <= 500 for c in cases)
+    assert {h.admission for h in headers} == {"reserve", "optimistic"}
+    assert {h.reserve_ratio for h in headers if h.admission == "optimistic"} == set(RESERVE_RATIOS)
+    assert all(h.reserve_ratio == 0.5 for h in headers if h.admission == "reserve")  # the header's default
+
+
+def test_forcing_the_policy_keeps_the_rest_of_the_case():
+    """The policy is drawn last: a case drawn reserve is the case it was before optimistic
+    admission existed, and forcing the policy a case would have drawn anyway changes nothing."""
+    for c in range(40):
+        cseed = case_seed(0, 0, c)
+        drawn = make_case(cseed)
+        assert make_case(cseed, drawn.header.admission) == drawn
+    with pytest.raises(ValueError, match="admission must be one of"):
+        make_case(0, "adaptive-or-whatever")
+
+
+def test_optimistic_cases_submit_only_what_fits_the_pool_and_replay():
+    for c in range(6):
+        header, ops = case_trace(0, 0, c, admission="optimistic")
+        assert header.admission == "optimistic"
+        pool = header.num_pages * header.page_size
+        submits = [op for op in ops if op["op"] == "submit"]
+        assert submits and all(tokens_to_finish(0, len(op["tokens"]) + op["max_tokens"], header.page_size) <= pool
+                               for op in submits)
+        assert replay(header, ops).step == len(ops)
+
+
+def test_a_fuzz_run_over_optimistic_cases_preempts(tmp_path):
+    """Counted, not timed: each worker runs exactly `max_cases` cases (the time limit is only a
+    safety net), so the counts below are those of fixed cases and move only with the code."""
+    result = fuzz(120, workers=1, seed=1, out_dir=tmp_path, progress=False, admission="optimistic", max_cases=12)
+    assert result.failure is None and result.exit_code == 0
+    assert result.cases == result.optimistic_cases == 12
+    assert result.preemptions >= 15
+    assert {"preempt: running request", "preempt: mid-chunk", "preempt: re-prefill hits the prefix cache",
+            "fuzz: preemption in a decode step"} <= set(result.events)
+    assert f"12 complete cases, {result.preemptions:,} requests preempted" in format_summary(result)
 
 
 def test_a_case_trace_replays_identically():
