@@ -65,7 +65,7 @@ def _fuzz(args: argparse.Namespace) -> int:
 
     try:
         result = fuzz(args.seconds, workers=args.workers, seed=args.seed, out_dir=args.out_dir, bug=args.bug,
-                      minimize_budget=args.minimize_budget)
+                      minimize_budget=args.minimize_budget, admission=args.admission)
     except (KeyError, ValueError) as e:
         print(f"kvledger fuzz: {e}", file=sys.stderr)
         return 2
@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default=".kvledger/fuzz", metavar="DIR", help="where failing traces go")
     p.add_argument("--bug", default=None, help="patch a bug-zoo bug into fast in every worker")
     p.add_argument("--minimize-budget", type=float, default=60.0, help="seconds to minimize a failure")
+    p.add_argument("--admission", default=None, choices=["reserve", "optimistic"],
+                   help="run every case under this admission policy (default: drawn per case, 40%% optimistic)")
     p.set_defaults(func=_fuzz)
 
     p = sub.add_parser("minimize", help="shrink a failing trace, keeping its divergence kind")
