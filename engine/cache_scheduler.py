@@ -238,18 +238,21 @@ class CacheScheduler:
         requests until they fit. Returns the batch that runs and the uids preempted, in order."""
         victims: List[Any] = []
         if self.policy.preempts:
-            newest_first = list(self.live.values())[::-1]
+            live = list(self.live.values())
             try:
-                victims = self.preemptor.make_room(batch, list(self.live.values()))
+                victims = self.preemptor.make_room(batch, live)
             except RuntimeError as e:
                 raise InvariantViolation("3-no-oom", f"preemption could not make room for uids "
                                                      f"{[r.uid for r in batch]}: {e}") from e
-            if [v.uid for v in victims] != [r.uid for r in newest_first[: len(victims)]]:
-                raise InvariantViolation("6-preemption-order", f"preempted uids {[v.uid for v in victims]}, but the "
-                                         f"newest live requests are {[r.uid for r in newest_first[: len(victims)]]}")
+            uids = [v.uid for v in victims]
+            newest = [r.uid for r in live[::-1][: len(victims)]]
+            if uids != newest:
+                raise InvariantViolation("6-preemption-order", f"preempted uids {uids}, but the newest live "
+                                                               f"requests are {newest}")
             for victim in victims:
                 self._requeue(victim)
-            batch = [r for r in batch if r.uid not in {v.uid for v in victims}]
+            gone = set(uids)
+            batch = [r for r in batch if r.uid not in gone]
         try:
             self.cm.allocate_paged(batch)
         except Exception as e:  # a running request found no memory: the promise broke

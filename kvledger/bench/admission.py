@@ -31,7 +31,6 @@ counters), and the speedup over reserve.
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import random
@@ -47,8 +46,8 @@ import torch
 from kvledger.bench.arguments import EARLY_STOP, EARLY_STOP_RATIOS
 from kvledger.bench.bandwidth_floor import param_count
 from kvledger.bench.decode_profile import sync
-from kvledger.bench.nano import DTYPES, NANO_VOCAB_MAX, _device_name, _versions, resolve_model_config, scaled_min_len, \
-    warmup_requests
+from kvledger.bench.nano import DTYPES, NANO_VOCAB_MAX, _device_name, _free_memory, _pages, _versions, \
+    resolve_model_config, scaled_min_len, warmup_requests
 from kvledger.engine.engine_config import EngineConfig
 from kvledger.engine.options import ADMISSION_POLICIES
 
@@ -119,10 +118,6 @@ def make_early_stop_workload(num_requests: int, max_input_len: int, max_tokens: 
                for _ in range(num_requests)]
     lens = [draw_output_len(rng, output_median, output_sigma, max_tokens) for _ in range(num_requests)]
     return EarlyStopWorkload(prompts, max_tokens, lens, output_median, output_sigma, seed)
-
-
-def _pages(tokens: int, page: int) -> int:
-    return -(-tokens // page)
 
 
 def worst_case_tokens(workload: EarlyStopWorkload, page_size: int) -> int:
@@ -401,12 +396,6 @@ def _model_source(opts: EarlyStopOptions) -> Tuple[str, bool, str]:
     from kvledger.engine.default_model import default_model_path
 
     return default_model_path(), False, "the embedded SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)"
-
-
-def _free_memory(device: str) -> None:
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def run_early_stop_bench(opts: EarlyStopOptions, print_fn: Callable[[str], None] = print) -> Dict[str, Any]:
