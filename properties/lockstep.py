@@ -29,13 +29,19 @@ class Lockstep:
 
     def apply(self, op: Dict) -> Dict:
         self.step += 1
+        # Recorded before either side runs it: whichever side fails (the reference too, on an
+        # invariant only the model checks), the saved trace ends with the failing operation.
+        # Only an operation the model refuses as invalid is dropped: it was never a valid step.
+        self.ops.append(op)
         try:
             result = self.ref.apply(op)
         except InvalidOp:
+            self.ops.pop()
             raise
         except InvariantViolation as e:
             raise Divergence(self.step, op, f"reference-invariant:{e.invariant}", str(e)) from e
-        self.ops.append(op)
+        except Exception as e:  # the model itself crashed: as much a failure to keep as fast's
+            raise Divergence(self.step, op, f"reference-raised:{type(e).__name__}", str(e)) from e
         try:
             fast_result = self.fast.apply(op)
         except InvariantViolation as e:
