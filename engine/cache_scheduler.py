@@ -27,25 +27,20 @@ from types import ModuleType
 from typing import Any, Callable, Dict, List, Sequence, Union
 
 from kvledger.engine.cache_ops import Abort, CacheOp, Decode, Evict, Finish, InvalidOp, Prefill, Probe, Submit, parse
+from kvledger.engine.invariants import InvariantViolation, KVProvenance, judge, tolist
 from kvledger.reference.admission_policy import RESERVE, AdmissionPolicy, ObservedOutputRatio
 from kvledger.reference.events import note
 from kvledger.reference.pages import div_ceil, tokens_to_finish
 
 
-class InvariantViolation(AssertionError):
-    def __init__(self, invariant: str, message: str) -> None:
-        super().__init__(f"[{invariant}] {message}")
-        self.invariant = invariant
-
-
-def tolist(x: Any) -> List[int]:
-    return x.tolist() if hasattr(x, "tolist") else list(x)
+__all__ = ["CacheScheduler", "InvalidOp", "InvariantViolation"]
 
 
 class CacheScheduler:
     def __init__(self, impl: ModuleType, *, num_pages: int, page_size: int, cache_type: str,
                  table_slots: int, max_seq_len: int, device: str = "cpu", check_admission: bool = True,
-                 increasing_uids: bool = False, admission: AdmissionPolicy = RESERVE) -> None:
+                 increasing_uids: bool = False, admission: AdmissionPolicy = RESERVE,
+                 track_provenance: bool = True) -> None:
         self.impl = impl
         self.page_size = page_size
         self.num_pages = num_pages
@@ -67,6 +62,11 @@ class CacheScheduler:
         self.waiting: List[Any] = []
         self.live: Dict[int, Any] = {}  # uid -> admitted request (running or mid-chunk)
         self.known: set = set()
+        # uid -> (prompt, max_tokens) while it lives: what the invariants judge requests against
+        self.submitted: Dict[int, tuple[tuple[int, ...], int]] = {}
+        # what each KV location encodes (invariant 7); the engine's own driver turns it off: its
+        # sampled tokens are placeholders until they land, and its --verify shadow tracks it instead
+        self.provenance = KVProvenance() if track_provenance else None
         # a long-running engine must not remember every uid: it submits increasing uids instead,
         # and only the largest one is kept (a trace it records replays under either rule)
         self.increasing_uids = increasing_uids
@@ -100,6 +100,7 @@ class CacheScheduler:
         if not self.increasing_uids:
             self.known.add(uid)
         self.last_uid = uid if self.last_uid is None else max(self.last_uid, uid)
+        self.submitted[uid] = (tuple(int(t) for t in tokens), max_tokens)
         if self.observed_ratio is not None:
             self._prompt_len[uid] = len(tokens)
         self.waiting.append(pending)
@@ -171,6 +172,7 @@ class CacheScheduler:
                 if self._preempted.pop(uid, None) is not None:
                     note("preempt: a preempted request aborted while waiting")
                 self._prompt_len.pop(uid, None)
+                self.submitted.pop(uid, None)
                 return {"where": "waiting"}
         req = self.dm.running_reqs.get(uid)
         if req is None:
@@ -282,6 +284,10 @@ class CacheScheduler:
         finish, in one lazy-free region; a prefill hands its prompt KV to the prefix cache."""
         self._check_stop(batch, stop)
         stop = set(stop)
+        if self.provenance is not None:  # the forward pass filled positions [cached_len, device_len)
+            for req in batch:
+                locations = tolist(self.page_table[req.table_idx][req.cached_len : req.device_len])
+                self.provenance.written(locations, tolist(req.input_ids), req.cached_len)
         for req in batch:
             req.complete_one()
         self.dm.filter_reqs(batch)
@@ -303,6 +309,7 @@ class CacheScheduler:
         self.cm.cache_req(req, finished=True)
         self.live.pop(req.uid, None)
         self._preempted.pop(req.uid, None)
+        self.submitted.pop(req.uid, None)
         prompt_len = self._prompt_len.pop(req.uid, None)
         if prompt_len is not None and not self.is_chunked(req):
             self._observe_output(len(req.input_ids) - prompt_len, req.max_device_len - prompt_len)
@@ -337,6 +344,8 @@ class CacheScheduler:
             "owners": sorted(self.cm.page_owners(live).items()),
             "rows": {r.uid: tolist(self.page_table[r.table_idx][: div_ceil(r.cached_len, ps) * ps]) for r in live},
             "lens": {r.uid: (r.table_idx, r.cached_len, r.device_len, r.cache_handle.cached_len) for r in live},
+            "token_pool": {r.uid: tolist(self.tm.token_pool[r.table_idx][: r.max_device_len - r.output_len])
+                           for r in live},
             "available_size": self.cm.available_size,
             "size_info": tuple(self.cm.prefix_cache.size_info),
             "table_free": self.tm.free_slots(),
@@ -348,25 +357,10 @@ class CacheScheduler:
         }
 
     def check(self) -> None:
-        """The invariants, on this implementation alone."""
-        live = list(self.live.values())
+        """The invariants on this implementation alone: the judge (`invariants.py`), from first
+        principles, then the implementation's own integrity check (structure it alone knows)."""
+        judge(self)
         try:
-            self.cm.check_integrity(live)
+            self.cm.check_integrity(list(self.live.values()))
         except RuntimeError as e:
             raise InvariantViolation("1-2-partition", str(e)) from e
-        if self.policy.preempts:
-            # what preemption relies on: any one request alone fits the pool
-            pool = self.num_pages * self.page_size
-            for uid, length in [(r.uid, r.max_device_len) for r in live] + \
-                               [(p.uid, p.input_len + p.output_len) for p in self.waiting]:
-                if tokens_to_finish(0, length, self.page_size) > pool:
-                    raise InvariantViolation("3-no-oom", f"uid {uid} may need more than the pool's {pool} tokens")
-        else:
-            need = sum(tokens_to_finish(r.cached_len, r.max_device_len, self.page_size) for r in live)
-            if need > self.cm.available_size:
-                raise InvariantViolation("3-no-oom", f"live requests may still need {need} tokens of pages, "
-                                                     f"only {self.cm.available_size} available")
-        if not live:
-            locked = self.cm.prefix_cache.size_info.protected_size
-            if locked:
-                raise InvariantViolation("5-quiescence", f"no live request but {locked} cached tokens locked")

@@ -128,7 +128,7 @@ class Scheduler:
                              admission=config.admission.kind, reserve_ratio=config.admission.reserve_ratio,
                              seed=config.seed, producer="engine")
         self.driver = CacheScheduler(fast, device=str(self.device), check_admission=False, increasing_uids=True,
-                             **self.header.driver_args())
+                                     track_provenance=False, **self.header.driver_args())
         self.sampler = Sampler(config.seed)
         self.requests: Dict[int, RequestRecord] = {}  # the live requests
         self.observers: List[Observer] = []

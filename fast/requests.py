@@ -1,14 +1,13 @@
-"""Requests with token ids held as int32 CPU tensors; the length bookkeeping is the model's."""
+"""Requests with token ids held as int32 CPU tensors, and their own length bookkeeping."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvledger.reference.requests import PendingReq as _ModelPendingReq
-from kvledger.reference.requests import Req as _ModelReq
 from kvledger.reference.requests import SamplingParams, validate_pending
 
 __all__ = ["ChunkedReq", "PendingReq", "Req", "SamplingParams", "as_token_tensor"]
@@ -22,29 +21,53 @@ def as_token_tensor(ids: Any) -> torch.Tensor:
     return torch.tensor(list(ids), dtype=torch.int32)
 
 
-class Req(_ModelReq):
-    """Token ids live in a buffer sized for the request's whole life: appending is one store.
+class Req:
+    """An admitted request. Token ids live in a buffer sized for its whole life: appending is one
+    store. The buffer is a numpy array (a store into it costs ~0.1 us, into a tensor ~2 us: the
+    engine stores one token per running request per step); `input_ids` is a tensor view of it.
 
-    The buffer is a numpy array (a store into it costs ~0.1 us, into a tensor ~2 us: the engine
-    stores one token per running request per step); `input_ids` is a tensor view of it.
+    The length bookkeeping is written here again, not inherited from the reference: a bug in
+    the model's arithmetic must show up as a difference, not be shared by both sides.
     """
 
     def __init__(self, input_ids: Any, table_idx: int, cached_len: int, output_len: int, uid: int,
                  sampling_params: SamplingParams, cache_handle: Any) -> None:
-        super().__init__(input_ids, table_idx, cached_len, output_len, uid, sampling_params, cache_handle)
+        ids = as_token_tensor(input_ids).numpy()
+        n = int(ids.shape[0])
+        if not 0 <= cached_len < n or output_len < 0:
+            raise ValueError(f"request {uid}: need 0 <= cached_len ({cached_len}) < device_len ({n}) "
+                             f"<= max_device_len ({n + output_len})")
+        self.table_idx = table_idx
+        self.cached_len = cached_len
+        self.device_len = n
+        self.output_len = output_len
+        self.max_device_len = n + output_len
+        self.uid = uid
+        self.sampling_params = sampling_params
+        self.cache_handle = cache_handle
         self._buf = np.empty(self.max_device_len, dtype=np.int32)
-        self._buf[: len(input_ids)] = as_token_tensor(input_ids).numpy()
-        self._len = len(input_ids)
+        self._buf[:n] = ids
+        self._len = n
 
     @property
     def input_ids(self) -> torch.Tensor:
         return torch.from_numpy(self._buf[: self._len])
 
-    @input_ids.setter
-    def input_ids(self, ids: Any) -> None:
-        # the model's constructor assigns input_ids before the buffer exists; ours fills it next
-        if hasattr(self, "_buf"):
-            raise AttributeError("input_ids grows only through append_host")
+    @property
+    def remain_len(self) -> int:
+        return self.max_device_len - self.device_len
+
+    @property
+    def extend_len(self) -> int:
+        return self.device_len - self.cached_len
+
+    @property
+    def can_decode(self) -> bool:
+        return self.device_len < self.max_device_len
+
+    def complete_one(self) -> None:
+        """This step's positions have KV now; the next step computes the one after them."""
+        self.cached_len, self.device_len = self.device_len, self.device_len + 1
 
     def append_host(self, next_token: Any) -> None:
         if self._len >= self.max_device_len:
@@ -57,6 +80,10 @@ class Req(_ModelReq):
             raise IndexError(f"request {self.uid}: token index {index} outside [0, {self._len})")
         self._buf[index] = int(token)
 
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(uid={self.uid}, table_idx={self.table_idx}, cached_len={self.cached_len}, "
+                f"device_len={self.device_len}, max_device_len={self.max_device_len})")
+
 
 class ChunkedReq(Req):
     @property
@@ -67,9 +94,23 @@ class ChunkedReq(Req):
         raise RuntimeError(f"request {self.uid}: a chunked prefill produces no token")
 
 
-class PendingReq(_ModelPendingReq):
-    """The model's pending request, with token ids held as an int32 CPU tensor."""
+@dataclass(eq=False)
+class PendingReq:
+    """A request waiting for admission, its token ids an int32 CPU tensor."""
+
+    uid: int
+    input_ids: torch.Tensor
+    sampling_params: SamplingParams
+    chunked_req: Req | None = None
 
     def __post_init__(self) -> None:
         self.input_ids = as_token_tensor(self.input_ids)
         validate_pending(self.uid, len(self.input_ids), self.sampling_params)
+
+    @property
+    def input_len(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def output_len(self) -> int:
+        return self.sampling_params.max_tokens

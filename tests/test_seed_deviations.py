@@ -43,7 +43,7 @@ def _same_prefix_pair(impl):
 def test_seed_cache_req_leaves_a_running_row_on_freed_pages():
     with patched("no-remap-on-duplicate"):
         d = _same_prefix_pair(fast)
-    with pytest.raises(InvariantViolation, match="row does not match its locked prefix"):
+    with pytest.raises(InvariantViolation, match="row does not start with the 4 locations of the prefix it locked"):
         d.check()
 
 

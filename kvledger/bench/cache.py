@@ -30,7 +30,7 @@ def _timeit(fn: Callable[[], None], repeat: int) -> float:
 
 def decode_step_cost(impl, page_size: int, batch: int = 256, steps: int = 200) -> float:
     d = CacheScheduler(impl, num_pages=batch * (64 + steps) // page_size + batch, page_size=page_size,
-               cache_type="radix", table_slots=batch, max_seq_len=64 + steps + 8)
+               cache_type="radix", table_slots=batch, max_seq_len=64 + steps + 8, track_provenance=False)
     for uid in range(batch):
         d.submit(uid, [uid % 7] * 8 + [uid] * 56, steps + 4)
     while d.waiting:

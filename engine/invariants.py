@@ -1,0 +1,215 @@
+"""The invariants, judged from first principles after every cache operation.
+
+The judge reads raw state only (the free list, the prefix cache's nodes, page-table rows, the
+token pool, each live request's lengths) and does its own arithmetic: it calls no method of the
+implementation it judges, so a bug in, say, the worst-case page count or the partition check
+cannot also blind its judge. What it proves, per implementation (`reference` or `fast`):
+
+  5-quiescence    with no live request, no prefix-cache node is locked (judged first)
+  1-2-partition   every page has exactly one owner: the free list, one cache node, or one live
+                  request (its pages past its locked prefix); a request's row starts with the
+                  locations of the prefix it locked, and is page-contiguous; each node's lock
+                  count is the number of live requests whose locked prefix runs through it
+  8-request       each live request matches what was submitted: its tokens start with the
+                  prompt, max_device_len = prompt + max_tokens, it generated no more than that,
+                  its lengths are ordered, and its token-pool row holds its admitted tokens
+  3-no-oom        reserve: the worst case of every live request fits what is available;
+                  optimistic: each request alone fits the pool (preemption relies on it)
+  7-kv-provenance every KV location a live request or the prefix cache points at, below what
+                  is computed, was filled by a forward pass over exactly that request's (or
+                  that cache path's) tokens up to its position
+Invariants 4 (a turned-away request changes nothing) and 6 (preemption takes the newest live
+requests) concern one operation, and are checked where it happens (`cache_scheduler.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
+
+
+class InvariantViolation(AssertionError):
+    def __init__(self, invariant: str, message: str) -> None:
+        super().__init__(f"[{invariant}] {message}")
+        self.invariant = invariant
+
+
+def tolist(x: Any) -> List[int]:
+    return x.tolist() if hasattr(x, "tolist") else list(x)
+
+
+def _pages(tokens: int, page_size: int) -> int:
+    """Pages that positions [0, tokens) touch."""
+    return (tokens + page_size - 1) // page_size if tokens > 0 else 0
+
+
+# -- KV provenance ----------------------------------------------------------------------------
+_ROOT_HASH = 0x6B766C6564676572  # the hash of the empty prefix ("kvledger")
+
+
+def extend_hash(prefix_hash: int, token: int) -> int:
+    """The hash of a token prefix extended by one token. Python hashes tuples of ints the same
+    in every process (PYTHONHASHSEED salts only str and bytes), so traces replay identically."""
+    return hash((prefix_hash, int(token)))
+
+
+def prefix_hashes(tokens: Iterable[int], start: int = _ROOT_HASH) -> List[int]:
+    """hashes[i] identifies tokens[: i + 1]: what the KV at position i encodes."""
+    out, h = [], start
+    for t in tokens:
+        h = extend_hash(h, t)
+        out.append(h)
+    return out
+
+
+class KVProvenance:
+    """What each KV location encodes: the hash of the token prefix ending at its position,
+    written when a forward pass fills it (a location never written maps to nothing)."""
+
+    def __init__(self) -> None:
+        self.at: Dict[int, int] = {}
+
+    def written(self, locations: Sequence[int], tokens: Sequence[int], start: int) -> None:
+        """A forward pass computed positions [start, start + len(locations)) of `tokens`."""
+        hashes = prefix_hashes(tokens[: start + len(locations)])
+        for i, loc in enumerate(locations):
+            self.at[loc] = hashes[start + i]
+
+    def check(self, who: str, locations: Sequence[int], hashes: Sequence[int], start: int = 0) -> None:
+        for i, loc in enumerate(locations):
+            found = self.at.get(loc)
+            if found != hashes[i]:
+                what = "was never computed" if found is None else "holds KV computed for other tokens"
+                raise InvariantViolation("7-kv-provenance", f"{who}: position {start + i} points at location "
+                                                            f"{loc}, which {what}")
+
+
+# -- the judge ----------------------------------------------------------------------------------
+def judge(sched: Any) -> None:
+    """Every invariant of one implementation's state, from raw state (see the module doc)."""
+    live = list(sched.live.values())
+    cm, ps = sched.cm, sched.page_size
+    nodes = list(cm.prefix_cache.nodes())
+    if not live:
+        locked = [n.id for n in nodes if n.ref_count]
+        if locked:
+            raise InvariantViolation("5-quiescence", f"no live request, but cache nodes {locked} are locked")
+    rows = {r.uid: tolist(sched.page_table[r.table_idx]) for r in live}
+    paths = _check_partition(sched, live, nodes, rows)
+    for req in live:
+        _check_request(sched, req)
+    _check_no_oom(sched, live, nodes)
+    if sched.provenance is not None:
+        _check_provenance(sched.provenance, live, nodes, rows, paths)
+
+
+def _check_partition(sched: Any, live: List[Any], nodes: List[Any],
+                     rows: Dict[int, List[int]]) -> Dict[int, Tuple[List[int], List[int]]]:
+    """Returns, per node id, the token and location path from the root to the node's end."""
+    cm, ps, num_pages = sched.cm, sched.page_size, sched.num_pages
+    owners: Dict[int, List[str]] = {}
+
+    def claim(loc: int, who: str) -> None:
+        if loc % ps or not 0 <= loc < num_pages * ps:
+            raise InvariantViolation("1-2-partition", f"{who} holds location {loc}, not a page start of the pool")
+        owners.setdefault(loc, []).append(who)
+
+    for loc in tolist(cm.free_slots):
+        claim(loc, "the free list")
+    paths: Dict[int, Tuple[List[int], List[int]]] = {}
+    for node in nodes:  # parents before children
+        value, key = tolist(node.value), list(node.key)
+        if len(value) != len(key) or len(key) % ps:
+            raise InvariantViolation("1-2-partition", f"cache node {node.id}: key length {len(key)}, "
+                                                      f"{len(value)} locations, page size {ps}")
+        above = paths.get(node.parent.id, ([], [])) if node.parent is not None else ([], [])
+        paths[node.id] = (above[0] + key, above[1] + value)
+        for loc in value[::ps]:
+            claim(loc, f"cache node {node.id}")
+    locks: Dict[int, int] = {}
+    for req in live:
+        row, handle = rows[req.uid], req.cache_handle
+        prefix = paths[handle.node.id][1] if handle.node is not None and handle.node.id in paths else []
+        if handle.cached_len != len(prefix) or row[: len(prefix)] != prefix:
+            raise InvariantViolation("1-2-partition", f"uid {req.uid}: its row does not start with the "
+                                                      f"{handle.cached_len} locations of the prefix it locked")
+        filled = _pages(req.cached_len, ps) * ps
+        for pos in range(filled):
+            if row[pos] != row[pos - pos % ps] + pos % ps:
+                raise InvariantViolation("1-2-partition", f"uid {req.uid}: its row is not page-contiguous "
+                                                          f"at position {pos}")
+        for loc in row[len(prefix):filled:ps]:
+            claim(loc, f"uid {req.uid}")
+        node = handle.node
+        while node is not None and node.parent is not None:
+            locks[node.id] = locks.get(node.id, 0) + 1
+            node = node.parent
+    for page in range(num_pages):
+        who = owners.get(page * ps, [])
+        if len(who) != 1:
+            raise InvariantViolation("1-2-partition", f"page {page} (location {page * ps}) is owned by "
+                                                      f"{who or 'nobody'}, not by exactly one")
+    for node in nodes:
+        if node.ref_count != locks.get(node.id, 0):
+            raise InvariantViolation("1-2-partition", f"cache node {node.id} has lock count {node.ref_count}, "
+                                                      f"but {locks.get(node.id, 0)} live requests hold it")
+    return paths
+
+
+def _check_request(sched: Any, req: Any) -> None:
+    """The request's lengths against what was submitted, and its token-pool row."""
+    prompt, max_tokens = sched.submitted[req.uid]
+    ids = tolist(req.input_ids)
+    where = f"uid {req.uid}"
+    if ids[: len(prompt)] != list(prompt[: len(ids)]):
+        raise InvariantViolation("8-request", f"{where}: its tokens do not start with its prompt")
+    chunked = sched.is_chunked(req)
+    # a chunk's request ends, for now, at its chunk: max_device_len is the chunk plus the output
+    end = len(ids) + req.output_len if chunked else len(prompt) + max_tokens
+    if req.max_device_len != end or req.output_len > max_tokens:
+        raise InvariantViolation("8-request", f"{where}: max_device_len {req.max_device_len} with output_len "
+                                              f"{req.output_len}, but it was submitted with {len(prompt)} + "
+                                              f"{max_tokens} tokens and holds {len(ids)}")
+    computed = len(ids) if chunked else len(ids) - 1  # a running request's last token has no KV yet
+    if not 0 <= req.cache_handle.cached_len <= req.cached_len == computed or req.device_len != computed + 1:
+        raise InvariantViolation("8-request", f"{where}: lengths handle {req.cache_handle.cached_len}, cached "
+                                              f"{req.cached_len}, device {req.device_len}, with {len(ids)} tokens "
+                                              f"({'mid-chunk' if chunked else 'running'})")
+    if not chunked and len(ids) >= len(prompt) + max_tokens:
+        raise InvariantViolation("8-request", f"{where}: running with {len(ids) - len(prompt)} tokens generated "
+                                              f"of {max_tokens}")
+    admitted = req.max_device_len - req.output_len  # tokens it was admitted with
+    if tolist(sched.tm.token_pool[req.table_idx][:admitted]) != ids[:admitted]:
+        raise InvariantViolation("8-request", f"{where}: its token-pool row does not hold its {admitted} "
+                                              "admitted tokens")
+
+
+def _check_no_oom(sched: Any, live: List[Any], nodes: List[Any]) -> None:
+    ps, pool = sched.page_size, sched.num_pages * sched.page_size
+
+    def worst(held: int, max_device_len: int) -> int:
+        # KV is written for every position but the last sampled token's
+        return max(_pages(max_device_len - 1, ps) - _pages(held, ps), 0) * ps
+
+    if sched.policy.preempts:
+        everyone = [(r.uid, r.max_device_len) for r in live] + \
+                   [(p.uid, p.input_len + p.output_len) for p in sched.waiting]
+        for uid, length in everyone:
+            if worst(0, length) > pool:
+                raise InvariantViolation("3-no-oom", f"uid {uid} may need more than the pool's {pool} tokens")
+        return
+    available = len(tolist(sched.cm.free_slots)) * ps + sum(len(n.key) for n in nodes if n.ref_count == 0)
+    need = sum(worst(r.cached_len, r.max_device_len) for r in live)
+    if need > available:
+        raise InvariantViolation("3-no-oom", f"live requests may still need {need} tokens of pages, "
+                                             f"only {available} available")
+
+
+def _check_provenance(provenance: KVProvenance, live: List[Any], nodes: List[Any],
+                      rows: Dict[int, List[int]], paths: Dict[int, Tuple[List[int], List[int]]]) -> None:
+    for req in live:  # first: a wrong reuse is named by the request that made it
+        n = req.cached_len
+        provenance.check(f"uid {req.uid}", rows[req.uid][:n], prefix_hashes(tolist(req.input_ids)[:n]))
+    for node in nodes:
+        tokens, locations = paths[node.id]
+        start = len(tokens) - len(node.key)
+        provenance.check(f"cache node {node.id}", locations[start:], prefix_hashes(tokens)[start:], start)
