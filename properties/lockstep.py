@@ -2,7 +2,7 @@
 
 After each operation: the operation's result (batch, admission decision, evicted pages, match),
 then the full observable state (page -> owner, free-list order, live rows, lengths,
-available_size, cache sizes, table slots, queues), then the five invariants on each side
+available_size, cache sizes, table slots, queues), then the invariants on each side (`engine/invariants.py`)
 (`kvledger.engine.divergence.compare`). The first difference raises `Divergence` with the step,
 the operation and what differed.
 """
