@@ -65,7 +65,8 @@ def _fuzz(args: argparse.Namespace) -> int:
 
     try:
         result = fuzz(args.seconds, workers=args.workers, seed=args.seed, out_dir=args.out_dir, bug=args.bug,
-                      minimize_budget=args.minimize_budget, admission=args.admission)
+                      minimize_budget=args.minimize_budget, admission=args.admission,
+                      max_cases=args.max_cases, minimize_replays=args.minimize_replays)
     except (KeyError, ValueError) as e:
         print(f"kvledger fuzz: {e}", file=sys.stderr)
         return 2
@@ -75,7 +76,7 @@ def _fuzz(args: argparse.Namespace) -> int:
 def _minimize(args: argparse.Namespace) -> int:
     from kvledger.tools.minimize import main_minimize
 
-    return main_minimize(args.trace, args.output, args.budget, args.bug)
+    return main_minimize(args.trace, args.output, args.budget, args.bug, args.max_replays)
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -145,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default=".kvledger/fuzz", metavar="DIR", help="where failing traces go")
     p.add_argument("--bug", default=None, help="patch a bug-zoo bug into fast in every worker")
     p.add_argument("--minimize-budget", type=float, default=60.0, help="seconds to minimize a failure")
+    p.add_argument("--minimize-replays", type=int, default=None,
+                   help="also stop minimizing after this many candidate replays (the same result on any machine)")
+    p.add_argument("--max-cases", type=int, default=None,
+                   help="each worker stops after this many cases (the same cases on any machine)")
     p.add_argument("--admission", default=None, choices=["reserve", "optimistic"],
                    help="run every case under this admission policy (default: drawn per case, 40%% optimistic)")
     p.set_defaults(func=_fuzz)
@@ -153,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("trace", help="the failing trace (.jsonl)")
     p.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the minimized trace")
     p.add_argument("--budget", type=float, default=60.0, help="time budget in seconds")
+    p.add_argument("--max-replays", type=int, default=None,
+                   help="also stop after this many candidate replays (the same result on any machine)")
     p.add_argument("--bug", default=None, help="patch a bug-zoo bug into fast first")
     p.set_defaults(func=_minimize)
 

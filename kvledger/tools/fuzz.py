@@ -433,10 +433,12 @@ def _progress_line(elapsed: float, seconds: float, ops: int, cases: int, reached
 
 def fuzz(seconds: float, workers: int = 1, seed: int = 0, out_dir: str | Path = ".kvledger/fuzz",
          bug: Optional[str] = None, progress: bool = True, minimize_budget: float = 60.0,
-         admission: Optional[str] = None, max_cases: Optional[int] = None) -> FuzzResult:
+         admission: Optional[str] = None, max_cases: Optional[int] = None,
+         minimize_replays: Optional[int] = None) -> FuzzResult:
     """Fuzz reference vs fast for `seconds` on `workers` processes; see the module docstring.
     `admission` forces every case's policy; `max_cases` stops each worker after that many cases
-    (then the run is the same whatever the machine's speed, as long as `seconds` is not reached)."""
+    (then the run is the same whatever the machine's speed, as long as `seconds` is not reached);
+    `minimize_replays` bounds the minimization of a failure by replays as well as by seconds."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     if admission is not None and admission not in ADMISSIONS:
@@ -496,7 +498,8 @@ def fuzz(seconds: float, workers: int = 1, seed: int = 0, out_dir: str | Path = 
     elapsed = time.monotonic() - (fuzz_start or start)
     result = FuzzResult(ops, cases, elapsed, workers, seed, bug, sorted(reached), seconds_to_find=found_at, **counts)
     if failure_msg is not None:
-        result.failure = _handle_failure(failure_msg, Path(out_dir), seed, bug, minimize_budget, progress)
+        result.failure = _handle_failure(failure_msg, Path(out_dir), seed, bug, minimize_budget, progress,
+                                         minimize_replays)
     if progress:
         print(format_summary(result, expected))
     return result
@@ -529,7 +532,7 @@ def _drain_and_join(procs: List[Any], messages: Any, ops: int, cases: int, reach
 
 
 def _handle_failure(msg: WorkerFailure, out_dir: Path, seed: int, bug: Optional[str], budget: float,
-                    progress: bool) -> FuzzFailure:
+                    progress: bool, max_replays: Optional[int] = None) -> FuzzFailure:
     from kvledger.engine import trace
     from kvledger.tools.minimize import MinimizeError, minimize
     from kvledger.tools.zoo import patched
@@ -551,7 +554,8 @@ def _handle_failure(msg: WorkerFailure, out_dir: Path, seed: int, bug: Optional[
                  "(budget %gs)...", worker, case_no, step, kind, detail, path, len(ops), budget)
     try:
         with patched(bug):
-            m_header, m_ops, m_kind = minimize(header, ops, budget=budget, log=log.info if progress else None)
+            m_header, m_ops, m_kind = minimize(header, ops, budget=budget, log=log.info if progress else None,
+                                               max_replays=max_replays)
     except MinimizeError as e:  # the divergence did not reproduce in this process
         failure.detail += f" (could not minimize: {e})"
         return failure

@@ -518,7 +518,8 @@ def minimize(header: Header, ops: Ops, budget: float = 60.0,
     return out_header, m.ops, kind
 
 
-def main_minimize(path: str, output: str, budget: float = 60.0, bug: str | None = None) -> int:
+def main_minimize(path: str, output: str, budget: float = 60.0, bug: str | None = None,
+                  max_replays: Optional[int] = None) -> int:
     """`kvledger minimize TRACE -o OUT`: exit 0 with the minimized trace written, 2 on an error."""
     from kvledger.engine.trace import TraceError, read, write
     from kvledger.tools.zoo import patched
@@ -527,7 +528,7 @@ def main_minimize(path: str, output: str, budget: float = 60.0, bug: str | None 
         header, ops = read(path)
         with patched(bug):
             start = time.monotonic()
-            m_header, m_ops, kind = minimize(header, ops, budget=budget, log=_log.info)
+            m_header, m_ops, kind = minimize(header, ops, budget=budget, log=_log.info, max_replays=max_replays)
     except (OSError, TraceError, MinimizeError, KeyError) as e:
         print(f"kvledger minimize: {path}: {e}", file=sys.stderr)
         return 2
