@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install clean
+.PHONY: run test mutation install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,6 +26,12 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -n auto -p no:cacheprovider tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+
+# the mutation score (kvledger/tools/mutation.py, properties/mutation.toml): cosmic-ray over fast/,
+# reference/ and engine/cache_scheduler.py, one worker per CPU; the table goes to results/mutation/.
+# About 3400 mutants: hours on 2 cores, minutes on 16 (WORKERS=N to choose).
+mutation: $(STAMP)
+	$(BIN)/kvledger mutation $(if $(WORKERS),--workers $(WORKERS)) --results results/mutation
 
 clean:
 	rm -rf $(VENV)

@@ -91,6 +91,12 @@ def _coverage(args: argparse.Namespace) -> int:
     return main_coverage(args.examples)
 
 
+def _mutation(args: argparse.Namespace) -> int:
+    from kvledger.tools.mutation import main_args
+
+    return main_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvledger.engine.cli_parser import OneLineErrorParser, add_logging_options
 
@@ -172,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("coverage", help="line and branch coverage of fast/ by the property run (ci profile)")
     p.add_argument("--examples", type=int, default=None, help="override the profile's number of examples")
     p.set_defaults(func=_coverage)
+
+    p = sub.add_parser("mutation", help="mutation score of fast/, reference/ and the cache scheduler (cosmic-ray)")
+    from kvledger.tools.mutation import add_arguments as add_mutation_arguments
+
+    add_mutation_arguments(p)
+    p.set_defaults(func=_mutation)
 
     for name, p in sub.choices.items():
         if name != "serve":  # serve: its own --log-level
