@@ -2,8 +2,6 @@
 what is computed, holds KV computed for exactly that token prefix. It sees what no comparison of
 reference and fast can: a bug both share that reuses KV computed for other tokens."""
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 
@@ -12,31 +10,7 @@ from kvledger.engine import trace
 from kvledger.engine.divergence import Divergence
 from kvledger.engine.invariants import InvariantViolation, KVProvenance, prefix_hashes
 from kvledger.properties.lockstep import Lockstep
-from kvledger.tools.zoo import Bug
-
-# A radix match that checks an edge's first page (the child's dictionary key) and trusts the
-# rest of the edge: the same edit on both sides.
-TRUSTS_WHOLE_EDGE = (
-    Bug("trusts-edge", "test", "", reference.RadixPrefixCache, "_walk",
-        (("child.key[common] == ids[matched + common]", "True"),)),
-    Bug("trusts-edge", "test", "", fast.radix_cache, "_common_prefix",
-        (("if key[:n] == ids[start : start + n]:", "if True:  # BUG: the edge's first page decides"),)),
-)
-
-
-@contextmanager
-def shared(bugs):
-    saved = []
-    try:
-        for bug in bugs:
-            for owner, attr, value in bug.patches():
-                saved.append((owner, attr, getattr(owner, attr)))
-                setattr(owner, attr, value)
-        yield
-    finally:
-        for owner, attr, old in reversed(saved):
-            setattr(owner, attr, old)
-
+from kvledger.tools.invariant_catches import TRUSTS_WHOLE_EDGE, shared
 
 HEADER = trace.Header(num_pages=32, page_size=1, cache_type="radix", table_slots=4, max_seq_len=32)
 WRONG_REUSE = [

@@ -3,7 +3,6 @@ applies an operation. The trace kept must end with that operation, so it replays
 and minimizes (it used to stop just before it: replay printed OK, minimize found nothing)."""
 
 import math
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from kvledger.engine import trace
 from kvledger.engine.divergence import Divergence
 from kvledger.properties.lockstep import Lockstep, replay
 from kvledger.tools.minimize import minimize
+from kvledger.tools.invariant_catches import shared
 from kvledger.tools.zoo import Bug
 
 REGRESSIONS = Path(__file__).parent / "regressions"
@@ -20,19 +20,8 @@ REGRESSIONS = Path(__file__).parent / "regressions"
 KEEPS_LOCK = ("cm.unlock(handle)", "pass  # BUG: the lock taken for the hit is kept")
 
 
-@contextmanager
-def shared_bug():
-    saved = []
-    for impl in (reference, fast):
-        bug = Bug("rejection-keeps-lock", "test", "both sides", impl.PrefillAdder, "_try_allocate_one", (KEEPS_LOCK,))
-        for cls, attr, value in bug.patches():
-            saved.append((cls, attr, cls.__dict__[attr]))
-            setattr(cls, attr, value)
-    try:
-        yield
-    finally:
-        for cls, attr, old in saved:
-            setattr(cls, attr, old)
+SHARED_BUG = tuple(Bug("rejection-keeps-lock", "test", "both sides", impl.PrefillAdder, "_try_allocate_one",
+                       (KEEPS_LOCK,)) for impl in (reference, fast))
 
 
 def _run_until_divergence(header, ops):
@@ -48,7 +37,7 @@ def _run_until_divergence(header, ops):
 def test_a_failure_the_reference_raises_keeps_its_operation_in_the_trace(tmp_path):
     header, ops = trace.read(REGRESSIONS / "admission_rechecks_after_locking.jsonl")
     assert _run_until_divergence(header, ops)[1] is None  # the unpatched trace passes
-    with shared_bug():
+    with shared(SHARED_BUG):
         lock, err = _run_until_divergence(header, ops)
         assert err is not None and err.kind == "reference-invariant:4-failed-admission"
         assert lock.ops[-1] == err.op == ops[err.step - 1] and len(lock.ops) == err.step
