@@ -513,10 +513,347 @@ def test_fast_reserves_what_the_policy_says(page_size, ratio):
     from kvledger.fast.admission import _reserved_pages
 
     for kind in ("reserve", "optimistic"):
-        policy = AdmissionPolicy(kind, ratio)
+        policy = AdmissionPolicy("".join(kind), ratio)  # a kind built at run time, as a parsed one is
         for max_len in range(1, 14):
             for device_len in range(0, max_len + 1):
                 for cached_len in range(0, max_len + 1):
                     want = policy.reserved_tokens(cached_len, device_len, max_len, page_size)
                     got = _reserved_pages(policy, cached_len, device_len, max_len, page_size) * page_size
                     assert got == want, (kind, ratio, cached_len, device_len, max_len, page_size)
+
+
+def test_a_readmission_that_finds_everything_it_computed_recomputes_nothing():
+    s = sched(reference, num_pages=9, max_seq_len=16, admission=OPTIMISTIC)
+    _drive(s, [
+        {"op": "submit", "uid": 0, "tokens": [1, 1, 1], "max_tokens": 3},
+        {"op": "submit", "uid": 1, "tokens": [2, 2, 2], "max_tokens": 5},
+        {"op": "prefill", "budget": 64, "sample": [10, 20]},
+        {"op": "decode", "sample": [11, 21]},
+        {"op": "decode", "sample": [12]},  # preempts uid 1, which had computed 4 positions
+    ])
+    assert s.prefill(64, [22])["batch"] == [1] and s.recomputed_tokens == 0
+
+
+def test_a_one_token_prefix_hit_is_copied_into_the_new_row():
+    from kvledger.engine.trace import Header
+    from kvledger.properties.lockstep import Lockstep
+
+    lock = Lockstep(Header(num_pages=32, page_size=1, cache_type="radix", table_slots=4, max_seq_len=16))
+    for op in [{"op": "submit", "uid": 8, "tokens": [1], "max_tokens": 8},  # holds page 0 throughout
+               {"op": "submit", "uid": 0, "tokens": [5, 6, 7], "max_tokens": 4},
+               {"op": "prefill", "budget": 64},
+               {"op": "submit", "uid": 1, "tokens": [5, 9, 9], "max_tokens": 2},
+               {"op": "probe", "tokens": [5, 9]},
+               {"op": "prefill", "budget": 64}]:  # uid 1 finds [5] cached: a fresh row, one page copied
+        lock.apply(op)
+    first = lock.ref.page_table[lock.ref.live[0].table_idx][0]
+    assert first != 0 and lock.fast.page_table[lock.fast.live[1].table_idx][0].item() == first
+
+
+@pytest.mark.parametrize("impl", [reference, fast], ids=["reference", "fast"])
+def test_preemption_never_takes_the_oldest_request(impl):
+    s = sched(impl, num_pages=9, max_seq_len=16, admission=OPTIMISTIC)
+    s.submit(0, [1, 1, 1], 4)
+    s.submit(1, [2, 2, 2], 5)
+    s.prefill(64, [10, 20])
+    oldest, newest = s.live[0], s.live[1]
+    oldest.device_len += 8  # a step for the oldest that no preemption can make room for
+    with pytest.raises(RuntimeError, match="only the oldest request is left"):
+        s.preemptor.make_room([oldest], [oldest, newest])
+    assert oldest.table_idx not in s.tm.free_slots()  # the oldest kept its row
+
+
+def test_rebuilding_the_radix_heap_keeps_every_evictable_leaf():
+    cache = fast.RadixPrefixCache(1)
+    handles = []
+    for first in range(4):
+        ids = torch.tensor([first, 1, 2])
+        _, handle = cache.insert_prefix(ids, torch.arange(3 * first, 3 * first + 3, dtype=torch.int32))
+        handles.append(handle)
+    for _ in range(40):  # each unlock re-enters a leaf: past 4 * nodes + 64 entries the heap is rebuilt
+        for handle in handles:
+            cache.lock_handle(handle)
+            cache.lock_handle(handle, unlock=True)
+    assert cache.size_info.evictable_size == 12
+    assert sorted(cache.evict(12).tolist()) == list(range(12))
+    assert cache.size_info.evictable_size == 0 and cache.nodes() == []
+
+
+def test_prefixes_longer_than_256_tokens_match_whole():
+    from kvledger.engine.trace import Header
+    from kvledger.properties.lockstep import Lockstep
+
+    lock = Lockstep(Header(num_pages=1024, page_size=1, cache_type="radix", table_slots=4, max_seq_len=700))
+    prompt = [t % 7 for t in range(300)]
+    lock.apply({"op": "submit", "uid": 0, "tokens": prompt, "max_tokens": 1})
+    lock.apply({"op": "prefill", "budget": 1024})  # 300 tokens cached in one node
+    assert lock.apply({"op": "probe", "tokens": prompt})["cached_len"] == 300
+    lock.apply({"op": "submit", "uid": 1, "tokens": prompt + [1, 2, 3], "max_tokens": 1})
+    lock.apply({"op": "prefill", "budget": 1024})
+    lock.apply({"op": "submit", "uid": 2, "tokens": prompt + [1, 2, 3, 4, 5], "max_tokens": 2})
+    assert lock.apply({"op": "probe", "tokens": prompt + [1, 2, 3, 4]})["cached_len"] == 303
+    assert lock.apply({"op": "prefill", "budget": 1024})["batch"] == [2]
+    assert lock.apply({"op": "probe", "tokens": prompt + [1, 2, 3, 4, 5]})["cached_len"] == 305
+
+
+# -- the reference model's own contracts: validation, defaults, its integrity check --------------
+def test_reference_requests_validate_and_count():
+    from kvledger.reference.requests import validate_pending
+
+    params = reference.SamplingParams(max_tokens=3)
+    req = reference.Req([1, 2, 3], 0, 1, 3, 7, params, reference.CacheHandle(0))
+    assert (req.device_len, req.max_device_len, req.remain_len, req.extend_len) == (3, 6, 3, 2)
+    assert req.can_decode
+    for cached, ids, out in ((-1, [1, 2], 1), (2, [1, 2], 1), (3, [1, 2], 1), (0, [], 1), (0, [1, 2], -1)):
+        with pytest.raises(ValueError, match=r"^request 7: need 0 <= cached_len"):
+            reference.Req(ids, 0, cached, out, 7, params, reference.CacheHandle(0))
+    done = reference.Req([1, 2], 0, 1, 0, 8, params, reference.CacheHandle(0))
+    assert done.remain_len == 0 and not done.can_decode
+    req.set_host_token(0, 9)
+    req.set_host_token(2, 8)
+    assert list(req.input_ids) == [9, 2, 8]
+    for index in (-1, 3):
+        with pytest.raises(IndexError, match=rf"^request 7: token index {index} outside \[0, 3\)$"):
+            req.set_host_token(index, 5)
+    validate_pending(1, 1, reference.SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="input_ids is empty"):
+        validate_pending(1, 0, params)
+    with pytest.raises(ValueError, match="max_tokens must be >= 1, got 0"):
+        validate_pending(1, 1, reference.SamplingParams(max_tokens=0))
+    a, b = (reference.PendingReq(1, [1], reference.SamplingParams()) for _ in range(2))
+    assert a != b  # pending requests compare by identity
+
+
+def test_sampling_params_defaults_and_greedy():
+    p = reference.SamplingParams()
+    assert (p.temperature, p.top_k, p.top_p, p.ignore_eos, p.max_tokens) == (0.0, -1, 1.0, False, 1024)
+    assert p.is_greedy is True
+    greedy = {(0.0, -1, 1.0): True, (0.7, -1, 1.0): False, (0.7, 1, 1.0): True, (0.0, -1, 0.9): False,
+              (-0.5, 5, 1.0): True, (0.7, 2, 1.0): False, (0.7, 0, 1.0): False, (0.0, 1, 1.5): False}
+    for (t, k, top_p), want in greedy.items():
+        assert reference.SamplingParams(temperature=t, top_k=k, top_p=top_p).is_greedy is want, (t, k, top_p)
+
+
+def test_running_reqs_contain_requests_not_uids():
+    from kvledger.reference.running_reqs import RunningReqs
+
+    params = reference.SamplingParams(max_tokens=2)
+    req = reference.Req([1, 2], 0, 0, 2, 4, params, reference.CacheHandle(0))
+    twin = reference.Req([1, 2], 1, 0, 2, 4, params, reference.CacheHandle(0))
+    running = RunningReqs()
+    running.add(req)
+    assert req in running and twin not in running and object() not in running
+
+
+def test_reference_tables_validate_and_start_zeroed():
+    with pytest.raises(ValueError, match=r"^max_running_reqs \(3\) exceeds page_table rows \(2\)$"):
+        reference.TableManager(3, reference.make_page_table(2, 4))
+    tm = reference.TableManager(1, reference.make_page_table(2, 4))
+    assert tm.token_pool == [[0] * 4, [0] * 4] and tm.page_table == [[0] * 4, [0] * 4]
+    assert reference.make_page_table(1, 2, "".join(["c", "pu"])) == [[0, 0]]
+    for device in ("cuda", "aaa"):
+        with pytest.raises(ValueError, match="the reference model lives on the host"):
+            reference.make_page_table(1, 2, device)
+
+
+def test_reference_prefix_cache_basics():
+    from kvledger.reference.prefix_cache import SizeInfo
+
+    assert SizeInfo(3, 4).total_size == 7
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        reference.CacheHandle(1).cached_len = 2
+    naive = reference.NaivePrefixCache()
+    assert naive.page_size == 1 and reference.RadixPrefixCache().page_size == 1
+    assert list(naive.evict(0)) == []
+    with pytest.raises(RuntimeError, match="the naive cache holds none"):
+        naive.evict(1)
+    assert reference.DecodeManager().page_size == 1 and reference.DecodeManager().runnable is False
+
+
+def test_admission_policy_validation():
+    for bad in (True, "0.5", -0.1, 1.5):
+        with pytest.raises(ValueError, match=r"^reserve_ratio must be a number in \[0, 1\], got"):
+            AdmissionPolicy("optimistic", bad)
+    for ok in (0, 0.0, 1, 1.0):
+        AdmissionPolicy("optimistic", ok)
+    assert [AdmissionPolicy(k).preempts for k in ("reserve", "optimistic", "adaptive")] == [False, True, True]
+    assert AdmissionPolicy("".join(["re", "serve"])).preempts is False
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        AdmissionPolicy().kind = "optimistic"
+
+
+def test_observed_output_ratio_window_samples_and_clipping():
+    from kvledger.reference.admission_policy import ObservedOutputRatio
+
+    r = ObservedOutputRatio(0.5)
+    for _ in range(7):
+        assert r.observe(0, 4) == 0.5  # fewer than eight samples: the configured ratio
+    assert r.observe(4, 4) == 0.125
+    for _ in range(92):
+        r.observe(0, 4)
+    assert r.ratio == 0.01  # 100 samples, one of them 1.0
+    for _ in range(7):
+        r.observe(0, 4)
+    assert r.ratio == 0.01  # the 1.0 was the 8th: still among the last 100
+    r.observe(0, 4)
+    assert r.ratio == 0.0  # the window keeps the last 100
+    clip = ObservedOutputRatio(0.5, min_samples=1)
+    assert clip.observe(9, 4) == 1.0 and clip.observe(-4, 4) == 0.5 and clip.observe(1, 4) == 5 / 12
+    assert ObservedOutputRatio(0.3, window=2, min_samples=2).observe(3, 4) == 0.3
+
+
+def test_reference_cache_manager_validation_and_cache_types():
+    table = reference.make_page_table(2, 12)
+    with pytest.raises(ValueError, match=r"^num_pages \(0\) and page_size \(4\) must be >= 1$"):
+        reference.CacheManager(0, 4, table, "radix")
+    with pytest.raises(ValueError, match=r"^num_pages \(3\) and page_size \(0\) must be >= 1$"):
+        reference.CacheManager(3, 0, table, "radix")
+    with pytest.raises(ValueError, match=r"^page_table width \(12\) must be a multiple of page_size \(5\): "):
+        reference.CacheManager(3, 5, table, "radix")
+    assert reference.CacheManager(1, 1, table, "naive").free_slots == [0]
+    reference.CacheManager(1, 3, [], "naive")  # no rows: nothing to check
+    reference.CacheManager(1, 3, reference.make_page_table(1, 6), "naive")  # one row
+    for name in ("lru", "zzz", "Radix"):
+        with pytest.raises(ValueError, match="^cache type must be 'naive' or 'radix', got"):
+            reference.create_prefix_cache(name, 1)
+    assert isinstance(reference.create_prefix_cache("".join(["nai", "ve"]), 1), reference.NaivePrefixCache)
+    assert isinstance(reference.create_prefix_cache("".join(["rad", "ix"]), 1), reference.RadixPrefixCache)
+    s = sched(reference)
+    s.submit(0, [1, 2], 2)
+    s.prefill(64)
+    with pytest.raises(TypeError):
+        s.cm.cache_req(s.live[0], True)
+
+
+def _live_reference(page_size=4):
+    s = sched(reference, num_pages=8, page_size=page_size, max_seq_len=32)
+    s.submit(0, list(range(1, 11)), 8)
+    s.prefill(64, [50])
+    return s, s.cm, list(s.live.values())
+
+
+def test_reference_integrity_reports_each_corruption():
+    s, cm, reqs = _live_reference()
+    cm.check_integrity(reqs)
+    cm.free_slots.append(cm.free_slots[0])
+    with pytest.raises(IntegrityError, match="^integrity: a page is in the free list twice$"):
+        cm.check_integrity(reqs)
+    cm.free_slots.pop()
+    lost = cm.free_slots.pop(0)
+    with pytest.raises(IntegrityError) as e:
+        cm.check_integrity(reqs)
+    assert str(e.value) == f"integrity: 1 pages without exactly one owner, e.g. page {lost // 4} " \
+                           f"(location {lost}) owned by nobody"
+    second = cm.free_slots.pop(0)
+    with pytest.raises(IntegrityError) as e:
+        cm.check_integrity(reqs)
+    first = min(lost, second)
+    assert str(e.value) == f"integrity: 2 pages without exactly one owner, e.g. page {first // 4} " \
+                           f"(location {first}) owned by nobody"
+    cm.free_slots[:0] = [lost, second]
+    cached = cm.page_table[0][0]
+    cm.free_slots.append(cached)
+    with pytest.raises(IntegrityError) as e:
+        cm.check_integrity(reqs)
+    assert str(e.value).startswith(f"integrity: 1 pages without exactly one owner, e.g. page {cached // 4} "
+                                   f"(location {cached}) owned by [")
+    cm.free_slots.pop()
+    row = cm.page_table[0]
+    for delta in (1, -1):
+        row[9] += delta
+        with pytest.raises(IntegrityError, match="^integrity: request 0's row is not page-contiguous at 9$"):
+            cm.check_integrity(reqs)
+        row[9] -= delta
+        row[0] += delta
+        with pytest.raises(IntegrityError, match="^integrity: request 0's row does not match its locked prefix$"):
+            cm.check_integrity(reqs)
+        row[0] -= delta
+    handle = reqs[0].cache_handle
+    cm.unlock(handle)
+    with pytest.raises(IntegrityError) as e:
+        cm.check_integrity(reqs)
+    assert str(e.value) == f"integrity: radix node {handle.node.id} has lock count 0, but 1 live requests hold it"
+    cm.lock(handle)
+    s.submit(1, [60, 61, 62, 63, 64], 1)
+    s.prefill(64)
+    stray = cm.match_req(reference.PendingReq(9, [60, 61, 62, 63, 64], reference.SamplingParams(max_tokens=1)))
+    cm.lock(stray.cuda_handle)
+    with pytest.raises(IntegrityError) as e:
+        cm.check_integrity(reqs)
+    assert str(e.value) == (f"integrity: radix node {stray.cuda_handle.node.id} has lock count 1, "
+                            f"but 0 live requests hold it")
+
+
+def test_reference_radix_check_and_unlock():
+    cache = reference.RadixPrefixCache(2)
+    _, handle = cache.insert_prefix([1, 2, 3, 4], [8, 9, 10, 11])
+    cache.check_integrity()
+    cache.lock_handle(handle)
+    cache.lock_handle(handle, unlock=True)
+    with pytest.raises(RuntimeError, match=r"^unlock of node \d+ whose lock count is already 0$"):
+        cache.lock_handle(handle, unlock=True)
+    for delta in (1, -1):
+        cache.evictable_size += delta
+        with pytest.raises(RuntimeError, match=f"radix sizes recount to evictable=4 protected=0, recorded {4 + delta} 0"):
+            cache.check_integrity()
+        cache.evictable_size -= delta
+    node = handle.node
+    node.key, node.value = node.key[:3], node.value[:3]
+    with pytest.raises(RuntimeError, match="has key length 3, value length 3"):
+        cache.check_integrity()
+    node.key, node.value = [1, 2, 3, 4], [8, 9, 10]
+    with pytest.raises(RuntimeError, match="has key length 4, value length 3"):
+        cache.check_integrity()
+    node.key, node.value = [1, 2], [8, 9, 10]
+    with pytest.raises(RuntimeError, match="has key length 2, value length 3"):
+        cache.check_integrity()
+    node.key, node.value = [], []
+    with pytest.raises(RuntimeError, match="has key length 0, value length 0"):
+        cache.check_integrity()
+
+
+# -- the rare-branch notes the model passes through (the evidence `kvledger check` reports) -------
+def _notes_per_step(s, steps, noted):
+    out = []
+    for step in steps:
+        before = len(noted)
+        step(s)
+        out.append(noted[before:])
+    return out
+
+
+def test_the_model_notes_each_branch_it_takes_on_a_scripted_preemption(noted):
+    s = sched(reference, num_pages=8, max_seq_len=16, admission=OPTIMISTIC)
+    per_op = _notes_per_step(s, [lambda s, op=op: s.apply(op) for op in PREEMPT_THEN_HIT], noted)
+    lock_leaf, inserted = "radix: lock/unlock of an evictable leaf", "cache_req: new prefix inserted"
+    assert per_op == [
+        [], [],
+        [inserted, lock_leaf, "radix: node split", "cache_req: duplicate prefix freed while running", inserted,
+         lock_leaf],  # uid 0 caches [2, 2, 9]; uid 1 splits it at [2, 2] and frees its own copy of that
+        [], [],
+        ["preempt: running request", "preempt: a request of the step's own batch", inserted,
+         "allocate: evicts from the prefix cache", "radix: eviction makes the parent an evictable leaf"],
+        [inserted],  # uid 0 ends
+        [lock_leaf, "admission: prefix hit", "preempt: re-prefill hits the prefix cache",
+         "allocate: evicts from the prefix cache", "radix: eviction makes the parent an evictable leaf", inserted,
+         lock_leaf],
+    ]
+
+
+def test_the_model_notes_partial_pages_rejections_and_a_second_preemption(noted):
+    s = sched(reference, num_pages=6, cache_type="naive", max_seq_len=32, admission=OPTIMISTIC)
+    s.submit(0, [1, 1], 2)
+    s.submit(1, [2, 2], 5)
+    s.submit(2, [3], 4)
+
+    def step(s):
+        result = s.prefill(64, [5]) if s.waiting else None
+        if not result or not (result["batch"] or result["preempted"]):
+            s.decode([5])
+
+    per_op = _notes_per_step(s, [step] * 8, noted)
+    preempted, tail = ["preempt: running request", "preempt: a request of the step's own batch"], \
+        "cache_req: partial tail page freed"
+    assert per_op == [[], preempted + [tail, tail], [], preempted + [tail, "preempt: the same request preempted twice"],
+                      ["admission: rejected"], ["admission: rejected", tail], [], [tail]]
+    assert not s.live and not s.waiting
