@@ -20,7 +20,7 @@ from kvledger import fast, reference
 from kvledger.engine.cache_scheduler import CacheScheduler, InvalidOp, InvariantViolation
 from kvledger.reference.admission_policy import AdmissionPolicy
 from kvledger.reference.cache_manager import IntegrityError
-from tests.test_preemption_properties import noted  # noqa: F401 (a fixture: the rare-branch notes)
+from tests.test_preemption_properties import NEWEST_PREEMPTED, noted  # noqa: F401 (noted: a fixture)
 
 OPTIMISTIC = AdmissionPolicy("optimistic", 0.0)
 
@@ -212,14 +212,8 @@ def test_recomputed_tokens_count_what_a_readmitted_victim_computes_again(noted):
 
 def test_a_readmission_that_finds_nothing_cached_recomputes_everything(noted):
     s = sched(reference, num_pages=9, max_seq_len=16, admission=OPTIMISTIC)
-    _drive(s, [
-        {"op": "submit", "uid": 0, "tokens": [1, 1, 1], "max_tokens": 3},
-        {"op": "submit", "uid": 1, "tokens": [2, 2, 2], "max_tokens": 5},
-        {"op": "prefill", "budget": 64, "sample": [10, 20]},
-        {"op": "decode", "sample": [11, 21]},
-        {"op": "decode", "sample": [12]},  # preempts uid 1 (4 positions computed); uid 0 ends
-        {"op": "evict", "tokens": 9},  # the cache lets go of everything
-    ])
+    # uid 1 computes 4 positions and is preempted; uid 0 ends; then the cache lets go of everything
+    _drive(s, NEWEST_PREEMPTED[:5] + [{"op": "evict", "tokens": 9}])
     assert s.recomputed_tokens == 0
     assert s.prefill(64, [22])["batch"] == [1]
     assert s.recomputed_tokens == 4
@@ -337,17 +331,17 @@ def test_the_snapshot_shows_whole_pages_of_rows_and_the_prompt_and_output_tokens
 
 
 # -- fast's integrity check: each corruption found, and reported with the right numbers ----------
-def _live_fast(page_size=4):
-    """A fast scheduler with a request live (10 prompt tokens, 2 whole pages cached by the radix
-    cache and locked by it, its own third page) and 5 free pages of 4 tokens."""
-    s = sched(fast, num_pages=8, page_size=page_size, max_seq_len=32)
+def _live(impl=fast):
+    """A scheduler with a request live (10 prompt tokens, 2 whole pages cached by the radix cache
+    and locked by it, its own third page) and 5 free pages of 4 tokens."""
+    s = sched(impl, num_pages=8, page_size=4, max_seq_len=32)
     s.submit(0, list(range(1, 11)), 8)
     s.prefill(64, [50])
     return s, s.cm, list(s.live.values())
 
 
 def test_integrity_reports_a_page_with_two_owners_with_its_counts():
-    s, cm, reqs = _live_fast()
+    s, cm, reqs = _live(fast)
     cm.check_integrity(reqs)
     cached = cm.page_table[0][0].item()  # the request's first page: the cache holds it
     cm.free_slots = torch.cat([cm.free_slots, cm.free_slots.new_tensor([cached])])
@@ -359,7 +353,7 @@ def test_integrity_reports_a_page_with_two_owners_with_its_counts():
 
 
 def test_integrity_reports_a_page_nobody_holds():
-    s, cm, reqs = _live_fast()
+    s, cm, reqs = _live(fast)
     lost = cm.free_slots[0].item()
     cm.free_slots = cm.free_slots[1:]
     with pytest.raises(IntegrityError) as e:
@@ -378,7 +372,7 @@ def test_integrity_rejects_a_misaligned_or_outside_page_start(page_size, bad):
 
 
 def test_integrity_rejects_a_row_that_is_not_page_contiguous():
-    s, cm, reqs = _live_fast()
+    s, cm, reqs = _live(fast)
     row = cm.page_table[0]
     assert row[9].item() == row[8].item() + 1
     row[9] += 1  # inside the request's own page, past what the cache holds
@@ -387,7 +381,7 @@ def test_integrity_rejects_a_row_that_is_not_page_contiguous():
 
 
 def test_integrity_rejects_lock_counts_that_do_not_match_the_live_requests():
-    s, cm, reqs = _live_fast()
+    s, cm, reqs = _live(fast)
     handle = reqs[0].cache_handle
     node = handle.node
     cm.unlock(handle)  # a live request holds it, the count forgot
@@ -435,31 +429,27 @@ def test_prefix_matching_compares_token_ids_by_value():
 
 
 # -- fast's constructors: validation, defaults, the cache type by name --------------------------
-def test_cache_manager_validates_its_sizes():
-    table = fast.make_page_table(2, 12)
+@pytest.mark.parametrize("impl", [reference, fast], ids=["reference", "fast"])
+def test_cache_manager_validates_its_sizes_and_cache_type(impl):
+    table = impl.make_page_table(2, 12)
     with pytest.raises(ValueError, match=r"^num_pages \(0\) and page_size \(4\) must be >= 1$"):
-        fast.CacheManager(0, 4, table, "radix")
+        impl.CacheManager(0, 4, table, "radix")
     with pytest.raises(ValueError, match=r"^num_pages \(3\) and page_size \(0\) must be >= 1$"):
-        fast.CacheManager(3, 0, table, "radix")
+        impl.CacheManager(3, 0, table, "radix")
     with pytest.raises(ValueError, match=r"^page_table width \(12\) must be a multiple of page_size \(5\): "):
-        fast.CacheManager(3, 5, table, "radix")
-    cm = fast.CacheManager(1, 1, table, "naive")
-    assert cm.free_slots.tolist() == [0] and cm.available_size == 1
-
-
-@pytest.mark.parametrize("name", ["lru", "zzz", "Radix"])
-def test_an_unknown_cache_type_is_refused(name):
-    with pytest.raises(ValueError, match="^cache type must be 'naive' or 'radix', got"):
-        fast.create_prefix_cache(name, 1)
-
-
-def test_cache_types_are_found_by_value():
-    assert isinstance(fast.create_prefix_cache("".join(["nai", "ve"]), 2), fast.NaivePrefixCache)
-    assert isinstance(fast.create_prefix_cache("".join(["rad", "ix"]), 2), fast.RadixPrefixCache)
+        impl.CacheManager(3, 5, table, "radix")
+    cm = impl.CacheManager(1, 1, table, "naive")
+    assert list(cm.free_slots) == [0] and cm.available_size == 1
+    impl.CacheManager(1, 3, impl.make_page_table(1, 6), "naive")  # one row
+    for name in ("lru", "zzz", "Radix"):
+        with pytest.raises(ValueError, match="^cache type must be 'naive' or 'radix', got"):
+            impl.create_prefix_cache(name, 1)
+    assert isinstance(impl.create_prefix_cache("".join(["nai", "ve"]), 2), impl.NaivePrefixCache)
+    assert isinstance(impl.create_prefix_cache("".join(["rad", "ix"]), 2), impl.RadixPrefixCache)
 
 
 def test_cache_manager_takes_finished_by_keyword_only():
-    s, cm, reqs = _live_fast()
+    s, cm, reqs = _live(fast)
     with pytest.raises(TypeError):
         cm.cache_req(reqs[0], True)
 
@@ -524,14 +514,8 @@ def test_fast_reserves_what_the_policy_says(page_size, ratio):
 
 def test_a_readmission_that_finds_everything_it_computed_recomputes_nothing():
     s = sched(reference, num_pages=9, max_seq_len=16, admission=OPTIMISTIC)
-    _drive(s, [
-        {"op": "submit", "uid": 0, "tokens": [1, 1, 1], "max_tokens": 3},
-        {"op": "submit", "uid": 1, "tokens": [2, 2, 2], "max_tokens": 5},
-        {"op": "prefill", "budget": 64, "sample": [10, 20]},
-        {"op": "decode", "sample": [11, 21]},
-        {"op": "decode", "sample": [12]},  # preempts uid 1, which had computed 4 positions
-    ])
-    assert s.prefill(64, [22])["batch"] == [1] and s.recomputed_tokens == 0
+    results = _drive(s, NEWEST_PREEMPTED)  # uid 1 computes 4 positions, is preempted, re-prefills
+    assert results[-1]["batch"] == [1] and s.recomputed_tokens == 0
 
 
 def test_a_one_token_prefix_hit_is_copied_into_the_new_row():
@@ -702,22 +686,8 @@ def test_observed_output_ratio_window_samples_and_clipping():
     assert ObservedOutputRatio(0.3, window=2, min_samples=2).observe(3, 4) == 0.3
 
 
-def test_reference_cache_manager_validation_and_cache_types():
-    table = reference.make_page_table(2, 12)
-    with pytest.raises(ValueError, match=r"^num_pages \(0\) and page_size \(4\) must be >= 1$"):
-        reference.CacheManager(0, 4, table, "radix")
-    with pytest.raises(ValueError, match=r"^num_pages \(3\) and page_size \(0\) must be >= 1$"):
-        reference.CacheManager(3, 0, table, "radix")
-    with pytest.raises(ValueError, match=r"^page_table width \(12\) must be a multiple of page_size \(5\): "):
-        reference.CacheManager(3, 5, table, "radix")
-    assert reference.CacheManager(1, 1, table, "naive").free_slots == [0]
+def test_reference_cache_manager_without_rows_and_finished_by_keyword():
     reference.CacheManager(1, 3, [], "naive")  # no rows: nothing to check
-    reference.CacheManager(1, 3, reference.make_page_table(1, 6), "naive")  # one row
-    for name in ("lru", "zzz", "Radix"):
-        with pytest.raises(ValueError, match="^cache type must be 'naive' or 'radix', got"):
-            reference.create_prefix_cache(name, 1)
-    assert isinstance(reference.create_prefix_cache("".join(["nai", "ve"]), 1), reference.NaivePrefixCache)
-    assert isinstance(reference.create_prefix_cache("".join(["rad", "ix"]), 1), reference.RadixPrefixCache)
     s = sched(reference)
     s.submit(0, [1, 2], 2)
     s.prefill(64)
@@ -725,15 +695,8 @@ def test_reference_cache_manager_validation_and_cache_types():
         s.cm.cache_req(s.live[0], True)
 
 
-def _live_reference(page_size=4):
-    s = sched(reference, num_pages=8, page_size=page_size, max_seq_len=32)
-    s.submit(0, list(range(1, 11)), 8)
-    s.prefill(64, [50])
-    return s, s.cm, list(s.live.values())
-
-
 def test_reference_integrity_reports_each_corruption():
-    s, cm, reqs = _live_reference()
+    s, cm, reqs = _live(reference)
     cm.check_integrity(reqs)
     cm.free_slots.append(cm.free_slots[0])
     with pytest.raises(IntegrityError, match="^integrity: a page is in the free list twice$"):
