@@ -661,7 +661,14 @@ def execute(cfg: Config, session: Path, work: Path, root: Path, workers: int, ti
         last = time.perf_counter()
         with use_db(str(session)) as db:
             for n in range(len(pending)):
-                m, answer = done.get()
+                while True:
+                    try:
+                        m, answer = done.get(timeout=5)
+                        break
+                    except queue.Empty:
+                        if not any(t.is_alive() for t in threads):  # every worker died: the rest stays pending
+                            log(f"every worker stopped; {len(pending) - n} mutants left pending")
+                            return base_s
                 result = _work_result(answer)
                 db.set_result(m.job_id, result)
                 counts[_outcome(result)] += 1
