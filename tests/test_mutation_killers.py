@@ -109,7 +109,7 @@ def _leaky(kind):
             if req is None and pending.uid == 1:
                 cm = self.cache_manager
                 if kind == "take":
-                    cm.free_slots = cm.free_slots[1:]  # the state reads smaller
+                    cm.free_slots = cm.free_slots[:-1]  # the state reads smaller (a prefix of it)
                 else:
                     cm.free_slots = torch.cat([cm.free_slots, cm.free_slots[-1:] + 1000])  # larger
             return req
@@ -277,7 +277,7 @@ def _adaptive_run(finish_after):
     """Eight requests (prompt 3, max_tokens 4) end after generating finish_after[i] tokens."""
     s = sched(reference, num_pages=128, table_slots=16, admission=AdmissionPolicy("adaptive", 0.5))
     for uid in range(len(finish_after)):
-        s.submit(uid, [uid % 3] * 3, 4)
+        s.submit(uid, [uid % 3] * 4, 4)  # prompt 4: max_device_len 8, whose bits do not hold 4
     s.prefill(1024)
     for step in range(1, 5):
         for uid, n in enumerate(finish_after):
@@ -431,7 +431,7 @@ def test_prefix_matching_compares_token_ids_by_value():
 # -- fast's constructors: validation, defaults, the cache type by name --------------------------
 @pytest.mark.parametrize("impl", [reference, fast], ids=["reference", "fast"])
 def test_cache_manager_validates_its_sizes_and_cache_type(impl):
-    table = impl.make_page_table(2, 12)
+    table = impl.make_page_table(1, 12)
     with pytest.raises(ValueError, match=r"^num_pages \(0\) and page_size \(4\) must be >= 1$"):
         impl.CacheManager(0, 4, table, "radix")
     with pytest.raises(ValueError, match=r"^num_pages \(3\) and page_size \(0\) must be >= 1$"):
@@ -554,10 +554,9 @@ def test_rebuilding_the_radix_heap_keeps_every_evictable_leaf():
         ids = torch.tensor([first, 1, 2])
         _, handle = cache.insert_prefix(ids, torch.arange(3 * first, 3 * first + 3, dtype=torch.int32))
         handles.append(handle)
-    for _ in range(40):  # each unlock re-enters a leaf: past 4 * nodes + 64 entries the heap is rebuilt
-        for handle in handles:
-            cache.lock_handle(handle)
-            cache.lock_handle(handle, unlock=True)
+    for _ in range(100):  # each unlock re-enters its leaf: past 4 * nodes + 64 entries the heap is rebuilt,
+        cache.lock_handle(handles[0])  # and the other three leaves' only entries must survive that
+        cache.lock_handle(handles[0], unlock=True)
     assert cache.size_info.evictable_size == 12
     assert sorted(cache.evict(12).tolist()) == list(range(12))
     assert cache.size_info.evictable_size == 0 and cache.nodes() == []
@@ -578,6 +577,8 @@ def test_prefixes_longer_than_256_tokens_match_whole():
     assert lock.apply({"op": "probe", "tokens": prompt + [1, 2, 3, 4]})["cached_len"] == 303
     assert lock.apply({"op": "prefill", "budget": 1024})["batch"] == [2]
     assert lock.apply({"op": "probe", "tokens": prompt + [1, 2, 3, 4, 5]})["cached_len"] == 305
+    lock.apply({"op": "submit", "uid": 3, "tokens": prompt, "max_tokens": 1})
+    lock.apply({"op": "prefill", "budget": 1024})  # ends: inserts 300 tokens that are all cached already
 
 
 # -- the reference model's own contracts: validation, defaults, its integrity check --------------
@@ -643,7 +644,7 @@ def test_reference_tables_validate_and_start_zeroed():
 def test_reference_prefix_cache_basics():
     from kvledger.reference.prefix_cache import SizeInfo
 
-    assert SizeInfo(3, 4).total_size == 7
+    assert SizeInfo(3, 5).total_size == 8
     with pytest.raises(dataclasses.FrozenInstanceError):
         reference.CacheHandle(1).cached_len = 2
     naive = reference.NaivePrefixCache()
@@ -820,3 +821,75 @@ def test_the_model_notes_partial_pages_rejections_and_a_second_preemption(noted)
     assert per_op == [[], preempted + [tail, tail], [], preempted + [tail, "preempt: the same request preempted twice"],
                       ["admission: rejected"], ["admission: rejected", tail], [], [tail]]
     assert not s.live and not s.waiting
+
+
+# -- fast's own request and table bookkeeping (written again on purpose, so tested again) --------
+def test_fast_token_tensors_are_one_dimensional():
+    from kvledger.fast.requests import as_token_tensor
+
+    assert as_token_tensor(torch.tensor([1, 2])).tolist() == [1, 2]
+    for bad in (torch.tensor([[1, 2]]), torch.tensor(3)):
+        with pytest.raises(ValueError, match="^input_ids must be 1-D, got shape"):
+            as_token_tensor(bad)
+
+
+def test_fast_requests_validate_count_and_bound_their_tokens():
+    params = fast.SamplingParams(max_tokens=6)
+    req = fast.Req([1, 2, 3, 4, 5], 0, 2, 6, 7, params, fast.CacheHandle(0))
+    assert (req.device_len, req.max_device_len, req.remain_len, req.extend_len) == (5, 11, 6, 3)
+    for cached, out in ((-1, 3), (5, 3), (6, 3), (0, -1)):
+        with pytest.raises(ValueError) as e:
+            fast.Req([1, 2, 3, 4, 5], 0, cached, out, 7, params, fast.CacheHandle(0))
+        assert str(e.value) == (f"request 7: need 0 <= cached_len ({cached}) < device_len (5) "
+                                f"<= max_device_len ({5 + out})")
+    fast.Req([1, 2], 0, 0, 0, 8, params, fast.CacheHandle(0))  # no output left: valid
+    req.set_host_token(0, 9)
+    req.set_host_token(4, 8)
+    assert req.input_ids.tolist() == [9, 2, 3, 4, 8]
+    for index in (-1, 5):
+        with pytest.raises(IndexError, match=rf"^request 7: token index {index} outside \[0, 5\)$"):
+            req.set_host_token(index, 5)
+    long = fast.Req(list(range(290)), 0, 0, 10, 9, params, fast.CacheHandle(0))
+    for t in range(10):
+        long.append_host(t)
+    with pytest.raises(RuntimeError, match=r"^request 9: no room for another token \(300 max\)$"):
+        long.append_host(0)
+    a, b = (fast.PendingReq(1, [1], fast.SamplingParams()) for _ in range(2))
+    assert a != b and a.input_len == 1 and a.output_len == 1024
+
+
+def test_fast_table_slots_are_handed_out_once():
+    with pytest.raises(ValueError, match=r"^max_running_reqs \(3\) exceeds page_table rows \(2\)$"):
+        fast.TableManager(3, fast.make_page_table(2, 12))
+    tm = fast.TableManager(1, fast.make_page_table(2, 12))
+    assert tm.available_size == 1 and tm.free_slots() == [0]
+    with pytest.raises(RuntimeError, match="^table slot 0 freed twice$"):
+        tm.free(0)
+    assert tm.allocate() == 0 and tm.available_size == 0
+    with pytest.raises(RuntimeError, match="^no free table slot$"):
+        tm.allocate()
+    tm.free(0)
+    with pytest.raises(RuntimeError, match="^table slot 0 freed twice$"):
+        tm.free(0)
+    assert tm.free_slots() == [0]
+
+
+def test_reference_page_table_rows_keep_their_width_as_pages_are_allocated():
+    s = sched(reference, num_pages=64, page_size=2, table_slots=2, max_seq_len=40)
+    s.submit(0, [1, 2, 3], 30)
+    s.prefill(64)
+    for _ in range(28):  # one token short of the end: still live
+        s.decode()
+        assert [len(row) for row in s.page_table] == [40, 40]
+    row = s.page_table[s.live[0].table_idx]
+    assert all(row[p] == row[p - p % 2] + p % 2 for p in range(32))
+
+
+def test_fast_radix_check_finds_a_value_longer_than_its_key():
+    cache = fast.RadixPrefixCache(2)
+    _, handle = cache.insert_prefix(torch.tensor([1, 2, 3, 4]), torch.tensor([8, 9, 10, 11], dtype=torch.int32))
+    cache.check_integrity()
+    node = handle.node
+    node.value = torch.tensor([8, 9, 10, 11, 12, 13], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="key length 4"):
+        cache.check_integrity()
