@@ -597,9 +597,10 @@ def test_reference_requests_validate_and_count():
     req.set_host_token(0, 9)
     req.set_host_token(2, 8)
     assert list(req.input_ids) == [9, 2, 8]
-    for index in (-1, 3):
+    for index in (-1, 3, 4):
         with pytest.raises(IndexError, match=rf"^request 7: token index {index} outside \[0, 3\)$"):
             req.set_host_token(index, 5)
+    assert reference.Req([1, 2, 3, 4, 5], 0, 2, 1, 9, params, reference.CacheHandle(0)).extend_len == 3
     validate_pending(1, 1, reference.SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="input_ids is empty"):
         validate_pending(1, 0, params)
@@ -846,7 +847,7 @@ def test_fast_requests_validate_count_and_bound_their_tokens():
     req.set_host_token(0, 9)
     req.set_host_token(4, 8)
     assert req.input_ids.tolist() == [9, 2, 3, 4, 8]
-    for index in (-1, 5):
+    for index in (-1, 5, 6):  # 6: inside the buffer, past the tokens
         with pytest.raises(IndexError, match=rf"^request 7: token index {index} outside \[0, 5\)$"):
             req.set_host_token(index, 5)
     long = fast.Req(list(range(290)), 0, 0, 10, 9, params, fast.CacheHandle(0))
@@ -893,3 +894,17 @@ def test_fast_radix_check_finds_a_value_longer_than_its_key():
     node.value = torch.tensor([8, 9, 10, 11, 12, 13], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="key length 4"):
         cache.check_integrity()
+
+
+def test_evicting_a_leaf_notes_its_parent_only_when_that_becomes_an_evictable_leaf(noted):
+    cache = reference.RadixPrefixCache(1)
+    cache.insert_prefix([1, 2, 3], [10, 11, 12])
+    cache.insert_prefix([1, 2, 4], [10, 11, 13])  # [1, 2] now has two children
+    assert len(cache.evict(1)) == 1
+    assert "radix: eviction makes the parent an evictable leaf" not in noted  # a sibling is left
+    locked = reference.RadixPrefixCache(1)
+    locked.insert_prefix([1, 2, 3], [10, 11, 12])
+    handle = locked.match_prefix([1, 2]).cuda_handle  # splits off [1, 2] and locks it below
+    locked.lock_handle(handle)
+    assert locked.evict(1) == [12]
+    assert "radix: eviction makes the parent an evictable leaf" not in noted  # the parent is locked
