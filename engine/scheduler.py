@@ -252,6 +252,10 @@ class Scheduler:
                     rec = self.requests[req.uid]
                     if rec.cached_tokens is None:
                         rec.cached_tokens = req.cached_len
+                if not batch:
+                    # the attempt's prefix match may have split a radix node and touched its LRU
+                    # clock: it is an operation of its own, or traces and the shadow miss it
+                    self._record_empty("prefill", [])
             if not batch:
                 batch, phase = list(d.dm.running_reqs), "decode"
             if not batch:
@@ -286,7 +290,8 @@ class Scheduler:
                 self._resumed_placeholders[uid] = pending[uid]
 
     def _record_empty(self, phase: str, preempted: List[int]) -> None:
-        op: Dict = {"op": phase, "sample": [], "stop": [], "expect": {"batch": [], "preempted": preempted}}
+        expect = {"batch": [], "preempted": preempted} if self.driver.policy.preempts else {"batch": []}
+        op: Dict = {"op": phase, "sample": [], "stop": [], "expect": expect}
         if phase == "prefill":
             op = {"op": "prefill", "budget": self.config.max_prefill_tokens, **{k: v for k, v in op.items() if k != "op"}}
         self._ops.append(_PendingOp(op, True, self._state_for_observers()))

@@ -7,9 +7,7 @@ own greedy output, and EOS, so requests finish early) and an engine (page size, 
 a small prefill budget so prompts are chunked, a small KV pool so requests queue and cached
 prefixes are evicted, few page-table rows, reserve / optimistic / adaptive admission with a small
 reserve ratio so requests are preempted, overlap on/off), always with `verify=True` (every cache
-operation shadowed in the reference model and compared). One combination is not drawn: the radix
-cache with several rows and a pool too small for every request at once, because of an engine bug
-(KNOWN_BUG below). The property:
+operation shadowed in the reference model and compared). The property:
 
 - every request that completed gave the greedy tokens (and finish reason) of its prompt run alone
   on a fresh engine with a large pool; an aborted request's delivered tokens are a prefix of them;
@@ -78,18 +76,10 @@ REQUIRED = {
 # counted and reported, not required: the engine's prefill-first schedule continues a chunked
 # prompt on every step (its chunks were reserved when it was admitted), so it never decodes, and
 # never preempts, while a request is mid-chunk; several victims in one step need a rare pile-up;
-# a preempted request's re-prefill hitting the radix cache needs radix with preemption, which the
-# generator leaves out (KNOWN_BUG)
+# a preempted request's re-prefill hitting the radix cache needs a victim's prefix to survive
+# until it is readmitted
 OPTIONAL = ("preempted mid-chunk", "several victims in one step", "resumed from the cache", "duplicate prefix freed")
 
-# KNOWN_BUG (not drawn, see `engines`): with verify=True, page_size=1, the radix cache,
-# kv_cache_tokens=5, max_running_reqs=2, max_prefill_tokens=1 and this file's model (make_engine),
-# generate([[0, 0, 0, 0], [0], [0, 0, 0, 0]]) with greedy max_tokens 1, 5, 1 raises
-# ShadowDivergence at operation 10 (a decode): free_slots reference [2, 3] vs fast []. While the
-# second request decodes, each step first tries to admit the third, whose match splits the cached
-# node [0, 0, 0] into [0, 0] + [0] and touches its LRU clock before it is turned away for pages;
-# the step is recorded as `decode` alone, so the reference never splits, and the decode's
-# eviction frees page 3 alone in the engine but the whole node (1, 2, 3) in the reference.
 COUNTS: Counter = Counter()  # examples in which each thing happened
 
 # reference notes (the shadow's model emits them) -> our counter names
@@ -195,16 +185,9 @@ def workloads(draw):
 def engines(draw, lengths: List[int]):
     """Engine options for requests that may grow to `lengths` positions each (prompt + max_tokens).
 
-    The pool always holds the longest request's worst case. Known engine bug (see KNOWN_BUG below):
-    with the radix cache, a step whose admission attempt turns a request away for lack of pages and
-    then decodes is recorded as a plain `decode`, but the attempt's prefix match split a radix node
-    and touched its LRU clock in the engine only; the shadow's reference never sees it, and a later
-    eviction frees different pages on the two sides (a false ShadowDivergence). So the radix cache
-    is drawn only where no admission can be turned away for pages: one table row (a waiting request
-    is turned away by the table-slot check, before any match), or a pool that holds every request's
-    worst case at once (then reserve and optimistic admission always fit; eviction still happens
-    once finished requests' prefixes fill the pool). Small pools with several rows, queueing for
-    pages and preemption are drawn with the naive cache (whose match changes nothing).
+    The pool always holds the longest request's worst case, and sometimes no more: queueing for
+    pages, eviction and preemption, with either cache. (The radix cache with a small pool and
+    several rows used to be left out: see `test_a_turned_away_admission_is_an_operation_of_its_own`.)
     """
     page_size = draw(st.sampled_from([1, 2, 4, 8]))
     cache_type = draw(st.sampled_from(["naive", "radix"]))
@@ -215,7 +198,7 @@ def engines(draw, lengths: List[int]):
         rows = draw(st.sampled_from([2, 3, 4, 6, 1]))
         admission = draw(st.sampled_from(["optimistic", "optimistic", "adaptive", "reserve"]))
     worst = [max(1, tokens_to_finish(0, n, page_size) // page_size) for n in lengths]
-    pool_pages = sum(worst) if cache_type == "radix" and rows > 1 else max(worst)
+    pool_pages = max(worst)
     # pages beyond that: none or a few (queueing, eviction, preemption) or plenty
     extra = draw(st.sampled_from([0, 0, 0, 1, 2, 4, 8, 1000]))
     return dict(
@@ -373,3 +356,16 @@ def test_engine_matches_alone_runs_under_every_drawn_config():
     assert COUNTS["examples"] >= MAX_EXAMPLES // 2  # derandomized: in fact exactly MAX_EXAMPLES
     missing = [f"{k} ({why})" for k, why in REQUIRED.items() if not COUNTS[k]]
     assert not missing, f"the generator never reached: {missing}"
+
+
+def test_a_turned_away_admission_is_an_operation_of_its_own():
+    """A fixed engine bug the property found: each decode step first tries to admit the waiting
+    request, whose prefix match splits a cached radix node and touches its LRU clock before the
+    request is turned away for pages. The step was recorded as a plain `decode`, so the shadow never
+    split the node, and a later eviction freed different pages on the two sides (a false
+    ShadowDivergence under --verify). The attempt is now recorded as an empty `prefill`."""
+    llm = make_engine(page_size=1, kv_cache_tokens=5, max_running_reqs=2, max_prefill_tokens=1, cache_type="radix")
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in (1, 5, 1)]
+    outs = llm.generate([[0, 0, 0, 0], [0], [0, 0, 0, 0]], params, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [1, 5, 1]
+    assert list(outs[0].token_ids) == list(outs[2].token_ids) == alone((0, 0, 0, 0))[:1]
