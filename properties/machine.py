@@ -7,15 +7,24 @@ rejected-then-admitted requests all happen. Every operation is recorded; a faili
 its trace (see `trace.py`) to $KVLEDGER_FAILURES (default .kvledger/failures), so Hypothesis
 failures replay and minimize like any other trace.
 
-Both admission policies run (about half the examples each). Under `reserve` the rules and their
-draws are what they always were, and no result ever names a preemption. Under `optimistic`
-(reserve_ratio 0, 0.25 or 0.5; 0 most often) the pool holds at most OPTIMISTIC_POOL_TOKENS, and
-`submit` clips a request until its worst case fits the pool (a bigger one is an InvalidOp under
-optimistic). Rules only optimistic examples run push into preemption: `grow` decodes until a
+Every admission policy runs: `reserve` about half the examples, `optimistic` and `adaptive` (the
+ratio follows what ended requests generated) a quarter each. Under `reserve` no result ever names a
+preemption. Under the other two (reserve_ratio 0, 0.25 or 0.5 to start; 0 most often) the pool
+holds at most OPTIMISTIC_POOL_TOKENS, and `submit` clips a request until its worst case fits the
+pool (a bigger one is an InvalidOp there). Rules only those examples run push into preemption: `grow` decodes until a
 step preempts, `chunk_then_grow` leaves a request mid-chunk first (then continues it), `stream`
 has short same-prefix requests arrive one per step (several victims in one step), and `drain`
 checks liveness: with no new requests, driving the scheduler as the engine does ends every
 request within a bound counted from what is outstanding (operations, never time).
+
+`burst` has short requests over related prompts end at their prefill together, the states where
+the radix cache's eviction order depends on its bookkeeping (see `EvictionOrderWatch`), and
+`invalid` checks that an operation the scheduler must refuse is refused on both sides and changes
+nothing. Hypothesis already runs swarm testing over the rules (each example enables a random
+subset), so a rule's share varies from example to example.
+
+The Hypothesis profiles (ci, deep, dev) are in `profiles.py`, registered by whoever runs the
+machine (tests/conftest.py, the tools), never by importing this module.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import os
 from pathlib import Path
 from typing import Dict, List
 
-from hypothesis import event, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -32,15 +41,9 @@ from kvledger.reference import events
 from kvledger.reference.pages import div_ceil, tokens_to_finish
 
 from kvledger.engine import trace
+from kvledger.engine.cache_ops import InvalidOp
+from kvledger.engine.divergence import _state_diff
 from kvledger.properties.lockstep import Divergence, Lockstep
-
-settings.register_profile(
-    # derandomized (Hypothesis then keeps no example database); failures are kept as traces
-    "ci", derandomize=True, max_examples=1500, stateful_step_count=60, deadline=None, print_blob=True,
-)
-settings.register_profile("deep", max_examples=5000, stateful_step_count=120, deadline=None)
-settings.register_profile("dev", max_examples=40, stateful_step_count=30, deadline=None)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 ALPHABET = st.integers(0, 3)
 
@@ -59,15 +62,105 @@ EXPECTED_EVENTS = frozenset({
     "preempt: the same request preempted twice", "preempt: re-prefill hits the prefix cache",
     "preempt: a preempted request aborted while waiting",
     "driver: every request of a step preempted", "driver: drain ended requests that were preempted",
+    "adaptive: the reserve ratio changed",
+    # the order of eviction (fast keeps its evictable leaves in a heap, see EvictionOrderWatch)
+    "radix: eviction after a cached leaf was re-touched", "radix: eviction after a leaf gained a child",
+    "radix: lock/unlock of an evictable leaf",
 })
-# noted by rules of this machine alone (the fuzzer's walk has no drain)
-MACHINE_ONLY_EVENTS = frozenset({"driver: drain ended requests that were preempted"})
+# noted by this machine alone: the fuzzer's walk has no drain, and no EvictionOrderWatch
+MACHINE_ONLY_EVENTS = frozenset({
+    "driver: drain ended requests that were preempted",
+    "radix: eviction after a cached leaf was re-touched", "radix: eviction after a leaf gained a child",
+})
 REACHED: set = set()
+# name -> the number of the sequence (1 = the first the run generated) that first reached it
+FIRST_REACHED: Dict[str, int] = {}
+SEQUENCES = [0]  # sequences started so far (a list: `setup` counts in place)
 
 
 def note(name: str) -> None:
     REACHED.add(name)
+    FIRST_REACHED.setdefault(name, SEQUENCES[0])
     event(name)
+
+
+def reset_reached() -> None:
+    """Forget what earlier runs in this process reached (before a run that reports it)."""
+    REACHED.clear()
+    FIRST_REACHED.clear()
+    SEQUENCES[0] = 0
+
+
+class EvictionOrderWatch:
+    """Two states of the reference tree that only an eviction order can show, noted as events.
+
+    fast keeps its evictable leaves in a heap whose entries carry the key (last_access, id) they
+    had when pushed; each change of a leaf must push it again (`_changed`). The reference has no
+    heap, so this wraps its radix cache (this instance only; nothing of its behaviour changes) and
+    notes, at each eviction, whether a heap that missed one kind of refresh would order it wrong:
+
+    - a walk stamped an evictable leaf (an admission that matched it and was turned away before
+      locking it, or a finished request's insert over a duplicate), no lock has covered it since,
+      and its old stamp would order it before another evictable leaf its new stamp comes after;
+    - an evictable leaf gained a child on insert and nothing touched or locked it since, so a heap
+      that kept its entry would hold a node that is no longer a leaf.
+    """
+
+    def __init__(self, cache, note=note) -> None:
+        self.cache, self.note = cache, note
+        self.retouched: Dict[object, int] = {}  # evictable leaf -> its stamp before the first re-touch
+        self.gained: Dict[object, int] = {}  # leaf that gained a child -> its stamp then
+        self._walked: tuple | None = None  # (end node of the last walk, whether it was an evictable leaf)
+        walk, insert, lock, evict = cache._walk, cache.insert_prefix, cache.lock_handle, cache.evict
+
+        def watched_walk(ids):
+            stamps = {n: n.last_access for n in self._evictable_leaves()}
+            node, matched = walk(ids)
+            self._walked = (node, node in stamps)
+            if node in stamps and node.last_access != stamps[node]:
+                self.retouched.setdefault(node, stamps[node])
+            return node, matched
+
+        def watched_insert(input_ids, indices):
+            result = insert(input_ids, indices)
+            node, was_leaf = self._walked
+            if was_leaf and node.children:
+                self.gained[node] = node.last_access
+            return result
+
+        def watched_lock(handle, unlock=False):
+            node = handle.node
+            while node is not None and node.parent is not None:  # a lock or unlock re-keys the path
+                self.retouched.pop(node, None)
+                self.gained.pop(node, None)
+                node = node.parent
+            return lock(handle, unlock)
+
+        def watched_evict(size):
+            self._before_eviction()
+            return evict(size)
+
+        cache._walk, cache.insert_prefix, cache.lock_handle, cache.evict = \
+            watched_walk, watched_insert, watched_lock, watched_evict
+
+    def _in_tree(self, node) -> bool:
+        return node.parent is not None and node.parent.children.get(self.cache._edge(node.key)) is node
+
+    def _evictable_leaves(self) -> set:
+        return {n for n in self.cache.nodes() if n.ref_count == 0 and n.is_leaf()}
+
+    def _before_eviction(self) -> None:
+        leaves = self._evictable_leaves()
+        self.retouched = {n: t for n, t in self.retouched.items() if n in leaves}
+        if any((t, n.id) < (m.last_access, m.id) < (n.last_access, n.id)
+               for n, t in self.retouched.items() for m in leaves):
+            self.note("radix: eviction after a cached leaf was re-touched")
+        self.gained = {n: t for n, t in self.gained.items()
+                       if self._in_tree(n) and n.children and n.last_access == t}
+        if self.gained:
+            self.note("radix: eviction after a leaf gained a child")
+
+
 SAMPLE = st.lists(st.integers(0, 3), max_size=3)
 BUDGETS = st.sampled_from([1, 2, 3, 5, 8, 16, 64, 1024])
 # optimistic pools hold at most this many tokens (rounded down to whole pages, at least 2 pages):
@@ -86,7 +179,7 @@ class LockstepMachine(RuleBasedStateMachine):
         cache_type=st.sampled_from(["radix", "naive"]),
         table_slots=st.integers(1, 8),
         families=st.lists(st.lists(ALPHABET, min_size=1, max_size=40), min_size=1, max_size=3),
-        admission=st.sampled_from(["reserve", "optimistic"]),
+        admission=st.sampled_from(["reserve", "optimistic", "reserve", "adaptive"]),
         reserve_ratio=st.sampled_from([0.0, 0.0, 0.25, 0.5]),  # 0 reserves least: most preemption
     )
     def setup(self, page_size: int, num_pages: int, cache_type: str, table_slots: int,
@@ -105,6 +198,9 @@ class LockstepMachine(RuleBasedStateMachine):
                                    table_slots=table_slots, max_seq_len=256, admission=admission,
                                    reserve_ratio=reserve_ratio, producer="hypothesis")
         self.lock = Lockstep(self.header)
+        SEQUENCES[0] += 1
+        if cache_type == "radix":
+            self.watch = EvictionOrderWatch(self.ref.cm.prefix_cache)
         self.families = families
         self.next_uid = 0
         self.rejected: set = set()
@@ -242,29 +338,106 @@ class LockstepMachine(RuleBasedStateMachine):
         self._grow(sample, steps)
 
     @precondition(lambda self: self.ref.dm.runnable)
-    @rule(pick=st.integers(0, 63))
-    def finish(self, pick: int) -> None:
-        uids = self.ref.dm.running_reqs.uids()
-        self._do({"op": "finish", "uid": uids[pick % len(uids)]})
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        uid = data.draw(st.sampled_from(self.ref.dm.running_reqs.uids()), label="uid")
+        self._do({"op": "finish", "uid": uid})
 
     @precondition(lambda self: self.ref.waiting or self.ref.dm.runnable)
-    @rule(pick=st.integers(0, 63))
-    def abort(self, pick: int) -> None:
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
         uids = [p.uid for p in self.ref.waiting] + self.ref.dm.running_reqs.uids()
-        uid = uids[pick % len(uids)]
+        uid = data.draw(st.sampled_from(uids), label="uid")
         if any(p.uid == uid and p.chunked_req is not None for p in self.ref.waiting):
             note("driver: abort mid-chunk")
         self._do({"op": "abort", "uid": uid})
 
-    @precondition(lambda self: self.ref.cm.prefix_cache.size_info.evictable_size > 0)
     @rule(fraction=st.floats(0.0, 1.0))
     def evict(self, fraction: float) -> None:
+        """Evict that fraction of what is evictable, at least one token; with nothing evictable
+        (the naive cache, everything locked), or a fraction of 0, evict 0 tokens (a valid no-op)."""
         evictable = self.ref.cm.prefix_cache.size_info.evictable_size
-        self._do({"op": "evict", "tokens": max(1, int(evictable * fraction))})
+        self._do({"op": "evict", "tokens": max(1, int(evictable * fraction)) if evictable and fraction else 0})
+
+    @precondition(lambda self: self.header.cache_type == "radix" and not self.ref.waiting)
+    @rule(family=st.integers(0, 2), tail=st.lists(ALPHABET, max_size=8),
+          arrivals=st.lists(st.tuples(st.integers(0, 1), st.sampled_from([0, 1, 2, 4, 8])), min_size=2, max_size=4),
+          again=st.booleans(), evict=st.none() | st.floats(0.0, 1.0))
+    def burst(self, family: int, tail: List[int], arrivals: List, again: bool, evict: float | None) -> None:
+        """Short requests (one output token: they end at their prefill) arrive together and prefill
+        in one batch; then, maybe, an eviction. Each prompt is the family's start, a branch token
+        (0 or 1) and the first `cut` tokens of `tail`: prompts on one branch are prefixes of one
+        another, the two branches are separate leaves; with `again` the first request arrives
+        once more at the end (a retry). In one batch a request's insert comes after those ahead
+        of it, which ended and unlocked theirs: it extends an evictable leaf (the leaf gains a
+        child), or stamps again a leaf older than one cached since (a repeated prompt), and the
+        eviction's order shows whether the prefix cache re-keyed those leaves."""
+        arrivals = arrivals + arrivals[:1] * again
+        fam = self.families[family % len(self.families)]
+        share = max(1, self.pool // len(arrivals) - self.header.page_size)  # so that most of them fit
+        keep = min(len(fam), share // 2)
+        for branch, cut in arrivals:
+            self.submit(family, keep, ([branch] + tail[:cut])[: share - keep], 1)
+        self._do({"op": "prefill", "budget": 1024, "sample": [0]})
+        if evict is not None:
+            self.evict(max(evict, 1e-9))
+
+    def _invalid_ops(self) -> List[Dict]:
+        """Operations the scheduler must refuse, in this state, before changing anything."""
+        ops = [
+            {"op": "submit", "uid": self.next_uid, "tokens": [0] * self.header.max_seq_len, "max_tokens": 1},
+            {"op": "submit", "uid": self.next_uid, "tokens": [], "max_tokens": 1},
+            {"op": "submit", "uid": self.next_uid, "tokens": [0], "max_tokens": 0},
+            {"op": "prefill", "budget": 0, "sample": []},
+            {"op": "finish", "uid": self.next_uid},
+            {"op": "abort", "uid": self.next_uid},
+            {"op": "evict", "tokens": self.ref.cm.prefix_cache.size_info.evictable_size + 1},
+            {"op": "evict", "tokens": -1},
+            {"op": "probe"},
+            {"op": "no-such-op"},
+        ]
+        if self.next_uid:
+            ops.append({"op": "submit", "uid": self.next_uid - 1, "tokens": [0], "max_tokens": 1})
+        if self.optimistic:  # its worst case is bigger than the pool: preemption could never fit it
+            ops.append({"op": "submit", "uid": self.next_uid, "tokens": [0] * (self.pool + 1), "max_tokens": 1})
+        if self.ref.waiting:
+            ops.append({"op": "finish", "uid": self.ref.waiting[0].uid})
+        if self.ref.dm.runnable:
+            ops.append({"op": "decode", "sample": [], "stop": [self.next_uid]})
+        return ops
+
+    @rule(data=st.data())
+    def invalid(self, data: st.DataObject) -> None:
+        """An operation the scheduler must refuse (InvalidOp), on both sides, changing nothing
+        (the trace keeps only valid operations, so a refusal that changed state would not replay).
+        A prefill whose `stop` names a request outside its batch is left out: the scheduler refuses
+        it only after admission has moved the batch out of the queue (a known issue of
+        `CacheScheduler.prefill`, to be fixed there)."""
+        op = data.draw(st.sampled_from(self._invalid_ops()), label="op")
+        before = self.ref.snapshot()
+        for name, side in (("reference", self.lock.ref), ("fast", self.lock.fast)):
+            try:
+                side.apply(dict(op))
+            except InvalidOp:
+                continue
+            self._check(False, f"{name} accepted the invalid operation {op}")
+        self._check(self.ref.snapshot() == before, f"the refused operation {op} changed the reference's state")
 
     @rule(family=st.integers(0, 2), keep=st.integers(0, 48))
     def probe(self, family: int, keep: int) -> None:
         self._do({"op": "probe", "tokens": self.families[family % len(self.families)][:keep]})
+
+    @precondition(lambda self: self.header.cache_type == "radix")
+    @rule(family=st.integers(0, 2), keep=st.integers(1, 48), times=st.integers(1, 48))
+    def hot_prefix(self, family: int, keep: int, times: int) -> None:
+        """A hot prefix, matched again and again between evictions: each match of a cached leaf
+        re-enters it in fast's heap of evictable leaves, so stale entries pile up until the heap
+        drops them all at once (it keeps at most 4 per node, plus 64). A prefix nothing of which is
+        cached is not hot: the loop stops there."""
+        tokens = self.families[family % len(self.families)][:keep]
+        for _ in range(times):
+            if not self._do({"op": "probe", "tokens": tokens})["cached_len"]:
+                break
 
     @precondition(lambda self: self.optimistic and not self.drained and (self.ref.waiting or self.ref.live))
     @rule(budget=st.sampled_from([2, 5, 16, 1024]), sample=st.lists(ALPHABET, min_size=1, max_size=4))
@@ -296,6 +469,17 @@ class LockstepMachine(RuleBasedStateMachine):
             note("driver: drain ended requests that were preempted")
 
     @invariant()
+    def reference_and_fast_agree(self) -> None:
+        """The whole observable state of both sides is the same (Lockstep.apply compares it after
+        every operation too; here it is a property of the machine, shown as such when it fails)."""
+        if not hasattr(self, "lock"):
+            return
+        ref, fst = self.lock.ref.snapshot(), self.lock.fast.snapshot()
+        ref["runnable"], fst["runnable"] = self.lock.ref.dm.runnable, self.lock.fast.dm.runnable
+        diff = _state_diff(ref, fst)
+        self._check(diff is None, f"reference and fast differ: {diff}")
+
+    @invariant()
     def preemptions_agree(self) -> None:
         if not hasattr(self, "lock"):
             return
@@ -316,4 +500,11 @@ class LockstepMachine(RuleBasedStateMachine):
             note("driver: idle")
 
 
-TestLockstep = LockstepMachine.TestCase
+def run_machine(chosen: settings | None = None) -> None:
+    """Run the state machine as the test suite does, through `LockstepMachine.TestCase`, under
+    `chosen` or else the loaded profile (as the TestCase's own settings: no deadline, no health
+    check); raises the failure, if any. The TestCase class is made once and keeps the settings it
+    was made with, so they are set here, not left to whenever it was first touched."""
+    case = LockstepMachine.TestCase
+    case.settings = chosen or settings(settings.default, deadline=None, suppress_health_check=list(HealthCheck))
+    case("runTest").runTest()

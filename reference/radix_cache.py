@@ -109,10 +109,14 @@ class RadixPrefixCache:
                     raise RuntimeError(f"unlock of node {node.id} whose lock count is already 0")
                 node.ref_count -= 1
                 if node.ref_count == 0:
+                    if node.is_leaf():
+                        note("radix: lock/unlock of an evictable leaf")
                     self.evictable_size += node.length
                     self.protected_size -= node.length
             else:
                 if node.ref_count == 0:
+                    if node.is_leaf():
+                        note("radix: lock/unlock of an evictable leaf")
                     self.evictable_size -= node.length
                     self.protected_size += node.length
                 node.ref_count += 1

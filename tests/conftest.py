@@ -6,6 +6,9 @@ import pytest
 
 from kvledger import fast
 from kvledger import reference
+from kvledger.properties.profiles import register_profiles
+
+register_profiles()  # ci, deep, dev; loads $HYPOTHESIS_PROFILE (default ci)
 
 IMPLS = {"reference": reference, "fast": fast}
 

@@ -56,11 +56,10 @@ class ZooRow:
 def _hypothesis_child(name: str, out: Path) -> int:
     """Run the CI profile with `name` patched in; record the first catch in `out` at once (the
     parent kills us at its time cap)."""
-    os.environ["HYPOTHESIS_PROFILE"] = "ci"
     from hypothesis import Phase, settings
-    from hypothesis.stateful import run_state_machine_as_test
 
-    from kvledger.properties.machine import LockstepMachine
+    from kvledger.properties.machine import LockstepMachine, run_machine
+    from kvledger.properties.profiles import register_profiles
 
     start = time.perf_counter()
     first: Dict[str, Any] = {}
@@ -79,13 +78,13 @@ def _hypothesis_child(name: str, out: Path) -> int:
             raise
 
     LockstepMachine._do = timed_do  # this child process only
-    settings.load_profile("ci")
+    register_profiles("ci")
     # No shrinking: Hypothesis stops at the first failing sequence, which minimize.py shrinks
     # (far faster than Hypothesis shrinking a stateful run).
     phases = [p for p in settings.default.phases if p is not Phase.shrink]
     with patched(name):
         try:
-            run_state_machine_as_test(LockstepMachine, settings=settings(settings.default, phases=phases))
+            run_machine(settings(settings.default, phases=phases))
         except Exception as e:  # caught: Hypothesis re-raises the failure
             result = {**first, "caught": True, "final_kind": getattr(e, "kind", type(e).__name__),
                       "total_seconds": time.perf_counter() - start}
