@@ -197,3 +197,20 @@ def test_replay_cli_with_a_bug(capsys):
     assert "DIVERGED" in capsys.readouterr().out
     assert replay_file(trace, bug="no-such-bug") == 2
     assert "unknown bug" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["touch-keeps-heap-entry", "insert-keeps-parent-heap-entry"])
+def test_the_ci_profile_catches_the_heap_bookkeeping_bugs(name):
+    """The derandomized CI property run, with the bug patched in and no shrinking, fails before its
+    last sequence (it stops at the first failure). A fresh interpreter, as for the rare events:
+    which sequences a derandomized run generates is decided by counts and its seed alone."""
+    import re
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-m", "kvledger.tools.check", "--seeds", "ci", "--bug", name],
+                         cwd=root, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    caught = re.search(rf"seed ci: {name} caught at sequence (\d+)", run.stdout)
+    assert caught, f"the CI profile missed {name}: {run.stdout[-2000:]}"

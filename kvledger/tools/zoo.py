@@ -285,6 +285,20 @@ _bug("lru-evicts-mru", "ours (heap key sign flip; vLLM evictor ordering bugs)",
       "(-node.last_access, node.id, node.version, node))  # BUG: sign"))
 
 
+_bug("touch-keeps-heap-entry", "ours (lazy-deletion heap of evictable leaves)",
+     "_walk stamps the nodes it matches but does not re-enter them in the heap, so an evictable leaf "
+     "matched again (by a request turned away before locking it, or by a finished request's insert) "
+     "is evicted by its old stamp",
+     RadixPrefixCache, "_walk",
+     ("self._changed(child)", "pass  # BUG: self._changed(child) is missing"))
+
+_bug("insert-keeps-parent-heap-entry", "ours (lazy-deletion heap of evictable leaves)",
+     "insert_prefix does not invalidate the parent's heap entry when an evictable leaf gains a child, "
+     "so the heap holds a node that is no longer a leaf",
+     RadixPrefixCache, "insert_prefix",
+     ("self._changed(parent)", "pass  # BUG: self._changed(parent) is missing"))
+
+
 # -- preemption (optimistic admission) ---------------------------------------------------------
 
 _bug("preempt-frees-to-free-list", "SGLang retract_decode (frees the uncached suffix and dec_lock_ref; "
