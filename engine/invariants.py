@@ -197,7 +197,7 @@ def _check_no_oom(sched: Any, live: List[Any], nodes: List[Any]) -> None:
             if worst(0, length) > pool:
                 raise InvariantViolation("3-no-oom", f"uid {uid} may need more than the pool's {pool} tokens")
         return
-    available = len(tolist(sched.cm.free_slots)) * ps + sum(len(n.key) for n in nodes if n.ref_count == 0)
+    available = len(sched.cm.free_slots) * ps + sum(len(n.key) for n in nodes if n.ref_count == 0)
     need = sum(worst(r.cached_len, r.max_device_len) for r in live)
     if need > available:
         raise InvariantViolation("3-no-oom", f"live requests may still need {need} tokens of pages, "
