@@ -13,9 +13,11 @@ from kvledger.engine.options import ADMISSION_POLICIES, ATTENTION_BACKENDS, CACH
 
 
 def option(default: Any, help: str, *, flag: Optional[str] = None, choices: Optional[Sequence[str]] = None,
-           negative: Optional[str] = None, metavar: Optional[str] = None) -> Any:
-    """A config field with what its flag needs. `negative`: the flag that sets a boolean False."""
-    meta = {"help": help, "flag": flag, "choices": choices, "negative": negative, "metavar": metavar}
+           negative: Optional[str] = None, metavar: Optional[str] = None, alias: Optional[str] = None) -> Any:
+    """A config field with what its flag needs. `negative`: the flag that sets a boolean False;
+    `alias`: a second, short flag."""
+    meta = {"help": help, "flag": flag, "choices": choices, "negative": negative, "metavar": metavar,
+            "alias": alias}
     return field(default=default, metadata=meta)
 
 
@@ -47,6 +49,9 @@ class EngineConfig:
     attention: str = option("auto", "attention backend (auto: Triton on CUDA, torch-native on the CPU)",
                             choices=ATTENTION_BACKENDS)
     cuda_graphs: bool = option(True, "capture decode steps as CUDA graphs", negative="--no-cuda-graphs")
+    tensor_parallel_size: int = option(1, "processes (one per GPU, or CPU processes over gloo) that split the model "
+                                          "by heads and MLP features; each holds its share of the KV pool",
+                                       flag="--tensor-parallel-size", alias="--tp")
     overlap: Optional[bool] = option(None, "schedule the next step while the current one runs (default: on for "
                                            "CUDA)", negative="--no-overlap")
 
@@ -94,7 +99,8 @@ class EngineConfig:
                                        help=f"do not {meta['help']}")
                 continue
             kind = float if "float" in f.type else int if "int" in f.type else str
-            group.add_argument(flag, dest=f.name, type=kind, default=default, choices=meta["choices"],
+            flags = (flag, meta["alias"]) if meta["alias"] else (flag,)
+            group.add_argument(*flags, dest=f.name, type=kind, default=default, choices=meta["choices"],
                                metavar=meta["metavar"], help=shown)
 
     @classmethod

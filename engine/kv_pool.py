@@ -37,19 +37,22 @@ class KVPool:
         num_tokens: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        kv_heads: int | None = None,
     ) -> KVPool:
-        return cls(config.num_layers, num_tokens, config.num_kv_heads, config.head_dim, dtype, device)
+        """`kv_heads`: the KV heads this pool holds (a tensor-parallel rank's share); default all."""
+        return cls(config.num_layers, num_tokens, kv_heads or config.num_kv_heads, config.head_dim, dtype, device)
 
     @staticmethod
-    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
+    def bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_heads: int | None = None) -> int:
+        return 2 * config.num_layers * (kv_heads or config.num_kv_heads) * config.head_dim * dtype.itemsize
 
     @classmethod
     def tokens_that_fit(cls, config: ModelConfig, dtype: torch.dtype, free_bytes: int, fraction: float = 0.9,
-                        reserve_bytes: int = 0) -> int:
+                        reserve_bytes: int = 0, kv_heads: int | None = None) -> int:
         """How many KV tokens a pool may hold given free device memory: `fraction` of what is free
         after `reserve_bytes` (activations, logits, CUDA graphs) are set aside."""
-        return max(0, int((free_bytes - reserve_bytes) * fraction) // cls.bytes_per_token(config, dtype))
+        per_token = cls.bytes_per_token(config, dtype, kv_heads)
+        return max(0, int((free_bytes - reserve_bytes) * fraction) // per_token)
 
     token_dim = 1  # of each layer's [kv_heads, tokens, head_dim] view
 

@@ -7,23 +7,21 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Optional, Sequence, Union
 
-import torch
-
-from kvledger.engine.attention.torch_native import TorchNativeBackend
-from kvledger.engine.kv_pool import KVPool
-from kvledger.engine.model import CausalLM
-from kvledger.engine.observers import ShadowVerifier, TraceRecorder
+from kvledger.engine.build import build_rank, rank_device
+from kvledger.engine.default_model import default_model_path
+from kvledger.engine.distributed.group import TensorParallelGroup
+from kvledger.engine.distributed.ranks import RankProcesses
+from kvledger.engine.distributed.replicated_scheduler import RankHook, ReplicatedScheduler
 from kvledger.engine.engine_config import EngineConfig
-from kvledger.engine.options import DTYPE_NAMES, validate_for_model
-from kvledger.engine.scheduler import Scheduler, SchedulerConfig
+from kvledger.engine.observers import ShadowVerifier, TraceRecorder
+from kvledger.engine.options import validate_for_model
 from kvledger.engine.tokenizer import Tokenizer
-from kvledger.engine.weights import load_weights
-from kvledger.fast import AdmissionPolicy, SamplingParams
+from kvledger.engine.weights import ensure_gguf_cache, model_config
+from kvledger.fast import SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]  # SamplingParams: the seed's, what users pass to generate
 
 Prompt = Union[str, Sequence[int]]
-DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass
@@ -38,39 +36,43 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model: Any = None, *, config: Optional[EngineConfig] = None, **options: Any) -> None:
+    def __init__(self, model: Any = None, *, config: Optional[EngineConfig] = None,
+                 rank_hook: Optional[RankHook] = None, **options: Any) -> None:
         """`LLM(model, **options)` or `LLM(config=EngineConfig(...))`: the options are EngineConfig's
         fields (engine/engine_config.py says what each means and its default). Raises
-        EngineOptionError (a ValueError naming the option) for a bad option before loading anything."""
+        EngineOptionError (a ValueError naming the option) for a bad option before loading anything.
+
+        With `tensor_parallel_size` N > 1 the other N-1 ranks run in processes of their own
+        (engine/distributed/ranks.py); call `close()` (or use `with LLM(...) as llm`) to stop them.
+        `rank_hook(rank, step, scheduler)` runs on every rank before each step (fault-injection tests)."""
         if config is None:
             config = EngineConfig.create(model=model, **options)
         elif model is not None or options:
             raise TypeError("LLM: pass either config or options, not both")
         self.options = o = config
-        if o.threads is not None:
-            torch.set_num_threads(o.threads)
-        model_config, state = load_weights(o.model, dummy=o.dummy_weights, seed=o.seed)
-        validate_for_model(o.max_seq_len, model_config)
-        self.config = model_config  # the model's hyper-parameters (self.options: the engine's)
-        self.tokenizer = None if o.dummy_weights or not _has_tokenizer(o.model) else Tokenizer.load(o.model)
-        self.model = CausalLM.from_state_dict(model_config, state, dtype=DTYPES[o.dtype], device=o.device)
-        self.model.attn_backend = _attention_backend(o.attention, o.device)
-        del state
-        kv_tokens = o.kv_cache_tokens
-        if kv_tokens is None:
-            # shadow verification compares every page after every operation: keep its pool small
-            kv_tokens = 32768 if o.verify else _auto_kv_tokens(model_config, DTYPES[o.dtype], o.device,
-                                                                o.max_running_reqs, o.max_prefill_tokens)
-        num_pages = max(1, kv_tokens // o.page_size)  # the automatic size may be under a page
-        self.model.kv_pool = KVPool.for_model(model_config, num_pages * o.page_size, DTYPES[o.dtype], o.device)
-        eos = self.tokenizer.eos_token_ids if self.tokenizer else model_config.eos_token_ids
-        sched = SchedulerConfig(
-            num_pages=num_pages, page_size=o.page_size, cache_type=o.cache_type, max_running_reqs=o.max_running_reqs,
-            max_seq_len=min(model_config.max_position_embeddings, 4096) if o.max_seq_len is None else o.max_seq_len,
-            max_prefill_tokens=o.max_prefill_tokens, seed=o.seed,
-            admission=AdmissionPolicy(o.admission, o.reserve_ratio))
-        self.scheduler = Scheduler(self.model, sched, eos, o.device, overlap=o.overlap, cuda_graphs=o.cuda_graphs)
-        self.scheduler.capture_graphs()
+        self.ranks: Optional[RankProcesses] = None
+        self.recorder: Optional[TraceRecorder] = None
+        if o.tensor_parallel_size > 1:
+            validate_for_model(o.max_seq_len, model_config(o.model), o.tensor_parallel_size)
+            if not o.dummy_weights and _is_gguf(o.model):
+                ensure_gguf_cache(o.model or default_model_path())  # once here, not on every rank
+        device = rank_device(o.device, 0, o.tensor_parallel_size)
+        try:
+            if o.tensor_parallel_size > 1:
+                self.ranks = RankProcesses.start(o, device, rank_hook)
+            group = self.ranks.group if self.ranks else TensorParallelGroup()
+            self.tokenizer = None if o.dummy_weights or not _has_tokenizer(o.model) else Tokenizer.load(o.model)
+            eos = self.tokenizer.eos_token_ids if self.tokenizer else model_config(o.model).eos_token_ids
+            built = build_rank(o, group, device, eos, rank_hook)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close(clean=False)
+            raise
+        self.config = built.model_config  # the model's hyper-parameters (self.options: the engine's)
+        self.model = built.model
+        self.scheduler = built.scheduler
+        if self.ranks is not None:
+            built.coordination.explain = self.ranks.explain
         self.shadow = ShadowVerifier(self.scheduler.header) if o.verify else None
         if self.shadow:
             self.scheduler.observers.append(self.shadow)
@@ -157,8 +159,24 @@ class LLM:
                     shown = text
 
     def close(self) -> None:
+        """Close the trace; under tensor parallelism, stop the other ranks (idempotent)."""
         if self.recorder:
             self.recorder.close()
+        ranks, self.ranks = self.ranks, None
+        if ranks is not None:
+            clean = isinstance(self.scheduler, ReplicatedScheduler) and self.scheduler.stopped is None
+            if clean:
+                try:
+                    self.scheduler.shutdown()
+                except Exception:  # a rank died since the last step: terminate them all
+                    clean = False
+            ranks.close(clean)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def _per_request(params, n: int) -> List[SamplingParams]:
@@ -182,19 +200,6 @@ def _progress(total: int, enabled: Optional[bool]):
     return tqdm(total=total, desc="generate", unit="req", file=sys.stderr)
 
 
-def _auto_kv_tokens(config, dtype: torch.dtype, device: str, max_running_reqs: int, max_prefill_tokens: int) -> int:
-    if torch.device(device).type != "cuda":
-        return 32768
-    free, _ = torch.cuda.mem_get_info(torch.device(device))
-    # logits in float32 (and the model dtype) for a full decode batch or a prefill's last tokens,
-    # a prefill's activations, and the CUDA graphs' pool
-    batch = max(max_running_reqs, 256)
-    logits = batch * config.vocab_size * (4 + dtype.itemsize) * 2
-    activations = max_prefill_tokens * (config.hidden_size * 8 + config.intermediate_size * 6) * 4
-    reserve = logits + activations + (2 << 30)
-    return KVPool.tokens_that_fit(config, dtype, free, fraction=0.9, reserve_bytes=reserve)
-
-
 def _has_tokenizer(model: Optional[str]) -> bool:
     """GGUF files carry their tokenizer; a Hugging Face directory may hold weights only."""
     if model is None or not os.path.isdir(model):
@@ -202,14 +207,5 @@ def _has_tokenizer(model: Optional[str]) -> bool:
     return any(os.path.exists(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
 
 
-def _attention_backend(name: str, device: str):
-    """auto: the Triton kernel on CUDA, torch-native (gathered KV + SDPA) on the CPU."""
-    if name == "auto":
-        name = "triton" if torch.device(device).type == "cuda" else "torch"
-    if name == "torch":
-        return TorchNativeBackend()
-    if name == "triton":
-        from kvledger.engine.attention.triton_paged import TritonPagedBackend
-
-        return TritonPagedBackend()
-    raise ValueError(f"attention must be 'auto', 'torch' or 'triton', got {name!r}")
+def _is_gguf(model: Optional[str]) -> bool:
+    return model is None or str(model).endswith(".gguf")

@@ -9,15 +9,21 @@ from kvledger.engine import fused_ops
 from kvledger.engine.attention.base import AttentionBackend, AttentionBatch
 from kvledger.engine.attention.torch_native import TorchNativeBackend
 from kvledger.engine.config import ModelConfig
+from kvledger.engine.distributed.group import TensorParallelGroup
 from kvledger.engine.kv_pool import KVPool
 from kvledger.engine.layers import Embedding, GatedMLP, Linear, LMHead, RMSNorm, RotaryEmbedding
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    """This rank's query heads and the KV heads they read (all of them without tensor parallelism);
+    o_proj is split by rows, so its output is summed over the ranks."""
+
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.layer, self.tp = layer, tp
+        self.num_heads = len(tp.shard.heads(config))
+        self.num_kv_heads = len(tp.shard.kv_heads(config))
+        self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
@@ -40,7 +46,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
         o = backend.forward(q, k, v, self.layer, pool)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.tp.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
 
     def forward_fused(
         self, x: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor, inv_freq: torch.Tensor,
@@ -55,16 +61,16 @@ class Attention(nn.Module):
             self.q_norm.eps if self.q_norm is not None else 0.0,
             self.num_heads, self.num_kv_heads, k_cache, v_cache, pool.token_dim, out_loc)
         o = backend.forward_stored(q, self.layer, pool)
-        return self.o_proj(o.reshape(x.shape[0], self.q_size))
+        return self.tp.all_reduce(self.o_proj(o.reshape(x.shape[0], self.q_size)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config, layer)
+        self.attn = Attention(config, layer, tp)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = GatedMLP(config.hidden_size, len(tp.shard.intermediate(config)), tp)
 
     def forward(self, x: torch.Tensor, cos, sin, backend: AttentionBackend, pool: KVPool) -> torch.Tensor:
         x = x + self.attn(self.input_norm(x), cos, sin, backend, pool)
@@ -76,21 +82,26 @@ class DecoderLayer(nn.Module):
         h, residual = fused_ops.add_rmsnorm(x, residual, self.input_norm.weight, self.input_norm.eps)
         x = self.attn.forward_fused(h, positions, out_loc, inv_freq, backend, pool)
         h, residual = fused_ops.add_rmsnorm(x, residual, self.post_attn_norm.weight, self.post_attn_norm.eps)
-        return self.mlp.down_proj(fused_ops.silu_mul(self.mlp.gate_up_proj(h))), residual
+        return self.mlp.tp.all_reduce(self.mlp.down_proj(fused_ops.silu_mul(self.mlp.gate_up_proj(h)))), residual
 
 
 class CausalLM(nn.Module):
-    """forward() runs one engine step; set `kv_pool` (and optionally `attn_backend`) first."""
+    """forward() runs one engine step; set `kv_pool` (and optionally `attn_backend`) first.
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend | None = None) -> None:
+    Under tensor parallelism (`tp` of more than one rank) this is one rank's shard
+    (engine/distributed/partition.py says which): its logits are still the whole vocabulary's."""
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend | None = None,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.tp = tp = tp or TensorParallelGroup()
+        vocab = tp.shard.vocab(config)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, vocab, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = LMHead(
-            config.vocab_size, config.hidden_size, tie_to=self.embed_tokens if config.tie_word_embeddings else None
-        )
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size,
+                              tie_to=self.embed_tokens if config.tie_word_embeddings else None, rows=vocab, tp=tp)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         self.attn_backend = attn_backend or TorchNativeBackend()
         self.kv_pool: KVPool | None = None
@@ -102,9 +113,11 @@ class CausalLM(nn.Module):
         state: dict[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        tp: TensorParallelGroup | None = None,
     ) -> CausalLM:
+        """`state`: this rank's shard of the weights under tensor parallelism."""
         with torch.device("meta"):
-            model = cls(config)
+            model = cls(config, tp=tp)
         model.load_state_dict(state, strict=True, assign=True)
         model.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)  # built on meta above
         return model.to(device=device, dtype=dtype).eval()

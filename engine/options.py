@@ -55,13 +55,21 @@ def validate_engine_options(c: "EngineConfig") -> None:
     _check_int("seed", c.seed, 0, below=SEED_LIMIT)
     _check_int("threads", c.threads, 1, none_ok=True)
     _check_choice("attention", c.attention, ATTENTION_BACKENDS)
+    _check_tensor_parallel(c.tensor_parallel_size, c.device)
 
 
-def validate_for_model(max_seq_len: Optional[int], config: ModelConfig) -> None:
-    """The options that depend on the model: max_seq_len within its position embeddings."""
+def validate_for_model(max_seq_len: Optional[int], config: ModelConfig, tensor_parallel_size: int = 1) -> None:
+    """The options that depend on the model: max_seq_len within its position embeddings, and a
+    tensor-parallel size its heads split over."""
     if max_seq_len is not None and max_seq_len > config.max_position_embeddings:
         raise EngineOptionError("max_seq_len", f"must be at most the model's max_position_embeddings "
                                                f"({config.max_position_embeddings}), got {max_seq_len!r}")
+    from kvledger.engine.distributed.partition import PartitionError, TensorParallelShard
+
+    try:
+        TensorParallelShard(0, tensor_parallel_size).check(config)
+    except PartitionError as e:
+        raise EngineOptionError("tensor_parallel_size", f"{tensor_parallel_size} does not fit the model: {e}") from None
 
 
 def _check_ratio(name: str, value: Any) -> None:
@@ -89,6 +97,21 @@ def _check_bool(name: str, value: Any, *, none_ok: bool = False) -> None:
 def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
     if not isinstance(value, str) or value not in choices:
         raise EngineOptionError(name, f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def _check_tensor_parallel(size: Any, device: Any) -> None:
+    _check_int("tensor_parallel_size", size, 1)
+    if size == 1:
+        return
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is not None:
+        raise EngineOptionError("tensor_parallel_size", f"{size} needs device 'cuda' (rank r runs on cuda:r), "
+                                                        f"got {device!r}")
+    if dev.type == "cuda" and size > torch.cuda.device_count() and "LOCAL_RANK" not in os.environ:
+        raise EngineOptionError("tensor_parallel_size", f"{size} needs {size} CUDA devices, "
+                                                        f"{torch.cuda.device_count()} are visible")
 
 
 def _check_device(device: Any) -> None:

@@ -6,6 +6,11 @@ weights from a config (`dummy=True`, for speed benchmarks).
 
 Our names (see engine/model.py): q/k/v are fused into `qkv_proj` and gate/up into
 `gate_up_proj`, so each layer runs two fewer matmuls.
+
+Under tensor parallelism (`shard=`), a rank reads only its part of each weight: safetensors
+files (a Hugging Face directory, or the float32 cache of a GGUF) through `safe_open` slices, and
+random weights are drawn whole one tensor at a time (the same values as with one rank) and cut at
+once, so no rank ever holds the whole model.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from kvledger.engine.config import BUILTIN_CONFIG_DIR, ModelConfig
 from kvledger.engine.default_model import default_model_path
+from kvledger.engine.distributed.partition import FusedRows, TensorParallelShard
 
 StateDict = dict[str, torch.Tensor]
 
@@ -76,11 +83,16 @@ def _atomic_write(dest: Path, write) -> None:
             os.remove(tmp)
 
 
-def _read_cache(cache: Path) -> tuple[ModelConfig, StateDict] | None:
+def _read_cache_meta(cache: Path) -> dict | None:
     meta = cache / _CACHE_META
     if not meta.is_file() or not (cache / _CACHE_WEIGHTS).is_file():
         return None
-    if json.loads(meta.read_text()).get("version") != CACHE_VERSION:
+    data = json.loads(meta.read_text())
+    return data if data.get("version") == CACHE_VERSION else None
+
+
+def _read_cache(cache: Path) -> tuple[ModelConfig, StateDict] | None:
+    if _read_cache_meta(cache) is None:
         return None
     config = ModelConfig.from_json(cache / "config.json")
     return config, load_file(cache / _CACHE_WEIGHTS)
@@ -247,33 +259,43 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, StateDict]:
     return config, convert_hf_state_dict(config, hf)
 
 
-def random_state_dict(config: ModelConfig, seed: int = 0, std: float = 0.02) -> StateDict:
-    """Seeded random weights with our names and shapes; norms are ones."""
+def random_state_dict(config: ModelConfig, seed: int = 0, std: float = 0.02,
+                      shard: TensorParallelShard | None = None) -> StateDict:
+    """Seeded random weights with our names and shapes; norms are ones. With `shard`, the same
+    values cut to that rank's part, each tensor as soon as it is drawn."""
     gen = torch.Generator().manual_seed(seed)
     c = config
     qkv_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
 
-    def normal(*shape: int) -> torch.Tensor:
-        return torch.empty(shape).normal_(0.0, std, generator=gen)
+    out: StateDict = {}
 
-    out: StateDict = {
-        "embed_tokens.weight": normal(c.vocab_size, c.hidden_size),
-        "norm.weight": torch.ones(c.hidden_size),
-    }
+    def put(name: str, whole: torch.Tensor) -> None:
+        out[name] = whole if shard is None else shard.take(name, c, lambda: whole)
+
+    def normal(name: str, *shape: int) -> None:
+        put(name, torch.empty(shape).normal_(0.0, std, generator=gen))
+
+    normal("embed_tokens.weight", c.vocab_size, c.hidden_size)
+    put("norm.weight", torch.ones(c.hidden_size))
     if not c.tie_word_embeddings:
-        out["lm_head.weight"] = normal(c.vocab_size, c.hidden_size)
+        normal("lm_head.weight", c.vocab_size, c.hidden_size)
     for i in range(c.num_layers):
         p = f"layers.{i}."
-        out[p + "input_norm.weight"] = torch.ones(c.hidden_size)
-        out[p + "post_attn_norm.weight"] = torch.ones(c.hidden_size)
-        out[p + "attn.qkv_proj.weight"] = normal(qkv_out, c.hidden_size)
-        out[p + "attn.o_proj.weight"] = normal(c.hidden_size, c.num_heads * c.head_dim)
+        put(p + "input_norm.weight", torch.ones(c.hidden_size))
+        put(p + "post_attn_norm.weight", torch.ones(c.hidden_size))
+        normal(p + "attn.qkv_proj.weight", qkv_out, c.hidden_size)
+        normal(p + "attn.o_proj.weight", c.hidden_size, c.num_heads * c.head_dim)
         if c.qk_norm:
-            out[p + "attn.q_norm.weight"] = torch.ones(c.head_dim)
-            out[p + "attn.k_norm.weight"] = torch.ones(c.head_dim)
-        out[p + "mlp.gate_up_proj.weight"] = normal(2 * c.intermediate_size, c.hidden_size)
-        out[p + "mlp.down_proj.weight"] = normal(c.hidden_size, c.intermediate_size)
+            put(p + "attn.q_norm.weight", torch.ones(c.head_dim))
+            put(p + "attn.k_norm.weight", torch.ones(c.head_dim))
+        normal(p + "mlp.gate_up_proj.weight", 2 * c.intermediate_size, c.hidden_size)
+        normal(p + "mlp.down_proj.weight", c.hidden_size, c.intermediate_size)
     return out
+
+
+def model_config(source: str | os.PathLike | ModelConfig | None = None) -> ModelConfig:
+    """The model's hyper-parameters without loading its weights (a GGUF's header, a config.json)."""
+    return _resolve_config(default_model_path() if source is None else source)
 
 
 def _resolve_config(source: str | os.PathLike | ModelConfig) -> ModelConfig:
@@ -300,24 +322,78 @@ def load_weights(
     dummy: bool = False,
     seed: int = 0,
     use_cache: bool = True,
+    shard: TensorParallelShard | None = None,
 ) -> tuple[ModelConfig, StateDict]:
     """Load (config, float32 state dict with our names).
 
     source: a .gguf file, a Hugging Face directory, or None for the embedded default model.
     With dummy=True, source may also be a config .json, a shipped config name
     ("qwen3-0.6b", "smollm2-135m") or a ModelConfig, and the weights are random.
+    shard: one tensor-parallel rank's part only (engine/distributed/partition.py).
     """
     if source is None:
         source = default_model_path()
+    if shard is not None and shard.size == 1:
+        shard = None
     if dummy:
         config = _resolve_config(source)
-        return config, random_state_dict(config, seed=seed)
+        if shard is not None:
+            shard.check(config)
+        return config, random_state_dict(config, seed=seed, shard=shard)
     p = Path(source)
     if p.is_dir():
-        return load_hf_dir(p)
+        return load_hf_dir(p) if shard is None else _load_hf_dir_shard(p, shard)
     if p.suffix == ".gguf":
-        return load_gguf(str(p), use_cache=use_cache)
+        if shard is None:
+            return load_gguf(str(p), use_cache=use_cache)
+        return _load_gguf_shard(str(p), shard)
     raise ValueError(f"{source!r} is neither a .gguf file nor a Hugging Face model directory")
+
+
+def ensure_gguf_cache(path: str) -> None:
+    """Dequantize a GGUF into its float32 cache once, before ranks read their parts of it."""
+    if _read_cache_meta(cache_dir_for(path)) is None:
+        load_gguf(path, use_cache=True)
+
+
+def _load_gguf_shard(path: str, shard: TensorParallelShard) -> tuple[ModelConfig, StateDict]:
+    ensure_gguf_cache(path)
+    cache = cache_dir_for(path)
+    config = ModelConfig.from_json(cache / "config.json")
+    shard.check(config)
+    with safe_open(cache / _CACHE_WEIGHTS, framework="pt") as f:
+        return config, {name: shard.take(name, config, lambda n=name: f.get_slice(n)) for name in f.keys()}
+
+
+def _load_hf_dir_shard(path: Path, shard: TensorParallelShard) -> tuple[ModelConfig, StateDict]:
+    config = ModelConfig.from_json(path / "config.json")
+    shard.check(config)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    handles = [safe_open(f, framework="pt") for f in files]
+    where = {name: h for h in handles for name in h.keys()}
+
+    def lazy(hf_name: str):
+        return where[hf_name].get_slice(hf_name)
+
+    def rows(hf_name: str) -> int:
+        return where[hf_name].get_slice(hf_name).get_shape()[0]
+
+    # the names we would get from convert_hf_state_dict, each with how to read it lazily
+    sources = {"embed_tokens.weight": lambda: lazy("model.embed_tokens.weight"),
+               "norm.weight": lambda: lazy("model.norm.weight")}
+    if not config.tie_word_embeddings:
+        sources["lm_head.weight"] = lambda: lazy("lm_head.weight")
+    for i in range(config.num_layers):
+        hf = f"model.layers.{i}."
+        for hf_name, ours in _HF_RENAME.items():
+            if hf + hf_name in where:
+                sources[f"layers.{i}.{ours}"] = lambda n=hf + hf_name: lazy(n)
+        for ours, parts in _HF_FUSED.items():
+            names = [hf + x for x in parts]
+            sources[f"layers.{i}.{ours}"] = lambda ns=names: FusedRows([(lazy(n), rows(n)) for n in ns])
+    return config, {name: shard.take(name, config, get).float() for name, get in sources.items()}
 
 
 def clear_cache(path: str | os.PathLike) -> None:

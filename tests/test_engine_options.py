@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-import kvledger.engine.llm
+import kvledger.engine.build
 from kvledger.engine.engine_config import EngineConfig
 from kvledger.engine.config import ModelConfig
 from kvledger.engine.llm import LLM
@@ -46,7 +46,7 @@ def no_loading(monkeypatch):
     def load_weights(*args, **kwargs):
         raise AssertionError("the model was loaded before the options were checked")
 
-    monkeypatch.setattr(kvledger.engine.llm, "load_weights", load_weights)
+    monkeypatch.setattr(kvledger.engine.build, "load_weights", load_weights)
 
 
 @pytest.mark.parametrize("option,value", BAD, ids=[f"{o}={v!r}"[:40] for o, v in BAD])

@@ -1,0 +1,111 @@
+"""Build one rank's engine from an EngineConfig: weights (this rank's share), model, KV pool, scheduler.
+
+`LLM` builds rank 0 (the only rank without tensor parallelism); the other ranks of a
+tensor-parallel engine build theirs with the same function, so every rank's pool, page table
+and scheduler options come out equal. Where a rank could decide alone and differ (the pool size
+from its free memory, the EOS ids from rank 0's tokenizer), rank 0's or the smallest value wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from kvledger.engine.config import ModelConfig
+from kvledger.engine.distributed.group import TensorParallelGroup
+from kvledger.engine.distributed.replicated_scheduler import RankCoordination, RankHook, ReplicatedScheduler
+from kvledger.engine.engine_config import EngineConfig
+from kvledger.engine.kv_pool import KVPool
+from kvledger.engine.model import CausalLM
+from kvledger.engine.options import DTYPE_NAMES, validate_for_model
+from kvledger.engine.scheduler import Scheduler, SchedulerConfig
+from kvledger.engine.weights import load_weights
+from kvledger.fast import AdmissionPolicy
+
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+
+
+@dataclass
+class RankEngine:
+    model_config: ModelConfig
+    model: CausalLM
+    scheduler: Scheduler
+    coordination: Optional[RankCoordination]  # None without tensor parallelism
+
+
+def rank_device(device: str, local_rank: int, tp_size: int) -> str:
+    """Rank r of a tensor-parallel engine on CUDA runs on cuda:r (cuda:LOCAL_RANK under torchrun)."""
+    if tp_size > 1 and torch.device(device).type == "cuda":
+        return f"cuda:{local_rank}"
+    return device
+
+
+def build_rank(o: EngineConfig, tp: TensorParallelGroup, device: str, eos: Sequence[int] = (),
+               hook: Optional[RankHook] = None) -> RankEngine:
+    """`eos`: rank 0's EOS ids (from its tokenizer); the other ranks receive them."""
+    if o.threads is not None:
+        torch.set_num_threads(o.threads)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    config, state = load_weights(o.model, dummy=o.dummy_weights, seed=o.seed, shard=tp.shard)
+    validate_for_model(o.max_seq_len, config, tp.size)
+    dtype = DTYPES[o.dtype]
+    model = CausalLM.from_state_dict(config, state, dtype=dtype, device=device, tp=tp)
+    model.attn_backend = _attention_backend(o.attention, device)
+    del state
+    kv_heads = len(tp.shard.kv_heads(config))
+    kv_tokens = o.kv_cache_tokens
+    if kv_tokens is None:
+        # shadow verification compares every page after every operation: keep its pool small
+        kv_tokens = 32768 if o.verify else _auto_kv_tokens(config, dtype, device, o.max_running_reqs,
+                                                            o.max_prefill_tokens, kv_heads)
+        if tp.distributed:  # every rank must hold the same pages: the smallest pool wins
+            kv_tokens = min(tp.all_gather(kv_tokens))
+    num_pages = max(1, kv_tokens // o.page_size)  # the automatic size may be under a page
+    model.kv_pool = KVPool.for_model(config, num_pages * o.page_size, dtype, device, kv_heads=kv_heads)
+    if tp.distributed:
+        eos = tp.broadcast(list(eos))
+    sched = SchedulerConfig(
+        num_pages=num_pages, page_size=o.page_size, cache_type=o.cache_type, max_running_reqs=o.max_running_reqs,
+        max_seq_len=min(config.max_position_embeddings, 4096) if o.max_seq_len is None else o.max_seq_len,
+        max_prefill_tokens=o.max_prefill_tokens, seed=o.seed, admission=AdmissionPolicy(o.admission, o.reserve_ratio))
+    coordination = RankCoordination(tp, o.verify, hook) if tp.distributed else None
+    args = (model, sched, eos, device)
+    kwargs = dict(overlap=o.overlap, cuda_graphs=o.cuda_graphs)
+    if coordination is not None and tp.rank == 0:
+        scheduler: Scheduler = ReplicatedScheduler(*args, coordination=coordination, **kwargs)
+    else:
+        scheduler = Scheduler(*args, **kwargs)
+    scheduler.capture_graphs()
+    return RankEngine(config, model, scheduler, coordination)
+
+
+def _auto_kv_tokens(config: ModelConfig, dtype: torch.dtype, device: str, max_running_reqs: int,
+                    max_prefill_tokens: int, kv_heads: int) -> int:
+    if torch.device(device).type != "cuda":
+        return 32768
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    # logits in float32 (and the model dtype) for a full decode batch or a prefill's last tokens,
+    # a prefill's activations, and the CUDA graphs' pool
+    batch = max(max_running_reqs, 256)
+    logits = batch * config.vocab_size * (4 + dtype.itemsize) * 2
+    activations = max_prefill_tokens * (config.hidden_size * 8 + config.intermediate_size * 6) * 4
+    reserve = logits + activations + (2 << 30)
+    return KVPool.tokens_that_fit(config, dtype, free, fraction=0.9, reserve_bytes=reserve, kv_heads=kv_heads)
+
+
+def _attention_backend(name: str, device: str):
+    """auto: the Triton kernel on CUDA, torch-native (gathered KV + SDPA) on the CPU."""
+    if name == "auto":
+        name = "triton" if torch.device(device).type == "cuda" else "torch"
+    if name == "torch":
+        from kvledger.engine.attention.torch_native import TorchNativeBackend
+
+        return TorchNativeBackend()
+    if name == "triton":
+        from kvledger.engine.attention.triton_paged import TritonPagedBackend
+
+        return TritonPagedBackend()
+    raise ValueError(f"attention must be 'auto', 'torch' or 'triton', got {name!r}")
