@@ -110,6 +110,9 @@ def test_param_count_matches_the_models():
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", "other"),
     ("Memcpy HtoD (Pinned -> Device)", "other"),
     ("aten::copy_", "other"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "all-reduce"),
+    ("c10d::allreduce_", "all-reduce"),
+    ("mkldnn::_linear_pointwise", "gemm"),
 ])
 def test_classify_kernel(name, kind):
     assert classify_kernel(name) == kind
@@ -202,7 +205,25 @@ def test_cli_smoke_smollm2_cpu(tmp_path, capsys):
     assert report["floor"]["decode_steps"] == max(w.max_tokens) and report["floor"]["seconds"] > 0
     assert report["bandwidth"]["bytes_per_s"] > 0
     b = report["breakdown"]
-    assert b["decode_steps"] >= 1 and set(b["categories"]) == {"attention", "gemm", "sampling", "other"}
+    assert b["decode_steps"] >= 1 and set(b["categories"]) == {"attention", "gemm", "all-reduce", "sampling", "other"}
+
+
+def test_cli_runs_each_tensor_parallel_size_in_one_run(tmp_path, capsys):
+    out_json = tmp_path / "nano.json"
+    rc = main(["bench", "--workload", "nano-vllm", "--model-config", "smollm2-135m", "--device", "cpu",
+               "--dtype", "float32", "--num-requests", "2", "--max-input-len", "16", "--max-output-len", "3",
+               "--threads", "1", "--tp", "1,2", "--profile-requests", "2", "--profile-output-len", "3",
+               "--output", str(out_json)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    report = json.loads(out_json.read_text())
+    names = [r["name"] for r in report["systems"]]
+    assert names == [f"{ENGINE_ROW} tp=1", f"{ENGINE_ROW} tp=2"]
+    assert len({r["output_tokens"] for r in report["systems"]}) == 1 and report["ok"]
+    assert f"{ENGINE_ROW} tp=2 over {ENGINE_ROW} tp=1:" in out
+    per_size = report["breakdown_per_tp_size"]
+    assert per_size["1"]["categories"]["all-reduce"]["ms_per_step"] == 0  # one rank: no collective
+    assert per_size["2"]["categories"]["all-reduce"]["ms_per_step"] > 0  # rank 0's all-reduces, profiled
 
 
 @pytest.mark.filterwarnings("ignore")

@@ -63,6 +63,9 @@ def add_nano_bench_arguments(p) -> None:
                    help="shipped config (qwen3-0.6b, smollm2-135m) or a config.json, random weights (early-stop "
                         "on the CPU without it: the embedded model)")
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    g.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_sizes", default="1", metavar="N[,N...]",
+                   help="tensor-parallel sizes, comma-separated: each runs the workload in turn (1,2: TP=1 then "
+                        "TP=2 in one run, with their ratio and each one's profile, all-reduce time included)")
     g.add_argument("--compare", default="none", choices=["none", "transformers"],
                    help="also run transformers' continuous batching")
     g.add_argument("--hf-attn", dest="hf_attn", default="sdpa",

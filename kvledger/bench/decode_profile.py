@@ -9,7 +9,7 @@ from typing import Any, Dict, List
 
 import torch
 
-CATEGORIES = ("attention", "gemm", "sampling", "other")
+CATEGORIES = ("attention", "gemm", "all-reduce", "sampling", "other")
 HOST_RANGES = ("kvledger.schedule", "kvledger.complete", "kvledger.wait")
 
 
@@ -20,14 +20,18 @@ def sync(device: str) -> None:
 
 
 _ATTENTION = ("attention", "attn", "_fwd_kernel", "paged", "flash", "fmha", "scaled_dot_product", "sdpa")
-_GEMM = ("gemm", "gemv", "cutlass", "sm90", "nvjet", "cublas", "matmul", "xmma", "splitk",
+_GEMM = ("gemm", "gemv", "linear_pointwise", "cutlass", "sm90", "nvjet", "cublas", "matmul", "xmma", "splitk",
          "aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::baddbmm")
+_COLLECTIVE = ("nccl", "allreduce", "all_reduce", "allgather", "all_gather", "c10d::", "gloo")
 _SAMPLING = ("argmax", "argmin", "topk", "top_k", "sort", "softmax", "multinomial", "sampl", "gumbel")
 
 
 def classify_kernel(name: str) -> str:
-    """attention, gemm, sampling or other, from a GPU kernel's (or on the CPU, an op's) name."""
+    """attention, gemm, all-reduce (tensor parallelism's collectives), sampling or other, from a
+    GPU kernel's (or on the CPU, an op's) name."""
     n = name.lower()
+    if any(k in n for k in _COLLECTIVE):
+        return "all-reduce"
     if any(k in n for k in _ATTENTION):
         return "attention"
     if any(k in n for k in _GEMM):

@@ -187,7 +187,8 @@ def build_engine(opts: "NanoOptions", kv_tokens_needed: int, max_seq_len: int):
                               page_size=opts.page_size, max_running_reqs=opts.max_running_reqs,
                               max_seq_len=max_seq_len, max_prefill_tokens=opts.max_prefill_tokens, seed=opts.seed,
                               kv_cache_tokens=kv_tokens, cuda_graphs=opts.cuda_graphs, overlap=opts.overlap,
-                              attention=opts.attention, threads=opts.threads)
+                              attention=opts.attention, threads=opts.threads,
+                              tensor_parallel_size=opts.tensor_parallel_size)
     source = opts.model if opts.model is not None else str(opts.model_config_path)
     return LLM(source, **kw), kw
 
@@ -340,7 +341,7 @@ def run_transformers(model, workload: NanoWorkload, warmup: tuple[List[List[int]
 
 
 def format_table(runs: Sequence[SystemRun]) -> List[str]:
-    ours = next((r for r in runs if r.name == ENGINE_ROW), None)
+    ours = next((r for r in runs if r.name.startswith(ENGINE_ROW)), None)
     header = (f"{'system':<34} {'input tokens':>12} {'output tokens':>13} {'time (s)':>9} "
               f"{'throughput (tok/s)':>18} {'ours/this':>9}")
     lines = [header, "-" * len(header)]
@@ -351,13 +352,18 @@ def format_table(runs: Sequence[SystemRun]) -> List[str]:
     for r in runs:
         status = "OK" if r.ok else f"MISMATCH ({r.mismatched_requests} requests off)"
         lines.append(f"token counts {r.name}: {status} ({r.output_tokens:,} of {r.expected_output_tokens:,})")
-    if ours is not None and ours.extra.get("steps"):
-        steps, host = ours.extra["steps"], ours.extra["host_seconds"]
+    for r in runs:
+        if not r.name.startswith(ENGINE_ROW) or not r.extra.get("steps"):
+            continue
+        steps, host = r.extra["steps"], r.extra["host_seconds"]
         n = max(1, sum(steps.values()))
         parts = ", ".join(f"{k} {1000 * v / n:.3f}" for k, v in host.items())
-        lines.append(f"{ENGINE_ROW} steps: {steps.get('prefill', 0):,} prefill + {steps.get('decode', 0):,} decode, "
-                     f"{1000 * ours.seconds / n:.3f} ms per step; host ms per step: {parts} "
+        lines.append(f"{r.name} steps: {steps.get('prefill', 0):,} prefill + {steps.get('decode', 0):,} decode, "
+                     f"{1000 * r.seconds / n:.3f} ms per step; host ms per step: {parts} "
                      f"(land includes wait, the host blocked on the GPU)")
+    engines = [r for r in runs if r.name.startswith(ENGINE_ROW)]
+    for r in engines[1:]:
+        lines.append(f"{r.name} over {engines[0].name}: {r.tok_per_s / engines[0].tok_per_s:.2f}x throughput")
     return lines
 
 
@@ -380,6 +386,8 @@ class NanoOptions:
     overlap: Optional[bool] = None
     attention: str = EngineConfig.attention
     threads: Optional[int] = None
+    tensor_parallel_sizes: str = "1"  # comma-separated: each size runs the workload in turn
+    tensor_parallel_size: int = 1  # the size being run
     hf_attn: str = "sdpa"
     hf_max_batch_tokens: Optional[int] = None
     bandwidth_bytes: Optional[int] = None  # default: 2 GiB on CUDA, 64 MiB on CPU
@@ -404,9 +412,19 @@ class NanoOptions:
             self.cuda_graphs = cuda
         if self.bandwidth_bytes is None:
             self.bandwidth_bytes = (2 << 30) if cuda else (64 << 20)
+        sizes = self.tp_sizes()
+        if not sizes or any(n < 1 for n in sizes):
+            raise ValueError(f"--tp must list sizes >= 1, comma-separated, got {self.tensor_parallel_sizes!r}")
         if self.compare not in ("none", "transformers"):
             raise ValueError(f"compare must be 'none' or 'transformers', got {self.compare!r}")
         return self
+
+
+    def tp_sizes(self) -> List[int]:
+        try:
+            return [int(x) for x in str(self.tensor_parallel_sizes).split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--tp must list integers, comma-separated, got {self.tensor_parallel_sizes!r}") from None
 
 
 def _versions() -> Dict[str, Optional[str]]:
@@ -459,20 +477,32 @@ def run_nano_bench(opts: NanoOptions, print_fn: Callable[[str], None] = print) -
     max_seq_len = _pages(max(longest, opts.max_input_len + opts.max_output_len) + 1, page) * page
     need = max(kv_tokens_for(workload.prompts, workload.max_tokens, page), kv_tokens_for(*warm, page),
                kv_tokens_for(prof_prompts, prof_tokens, page))
-    llm, engine_kwargs = build_engine(opts, need, max_seq_len)
-    config = llm.config
-    model_desc = opts.model if opts.model is not None else f"{opts.model_config} (random weights)"
-    print_fn(f"model {model_desc}: {param_count(config):,} params, {opts.dtype} on {opts.device} "
-             f"({_device_name(opts.device)}); torch {torch.__version__}, transformers {_versions()['transformers']}")
-
-    runs = [run_engine(llm, workload, warm, opts.device)]
-    kv_pool_tokens = None
-    with contextlib.suppress(AttributeError):
-        kv_pool_tokens = llm.scheduler.config.num_pages * llm.scheduler.config.page_size
-    runs[0].extra["kv_pool_tokens"] = kv_pool_tokens
-    breakdown = profile_decode(llm, prof_prompts, prof_tokens, opts.device) if k and opts.profile_output_len > 1 else None
-    del llm
-    _free_memory(opts.device)
+    runs: List[SystemRun] = []
+    breakdowns: Dict[int, Any] = {}
+    sizes = opts.tp_sizes()
+    for size in sizes:
+        opts.tensor_parallel_size = size
+        llm, engine_kwargs = build_engine(opts, need, max_seq_len)
+        try:
+            config = llm.config
+            model_desc = opts.model if opts.model is not None else f"{opts.model_config} (random weights)"
+            if not runs:
+                print_fn(f"model {model_desc}: {param_count(config):,} params, {opts.dtype} on {opts.device} "
+                         f"({_device_name(opts.device)}); torch {torch.__version__}, transformers "
+                         f"{_versions()['transformers']}")
+            run = run_engine(llm, workload, warm, opts.device)
+            if len(sizes) > 1:
+                run.name = f"{ENGINE_ROW} tp={size}"
+            run.extra["tensor_parallel_size"] = size
+            run.extra["kv_pool_tokens"] = llm.scheduler.config.num_pages * llm.scheduler.config.page_size
+            runs.append(run)
+            if k and opts.profile_output_len > 1:  # rank 0's GPU: its kernels and its all-reduces
+                breakdowns[size] = profile_decode(llm, prof_prompts, prof_tokens, opts.device)
+        finally:
+            llm.close()
+            del llm
+            _free_memory(opts.device)
+    breakdown = breakdowns.get(sizes[0])
 
     if opts.compare == "transformers":
         hf = build_hf_model(opts)
@@ -489,8 +519,10 @@ def run_nano_bench(opts: NanoOptions, print_fn: Callable[[str], None] = print) -
         print_fn(line)
     for line in format_floor(floor, bandwidth, runs[0].seconds):
         print_fn(line)
-    if breakdown is not None:
-        for line in format_breakdown(breakdown):
+    for size, b in breakdowns.items():
+        if len(sizes) > 1:
+            print_fn(f"tensor-parallel size {size} (rank 0):")
+        for line in format_breakdown(b):
             print_fn(line)
 
     opts_dict = {k2: (str(v) if isinstance(v, Path) else v) for k2, v in asdict(opts).items() if k2 != "hf_config"}
@@ -508,6 +540,7 @@ def run_nano_bench(opts: NanoOptions, print_fn: Callable[[str], None] = print) -
         "bandwidth": bandwidth,
         "floor": {**floor, "fraction_of_floor_reached": floor["seconds"] / runs[0].seconds if runs[0].seconds else None},
         "breakdown": breakdown,
+        "breakdown_per_tp_size": breakdowns,
         "ok": all(r.ok for r in runs),
     }
     if opts.output:
