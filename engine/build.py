@@ -47,9 +47,9 @@ def build_rank(o: EngineConfig, tp: TensorParallelGroup, device: str, eos: Seque
     """`eos`: rank 0's EOS ids (from its tokenizer); the other ranks receive them."""
     if o.threads is not None:
         torch.set_num_threads(o.threads)
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-    config, state = load_weights(o.model, dummy=o.dummy_weights, seed=o.seed, shard=tp.shard)
+    if torch.device(device).type == "cuda" and torch.device(device).index is not None:
+        torch.cuda.set_device(torch.device(device))  # a rank's own GPU: kernels and NCCL run there
+    config, state = load_weights(o.model, dummy=o.dummy_weights, seed=o.seed, shard=tp.shard, device=device)
     validate_for_model(o.max_seq_len, config, tp.size)
     dtype = DTYPES[o.dtype]
     model = CausalLM.from_state_dict(config, state, dtype=dtype, device=device, tp=tp)
