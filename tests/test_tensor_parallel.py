@@ -207,3 +207,41 @@ def test_a_rank_that_fails_or_diverges_ends_the_run_with_its_error(hook, error, 
     finally:
         llm.close()
     assert _children() == []  # no rank left behind
+
+
+# -- the command line, torchrun and the server ---------------------------------------------------------
+GENERATE = ["generate", "The capital of France is", "--max-tokens", "8", "--threads", "1", "--max-seq-len", "256"]
+
+
+def test_torchrun_runs_kvledger_generate_on_two_ranks_with_the_tokens_of_one(capsys):
+    import subprocess
+    import sys
+
+    from kvledger.cli import main
+
+    assert main(GENERATE) == 0
+    alone = capsys.readouterr().out
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "kvledger", *GENERATE, "--tp", "2", "--verify"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout == alone and alone.strip()  # rank 0 alone prints; rank 1 served it and left
+
+
+def test_the_server_answers_from_two_ranks_as_from_one():
+    from fastapi.testclient import TestClient
+
+    from kvledger.engine.server.app import create_app
+    from kvledger.engine.server.worker import EngineWorker
+
+    texts = {}
+    for size in (1, 2):
+        with LLM(max_seq_len=256, kv_cache_tokens=1024, threads=1, tensor_parallel_size=size) as llm:
+            with TestClient(create_app(EngineWorker(llm), model_name="m")) as client:
+                r = client.post("/v1/completions", json={"model": "m", "prompt": "The capital of France is",
+                                                         "max_tokens": 8, "temperature": 0})
+                assert r.status_code == 200, r.text
+                texts[size] = r.json()["choices"][0]["text"]
+                bad = client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": -1})
+                assert bad.status_code == 400  # refused on rank 0 before any rank hears of it
+    assert texts[2] == texts[1] and texts[1]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import shutil
 import sys
 import tempfile
@@ -195,6 +194,10 @@ def _uses_nccl() -> bool:
 
 
 def _is_transport_error(error: BaseException) -> bool:
+    """A collective that broke (a peer gone), as opposed to rank 0's own failure."""
     import torch.distributed as dist
 
-    return isinstance(error, (RuntimeError, getattr(dist, "DistError", RuntimeError), queue.Empty))
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(error, dist_error):
+        return True
+    return isinstance(error, RuntimeError) and any(k in str(error) for k in ("gloo", "NCCL", "Connection closed"))
