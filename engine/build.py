@@ -17,7 +17,8 @@ from kvledger.engine.config import ModelConfig
 from kvledger.engine.distributed.group import TensorParallelGroup
 from kvledger.engine.distributed.replicated_scheduler import RankCoordination, RankHook, ReplicatedScheduler
 from kvledger.engine.engine_config import EngineConfig
-from kvledger.engine.kv_pool import KVPool
+from kvledger.engine.kv_pool import KV_CACHE_DTYPES, KVPool
+from kvledger.engine.kv_scales import calibrate_kv_scales, calibration_ids
 from kvledger.engine.model import CausalLM
 from kvledger.engine.options import DTYPE_NAMES, validate_for_model
 from kvledger.engine.scheduler import Scheduler, SchedulerConfig
@@ -56,15 +57,19 @@ def build_rank(o: EngineConfig, tp: TensorParallelGroup, device: str, eos: Seque
     model.attn_backend = _attention_backend(o.attention, device)
     del state
     kv_heads = len(tp.shard.kv_heads(config))
+    kv_dtype = KV_CACHE_DTYPES[o.kv_cache_dtype] or dtype
     kv_tokens = o.kv_cache_tokens
     if kv_tokens is None:
         # shadow verification compares every page after every operation: keep its pool small
-        kv_tokens = 32768 if o.verify else _auto_kv_tokens(config, dtype, device, o.max_running_reqs,
+        kv_tokens = 32768 if o.verify else _auto_kv_tokens(config, dtype, kv_dtype, device, o.max_running_reqs,
                                                             o.max_prefill_tokens, kv_heads)
         if tp.distributed:  # every rank must hold the same pages: the smallest pool wins
             kv_tokens = min(tp.all_gather(kv_tokens))
     num_pages = max(1, kv_tokens // o.page_size)  # the automatic size may be under a page
-    model.kv_pool = KVPool.for_model(config, num_pages * o.page_size, dtype, device, kv_heads=kv_heads)
+    model.kv_pool = KVPool.for_model(config, num_pages * o.page_size, dtype, device, kv_heads=kv_heads,
+                                     kv_dtype=kv_dtype)
+    if model.kv_pool.quantized:
+        model.kv_pool.k_scale, model.kv_pool.v_scale = calibrate_kv_scales(model, calibration_ids(config.vocab_size))
     if tp.distributed:
         eos = tp.broadcast(list(eos))
     sched = SchedulerConfig(
@@ -82,8 +87,8 @@ def build_rank(o: EngineConfig, tp: TensorParallelGroup, device: str, eos: Seque
     return RankEngine(config, model, scheduler, coordination)
 
 
-def _auto_kv_tokens(config: ModelConfig, dtype: torch.dtype, device: str, max_running_reqs: int,
-                    max_prefill_tokens: int, kv_heads: int) -> int:
+def _auto_kv_tokens(config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, device: str,
+                    max_running_reqs: int, max_prefill_tokens: int, kv_heads: int) -> int:
     if torch.device(device).type != "cuda":
         return 32768
     free, _ = torch.cuda.mem_get_info(torch.device(device))
@@ -93,7 +98,7 @@ def _auto_kv_tokens(config: ModelConfig, dtype: torch.dtype, device: str, max_ru
     logits = batch * config.vocab_size * (4 + dtype.itemsize) * 2
     activations = max_prefill_tokens * (config.hidden_size * 8 + config.intermediate_size * 6) * 4
     reserve = logits + activations + (2 << 30)
-    return KVPool.tokens_that_fit(config, dtype, free, fraction=0.9, reserve_bytes=reserve, kv_heads=kv_heads)
+    return KVPool.tokens_that_fit(config, kv_dtype, free, fraction=0.9, reserve_bytes=reserve, kv_heads=kv_heads)
 
 
 def _attention_backend(name: str, device: str):

@@ -9,7 +9,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Dict, Optional, Sequence
 
 from kvledger.engine.options import ADMISSION_POLICIES, ATTENTION_BACKENDS, CACHE_TYPES, DTYPE_NAMES, \
-    EngineOptionError, validate_engine_options
+    KV_CACHE_DTYPE_NAMES, EngineOptionError, validate_engine_options
 
 
 def option(default: Any, help: str, *, flag: Optional[str] = None, choices: Optional[Sequence[str]] = None,
@@ -29,6 +29,9 @@ class EngineConfig:
     device: str = option("cpu", "cpu, cuda or cuda:N")
     page_size: int = option(16, "tokens per KV page")
     cache_type: str = option("radix", "prefix cache", flag="--cache", choices=CACHE_TYPES)
+    kv_cache_dtype: str = option("auto", "KV cache storage: auto (the model dtype) or fp8_e4m3 (half of bf16's "
+                                         "bytes; stored as x / scale, one scale for K and one for V per layer)",
+                                 choices=KV_CACHE_DTYPE_NAMES)
     kv_cache_tokens: Optional[int] = option(None, "KV pool size in tokens, rounded down to whole pages (default: "
                                                   "32768 on the CPU or with --verify, from free memory on CUDA)")
     max_running_reqs: int = option(64, "requests decoding at once (page-table rows)")

@@ -50,8 +50,8 @@ if triton is not None:
     @triton.jit
     def _qk_norm_rope_store_kernel(
         QKV, POS, INV_FREQ, QN_W, KN_W, Q_OUT, K_CACHE, V_CACHE, OUT_LOC,
-        stride_t, stride_qt, stride_qh, stride_kn, stride_kh, eps,
-        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
+        stride_t, stride_qt, stride_qh, stride_kn, stride_kh, eps, k_scale, v_scale,
+        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr, FP8: tl.constexpr,
     ):
         t = tl.program_id(0)
         h = tl.program_id(1)  # [0, HEADS) query heads, then [HEADS, HEADS + KV_HEADS) key heads
@@ -82,13 +82,20 @@ if triton is not None:
             kh = h - HEADS
             loc = tl.load(OUT_LOC + t).to(tl.int64)
             dst = loc * stride_kn + kh * stride_kh
-            tl.store(K_CACHE + dst + offs, o1.to(K_CACHE.dtype.element_ty))
-            tl.store(K_CACHE + dst + HALF + offs, o2.to(K_CACHE.dtype.element_ty))
             vcol = HEADS * 2 * HALF + KV_HEADS * 2 * HALF + kh * 2 * HALF
             v1 = tl.load(QKV + t * stride_t + vcol + offs)
             v2 = tl.load(QKV + t * stride_t + vcol + HALF + offs)
-            tl.store(V_CACHE + dst + offs, v1.to(V_CACHE.dtype.element_ty))
-            tl.store(V_CACHE + dst + HALF + offs, v2.to(V_CACHE.dtype.element_ty))
+            k1, k2 = o1.to(tl.float32), o2.to(tl.float32)  # exact for the model dtypes
+            w1, w2 = v1.to(tl.float32), v2.to(tl.float32)
+            if FP8:  # x / scale, clamped to e4m3's range (a cast past 448 would be NaN)
+                k1 = tl.minimum(tl.maximum(k1 / k_scale, -448.0), 448.0)
+                k2 = tl.minimum(tl.maximum(k2 / k_scale, -448.0), 448.0)
+                w1 = tl.minimum(tl.maximum(w1 / v_scale, -448.0), 448.0)
+                w2 = tl.minimum(tl.maximum(w2 / v_scale, -448.0), 448.0)
+            tl.store(K_CACHE + dst + offs, k1.to(K_CACHE.dtype.element_ty))
+            tl.store(K_CACHE + dst + HALF + offs, k2.to(K_CACHE.dtype.element_ty))
+            tl.store(V_CACHE + dst + offs, w1.to(V_CACHE.dtype.element_ty))
+            tl.store(V_CACHE + dst + HALF + offs, w2.to(V_CACHE.dtype.element_ty))
         else:
             q_base = Q_OUT + t * stride_qt + h * stride_qh
             tl.store(q_base + offs, o1)
@@ -134,9 +141,12 @@ def qk_norm_rope_store(
     v_cache: torch.Tensor,
     token_dim: int,
     out_loc: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """qkv [T, (heads + 2 kv_heads) * D] -> rotated q [T, heads, D]; k (rotated) and v go to the
-    cache layer at out_loc. k_cache/v_cache: [tokens, kv_heads, D] or [kv_heads, tokens, D]."""
+    cache layer at out_loc. k_cache/v_cache: [tokens, kv_heads, D] or [kv_heads, tokens, D], in
+    qkv's dtype or FP8 (e4m3: stored as k / k_scale and v / v_scale)."""
     t = qkv.shape[0]
     head_dim = qkv.shape[1] // (heads + 2 * kv_heads)
     q = torch.empty(t, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -145,7 +155,8 @@ def qk_norm_rope_store(
         qkv, positions, inv_freq, q_norm_weight if qk_norm else inv_freq, k_norm_weight if qk_norm else inv_freq,
         q, k_cache, v_cache, out_loc,
         qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(token_dim), k_cache.stride(1 - token_dim), eps,
-        HEADS=heads, KV_HEADS=kv_heads, HALF=head_dim // 2, QK_NORM=qk_norm,
+        k_scale, v_scale,
+        HEADS=heads, KV_HEADS=kv_heads, HALF=head_dim // 2, QK_NORM=qk_norm, FP8=k_cache.dtype == torch.float8_e4m3fn,
     )
     return q
 

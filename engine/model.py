@@ -59,7 +59,8 @@ class Attention(nn.Module):
             qkv, positions, inv_freq, self.q_norm.weight if self.q_norm is not None else None,
             self.k_norm.weight if self.k_norm is not None else None,
             self.q_norm.eps if self.q_norm is not None else 0.0,
-            self.num_heads, self.num_kv_heads, k_cache, v_cache, pool.token_dim, out_loc)
+            self.num_heads, self.num_kv_heads, k_cache, v_cache, pool.token_dim, out_loc,
+            pool.k_scale[self.layer], pool.v_scale[self.layer])
         o = backend.forward_stored(q, self.layer, pool)
         return self.tp.all_reduce(self.o_proj(o.reshape(x.shape[0], self.q_size)))
 

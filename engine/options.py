@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # engine_config imports this module
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 CACHE_TYPES = ("radix", "naive")
+KV_CACHE_DTYPE_NAMES = ("auto", "fp8_e4m3")  # engine/kv_pool.py: KV_CACHE_DTYPES
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 ADMISSION_POLICIES = POLICIES
 # the sampler seeds request uid with seed * 1_000_003 + uid, which torch needs to fit in 64 bits
@@ -43,6 +44,7 @@ def validate_engine_options(c: "EngineConfig") -> None:
     _check_device(c.device)
     _check_int("page_size", c.page_size, 1)
     _check_choice("cache_type", c.cache_type, CACHE_TYPES)
+    _check_choice("kv_cache_dtype", c.kv_cache_dtype, KV_CACHE_DTYPE_NAMES)
     _check_int("kv_cache_tokens", c.kv_cache_tokens, c.page_size, none_ok=True,
                least_is=f"one page ({c.page_size} tokens)")
     _check_int("max_running_reqs", c.max_running_reqs, 1)

@@ -134,6 +134,8 @@ class TorchNativeBackend(AttentionBackend):
     # -- per layer ----------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, pool: KVPool) -> torch.Tensor:
         pool.store(layer, self._out_loc, k, v)
+        if pool.quantized:  # attend over what the pool holds, as the GPU kernels do
+            k, v = pool.round_trip(layer, k, v)
         d = self._decode
         if d is not None and d.token_idx is None and not self._extends:
             kd, vd, keep = self._decode_kv(k, v, layer, pool, d)
@@ -166,7 +168,7 @@ class TorchNativeBackend(AttentionBackend):
         assert self._ws_locs is not None
         cap = self._ws_locs.shape[1]
         kv_heads, dim = pool.k[layer].shape[0], pool.k[layer].shape[-1]
-        per_layer = 2 * kv_heads * d.batch * cap * dim * pool.dtype.itemsize
+        per_layer = 2 * kv_heads * d.batch * cap * dim * pool.compute_dtype.itemsize
         if per_layer * len(pool.k) > self.max_workspace_bytes:  # too big to keep: gather every step
             kd, vd = pool.gather(layer, d.locs.reshape(-1))
             shape = (kv_heads, d.batch, d.max_len, dim)
@@ -185,8 +187,8 @@ class TorchNativeBackend(AttentionBackend):
             ws_v.view(flat).index_copy_(1, self._ws_append_idx, v.transpose(0, 1).to(ws_v.dtype))
         else:
             if ws_k is None or ws_k.shape != shape:
-                ws_k = self._ws_k[layer] = pool.k[layer].new_empty(shape)
-                ws_v = self._ws_v[layer] = pool.v[layer].new_empty(shape)
+                ws_k = self._ws_k[layer] = pool.k[layer].new_empty(shape, dtype=pool.compute_dtype)
+                ws_v = self._ws_v[layer] = pool.v[layer].new_empty(shape, dtype=pool.compute_dtype)
             kd, vd = pool.gather(layer, d.locs.reshape(-1))
             ws_k[:, :, : d.max_len] = kd.view(kv_heads, d.batch, d.max_len, dim)
             ws_v[:, :, : d.max_len] = vd.view(kv_heads, d.batch, d.max_len, dim)

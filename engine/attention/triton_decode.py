@@ -28,8 +28,8 @@ if triton is not None:
         Q, K, V, TABLE, ROWS, SEQ_LEN, PART_O, PART_LSE,
         stride_qb, stride_qh, stride_kn, stride_kh, stride_tr,
         stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-        sm_scale, PRECISION: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        sm_scale, v_scale, PRECISION: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8: tl.constexpr,
     ):
         b = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -55,6 +55,8 @@ if triton is not None:
             loc = tl.load(TABLE + row * stride_tr + offs_n, mask=n_mask, other=0).to(tl.int64)
             kv_off = loc[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :]
             k = tl.load(K + kv_off, mask=n_mask[:, None], other=0.0)
+            if FP8:  # e4m3 is exact in the query's dtype; K's scale is folded into sm_scale
+                k = k.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * sm_scale
             s = tl.where(n_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -62,10 +64,12 @@ if triton is not None:
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + kv_off, mask=n_mask[:, None], other=0.0)
+            if FP8:
+                v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
             m_i = m_new
         empty = l_i == 0.0  # a split past the end of a short request
-        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        out = acc * v_scale / tl.where(empty, 1.0, l_i)[:, None]
         lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
         base = b * stride_pb + heads * stride_ph + split * stride_ps
         tl.store(PART_O + base[:, None] + offs_d[None, :], out, mask=g_mask[:, None])
@@ -126,12 +130,15 @@ def decode_attention(
     out: torch.Tensor | None = None,
     block_n: int = 64,
     num_warps: int = 4,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [B, heads, D] (each request's one new token, already stored in the cache) attends over
     the request's first seq_lens[b] tokens at table[rows[b], :seq_lens[b]].
 
     k_cache/v_cache: one layer's pool, [tokens, kv_heads, D] (token_dim 0) or [kv_heads, tokens, D]
-    (token_dim 1). Returns [B, heads, D] in q's dtype.
+    (token_dim 1), in q's dtype or FP8 (e4m3, read back as value * k_scale / v_scale).
+    Returns [B, heads, D] in q's dtype.
     """
     if triton is None:
         raise RuntimeError("decode_attention needs the `triton` package")
@@ -146,10 +153,10 @@ def decode_attention(
         q, k_cache, v_cache, table, rows, seq_lens, po, pl,
         q.stride(0), q.stride(1), k_cache.stride(token_dim), k_cache.stride(1 - token_dim), table.stride(0),
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-        head_dim ** -0.5,
-        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        head_dim ** -0.5 * k_scale, v_scale,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, num_warps=num_warps,
+        NUM_SPLITS=num_splits, FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=num_warps,
     )
     _decode_attention_merge_kernel[(batch, heads)](
         po, pl, out, po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), out.stride(0), out.stride(1),

@@ -28,7 +28,8 @@ if triton is not None:
     def _paged_attention_kernel(
         Q, K, V, O, LOCS, Q_START, Q_LEN, SEQ_LEN,
         stride_qt, stride_qh, stride_kn, stride_kh, stride_ot, stride_oh, stride_lb,
-        sm_scale, PRECISION: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        sm_scale, v_scale, PRECISION: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, FP8: tl.constexpr,
     ):
         req = tl.program_id(0)
         head = tl.program_id(1)
@@ -58,6 +59,8 @@ if triton is not None:
             loc = tl.load(LOCS + req * stride_lb + offs_n, mask=n_mask, other=0).to(tl.int64)
             k = tl.load(K + loc[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :],
                         mask=n_mask[:, None], other=0.0)
+            if FP8:  # e4m3 is exact in the query's dtype; its scale is folded into sm_scale
+                k = k.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * sm_scale
             keep = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
             s = tl.where(keep, s, float("-inf"))
@@ -68,9 +71,11 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + loc[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :],
                         mask=n_mask[:, None], other=0.0)
+            if FP8:
+                v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
             m_i = m_new
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=m_mask[:, None])
 
@@ -124,7 +129,9 @@ class TritonPagedBackend(AttentionBackend):
     def forward_stored(self, q: torch.Tensor, layer: int, pool: KVPool) -> torch.Tensor:
         """Attention for q [T, heads, D] once this step's K/V are in the pool."""
         kp, vp = pool.k[layer], pool.v[layer]
-        q = q.to(kp.dtype)
+        q = q.to(pool.compute_dtype)
+        # an FP8 pool: the kernels read e4m3, scale the scores by K's scale and the output by V's
+        k_scale, v_scale = pool.k_scale[layer], pool.v_scale[layer]
         if self._decode is not None:
             table, rows, seq, splits = self._decode
             heads, head_dim = q.shape[1], q.shape[2]
@@ -136,20 +143,20 @@ class TritonPagedBackend(AttentionBackend):
                 ws = self._workspace = DecodeWorkspace(self.max_batch, heads, head_dim, self.max_splits, q.device)
             block_n, warps = triton_decode.decode_launch_config(q.shape[0], kv_heads)
             return decode_attention(q, kp, vp, pool.token_dim, table, rows, seq, ws, splits,
-                                    block_n=block_n, num_warps=warps)
+                                    block_n=block_n, num_warps=warps, k_scale=k_scale, v_scale=v_scale)
         q = q.contiguous()
         out = torch.empty_like(q)
         heads, head_dim = q.shape[1], q.shape[2]
         token_dim = pool.token_dim
-        block_m = self.block_m or (16 if kp.dtype == torch.float32 else 64)
+        block_m = self.block_m or (16 if q.dtype == torch.float32 else 64)
         grid = (len(self._q_len), heads, triton.cdiv(self._max_q, block_m))
         _paged_attention_kernel[grid](
             q, kp, vp, out, self._locs, self._q_start, self._q_len, self._seq_len,
             q.stride(0), q.stride(1), kp.stride(token_dim), kp.stride(1 - token_dim),
             out.stride(0), out.stride(1), self._locs.stride(0),
-            head_dim ** -0.5,
+            head_dim ** -0.5 * k_scale, v_scale,
             # float32 stays float32 (Hopper would otherwise round dot inputs to TF32)
-            PRECISION="ieee" if kp.dtype == torch.float32 else "tf32", GROUP=heads // kp.shape[1 - token_dim],
-            HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=self.block_n,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP=heads // kp.shape[1 - token_dim],
+            HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=self.block_n, FP8=pool.quantized,
         )
         return out

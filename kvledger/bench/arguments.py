@@ -15,7 +15,7 @@ WORKLOADS = (WORKLOAD, EARLY_STOP)
 NANO_NUM_REQUESTS = 256
 NANO_MIN_LEN = 100
 NANO_MAX_LEN = 1024
-NANO_ENGINE_OPTIONS = ("page_size", "kv_cache_tokens", "max_running_reqs", "max_prefill_tokens", "cuda_graphs",
+NANO_ENGINE_OPTIONS = ("page_size", "kv_cache_dtype", "kv_cache_tokens", "max_running_reqs", "max_prefill_tokens", "cuda_graphs",
                        "overlap", "attention")
 EARLY_STOP_RATIOS = "0.5,0.1"
 

@@ -42,9 +42,11 @@ def kv_bytes_per_token(c: ModelConfig, itemsize: int) -> int:
 
 
 def decode_floor(
-    c: ModelConfig, itemsize: int, prompt_lens: Sequence[int], max_tokens: Sequence[int], bytes_per_s: float
+    c: ModelConfig, itemsize: int, prompt_lens: Sequence[int], max_tokens: Sequence[int], bytes_per_s: float,
+    kv_itemsize: Optional[int] = None,
 ) -> Dict[str, Any]:
-    """The memory-bandwidth floor of the workload's decode.
+    """The memory-bandwidth floor of the workload's decode (`kv_itemsize`: bytes per KV value when
+    the cache stores another dtype than the weights, 1 for FP8).
 
     Schedule (analytic): every request decodes from step 1; request i runs max_tokens[i] steps and at
     step s reads its context of prompt_lens[i] + s tokens. Every step reads all weights once.
@@ -53,7 +55,7 @@ def decode_floor(
     # sum over s = 1..m of (p + s) = m * p + m (m + 1) / 2
     kv_tokens = sum(m * p + m * (m + 1) // 2 for p, m in zip(prompt_lens, max_tokens))
     w = weight_bytes_per_step(c, itemsize)
-    kvb = kv_bytes_per_token(c, itemsize)
+    kvb = kv_bytes_per_token(c, kv_itemsize or itemsize)
     total = steps * w + kv_tokens * kvb
     seconds = total / bytes_per_s if bytes_per_s > 0 else float("nan")
     out_tokens = sum(max_tokens)

@@ -188,7 +188,7 @@ def build_engine(opts: "NanoOptions", kv_tokens_needed: int, max_seq_len: int):
                               max_seq_len=max_seq_len, max_prefill_tokens=opts.max_prefill_tokens, seed=opts.seed,
                               kv_cache_tokens=kv_tokens, cuda_graphs=opts.cuda_graphs, overlap=opts.overlap,
                               attention=opts.attention, threads=opts.threads,
-                              tensor_parallel_size=opts.tensor_parallel_size)
+                              tensor_parallel_size=opts.tensor_parallel_size, kv_cache_dtype=opts.kv_cache_dtype)
     source = opts.model if opts.model is not None else str(opts.model_config_path)
     return LLM(source, **kw), kw
 
@@ -379,6 +379,7 @@ class NanoOptions:
     seed: int = 0
     compare: str = "none"
     page_size: int = EngineConfig.page_size
+    kv_cache_dtype: str = EngineConfig.kv_cache_dtype
     kv_cache_tokens: Optional[int] = None
     max_running_reqs: int = 256
     max_prefill_tokens: int = 16384
@@ -519,6 +520,13 @@ def run_nano_bench(opts: NanoOptions, print_fn: Callable[[str], None] = print) -
         print_fn(line)
     for line in format_floor(floor, bandwidth, runs[0].seconds):
         print_fn(line)
+    fp8_floor = None
+    if opts.kv_cache_dtype == "fp8_e4m3":  # the cache stores 1 byte per value: the floor moves
+        fp8_floor = decode_floor(config, itemsize, [len(p) for p in workload.prompts], workload.max_tokens,
+                                 bandwidth["bytes_per_s"], kv_itemsize=1)
+        print_fn("with the FP8 KV cache (1 byte per K/V value):")
+        for line in format_floor(fp8_floor, bandwidth, runs[0].seconds):
+            print_fn(line)
     for size, b in breakdowns.items():
         if len(sizes) > 1:
             print_fn(f"tensor-parallel size {size} (rank 0):")
@@ -539,6 +547,7 @@ def run_nano_bench(opts: NanoOptions, print_fn: Callable[[str], None] = print) -
         "ratio_ours_over_transformers": (runs[0].tok_per_s / runs[1].tok_per_s) if len(runs) > 1 else None,
         "bandwidth": bandwidth,
         "floor": {**floor, "fraction_of_floor_reached": floor["seconds"] / runs[0].seconds if runs[0].seconds else None},
+        "fp8_kv_floor": fp8_floor,
         "breakdown": breakdown,
         "breakdown_per_tp_size": breakdowns,
         "ok": all(r.ok for r in runs),
