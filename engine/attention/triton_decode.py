@@ -29,7 +29,7 @@ if triton is not None:
         stride_qb, stride_qh, stride_kn, stride_kh, stride_tr,
         stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
         sm_scale, v_scale, PRECISION: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT: tl.constexpr,
     ):
         b = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -44,7 +44,8 @@ if triton is not None:
         g_mask = offs_g < GROUP
         heads = kv_head * GROUP + offs_g
         offs_d = tl.arange(0, HEAD_DIM)
-        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None],
+                    other=0.0).to(DOT)
 
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -55,8 +56,7 @@ if triton is not None:
             loc = tl.load(TABLE + row * stride_tr + offs_n, mask=n_mask, other=0).to(tl.int64)
             kv_off = loc[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :]
             k = tl.load(K + kv_off, mask=n_mask[:, None], other=0.0)
-            if FP8:  # e4m3 is exact in the query's dtype; K's scale is folded into sm_scale
-                k = k.to(q.dtype)
+            k = k.to(DOT)  # e4m3 -> fp16 is one instruction on Hopper; K's scale is in sm_scale
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * sm_scale
             s = tl.where(n_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -64,8 +64,7 @@ if triton is not None:
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + kv_off, mask=n_mask[:, None], other=0.0)
-            if FP8:
-                v = v.to(q.dtype)
+            v = v.to(DOT)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
             m_i = m_new
         empty = l_i == 0.0  # a split past the end of a short request
@@ -90,6 +89,15 @@ if triton is not None:
         part = tl.load(PART_O + b * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :])
         out = tl.sum(part * weight[:, None], 0)
         tl.store(O + b * stride_ob + head * stride_oh + offs_d, out.to(O.dtype.element_ty))
+
+
+def dot_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype):
+    """What the kernels' dot products take: the query's dtype, or fp16 over an FP8 cache (e4m3
+    converts to fp16 in one instruction; to bf16 it goes through fp32, which made the kernel
+    compute-bound)."""
+    if kv_dtype == torch.float8_e4m3fn:
+        return tl.float16
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[q_dtype]
 
 
 def num_splits_for(batch_size: int, kv_heads: int, target_programs: int = 1024, max_splits: int = 16) -> int:
@@ -156,7 +164,7 @@ def decode_attention(
         head_dim ** -0.5 * k_scale, v_scale,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=num_warps,
+        NUM_SPLITS=num_splits, DOT=dot_dtype(q.dtype, k_cache.dtype), num_warps=num_warps,
     )
     _decode_attention_merge_kernel[(batch, heads)](
         po, pl, out, po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), out.stride(0), out.stride(1),

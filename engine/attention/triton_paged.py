@@ -29,7 +29,7 @@ if triton is not None:
         Q, K, V, O, LOCS, Q_START, Q_LEN, SEQ_LEN,
         stride_qt, stride_qh, stride_kn, stride_kh, stride_ot, stride_oh, stride_lb,
         sm_scale, v_scale, PRECISION: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, FP8: tl.constexpr,
+        BLOCK_N: tl.constexpr, DOT: tl.constexpr,
     ):
         req = tl.program_id(0)
         head = tl.program_id(1)
@@ -46,7 +46,7 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         m_mask = offs_m < q_len
         q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                    mask=m_mask[:, None], other=0.0)
+                    mask=m_mask[:, None], other=0.0).to(DOT)
         q_pos = cached + offs_m
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -59,8 +59,7 @@ if triton is not None:
             loc = tl.load(LOCS + req * stride_lb + offs_n, mask=n_mask, other=0).to(tl.int64)
             k = tl.load(K + loc[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :],
                         mask=n_mask[:, None], other=0.0)
-            if FP8:  # e4m3 is exact in the query's dtype; its scale is folded into sm_scale
-                k = k.to(q.dtype)
+            k = k.to(DOT)  # e4m3 -> fp16 is one instruction on Hopper; K's scale is in sm_scale
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * sm_scale
             keep = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
             s = tl.where(keep, s, float("-inf"))
@@ -71,8 +70,7 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + loc[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :],
                         mask=n_mask[:, None], other=0.0)
-            if FP8:
-                v = v.to(q.dtype)
+            v = v.to(DOT)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
             m_i = m_new
         out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -157,6 +155,6 @@ class TritonPagedBackend(AttentionBackend):
             head_dim ** -0.5 * k_scale, v_scale,
             # float32 stays float32 (Hopper would otherwise round dot inputs to TF32)
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP=heads // kp.shape[1 - token_dim],
-            HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=self.block_n, FP8=pool.quantized,
+            HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=self.block_n, DOT=triton_decode.dot_dtype(q.dtype, kp.dtype),
         )
         return out
