@@ -33,6 +33,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvledger.bench.online import main_online_bench
 
         return main_online_bench(args)
+    if getattr(args, "workload", None) == "shared-prefix":
+        from kvledger.bench.shared_prefix import main_shared_prefix_bench
+
+        return main_shared_prefix_bench(args)
     if getattr(args, "workload", None) == "early-stop":
         from kvledger.bench.admission import main_early_stop_bench
 

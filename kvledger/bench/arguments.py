@@ -11,7 +11,8 @@ from kvledger.engine.engine_config import EngineConfig
 BENCH_DTYPES = ("bfloat16", "float32")
 WORKLOAD = "nano-vllm"
 EARLY_STOP = "early-stop"
-WORKLOADS = (WORKLOAD, EARLY_STOP)
+SHARED_PREFIX = "shared-prefix"
+WORKLOADS = (WORKLOAD, EARLY_STOP, SHARED_PREFIX)
 NANO_NUM_REQUESTS = 256
 NANO_MIN_LEN = 100
 NANO_MAX_LEN = 1024
@@ -52,7 +53,8 @@ def add_nano_bench_arguments(p) -> None:
     g.add_argument("--workload", default=None, choices=list(WORKLOADS),
                    help="nano-vllm: its offline workload (256 requests, 142,827 in / 133,966 out tokens); "
                         "early-stop: outputs end before max_tokens, unknown to the scheduler (reserve vs "
-                        "optimistic admission)")
+                        "optimistic admission); shared-prefix: groups of requests sharing a long prefix, radix vs "
+                        "naive cache")
     g.add_argument("--num-requests", dest="num_requests", type=int, default=NANO_NUM_REQUESTS, action=_Given,
                    help="requests in the workload (its first N; early-stop: 256 on CUDA, 24 on the CPU)")
     g.add_argument("--max-input-len", dest="max_input_len", type=int, default=NANO_MAX_LEN, action=_Given,
@@ -100,6 +102,15 @@ def add_nano_bench_arguments(p) -> None:
                         "per --ratios entry")
     g.add_argument("--ratios", default=EARLY_STOP_RATIOS,
                    help="reserve ratios of the preempting policies, comma-separated")
+    g = p.add_argument_group("--workload shared-prefix (SGLang's generated-shared-prefix style; also --model-config, "
+                             "--device, --dtype, --seed and the engine options above)")
+    g.add_argument("--groups", type=int, default=32, help="groups of requests, one shared prefix each")
+    g.add_argument("--group-size", dest="group_size", type=int, default=16, help="requests per group")
+    g.add_argument("--prefix-len", dest="prefix_len", type=int, default=2048, help="tokens of each group's prefix")
+    g.add_argument("--question-len", dest="question_len", type=int, default=256,
+                   help="tokens each request adds after its group's prefix")
+    g.add_argument("--answer-len", dest="answer_len", type=int, default=256, help="tokens each request generates")
+    g.add_argument("--caches", default="radix,naive", help="prefix caches to run in turn, comma-separated")
 
 
 def add_online_bench_arguments(p: argparse.ArgumentParser) -> None:

@@ -402,13 +402,8 @@ class NanoOptions:
     hf_config: Dict[str, Any] = field(default_factory=dict)
 
     def resolve(self) -> "NanoOptions":
-        if self.device is None:
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device, self.dtype = default_device_and_dtype(self.device, self.dtype)
         cuda = torch.device(self.device).type == "cuda"
-        if self.dtype is None:
-            self.dtype = "bfloat16" if cuda else "float32"
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.cuda_graphs is None:
             self.cuda_graphs = cuda
         if self.bandwidth_bytes is None:
@@ -426,6 +421,15 @@ class NanoOptions:
             return [int(x) for x in str(self.tensor_parallel_sizes).split(",") if x.strip()]
         except ValueError:
             raise ValueError(f"--tp must list integers, comma-separated, got {self.tensor_parallel_sizes!r}") from None
+
+
+def default_device_and_dtype(device: Optional[str], dtype: Optional[str]) -> tuple[str, str]:
+    """The benchmarks' defaults: cuda when there is one; bfloat16 there, float32 on the CPU."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return device, dtype
 
 
 def _versions() -> Dict[str, Optional[str]]:
