@@ -79,6 +79,7 @@ class CacheRun:
     prompt_tokens: int
     cached_tokens: int
     steps: Dict[str, int] = field(default_factory=dict)
+    kv_pool_tokens: int = 0
 
     @property
     def tok_per_s(self) -> float:
@@ -124,12 +125,12 @@ def run_cache(llm, workload: SharedPrefixWorkload, warm: List[List[int]], device
 
 def format_table(runs: List[CacheRun]) -> List[str]:
     header = (f"{'cache':<8} {'time (s)':>9} {'throughput (tok/s)':>18} {'prefix hit rate':>15} "
-              f"{'prefill tokens computed':>23} {'steps (prefill+decode)':>22}")
+              f"{'prefill tokens computed':>23} {'steps (prefill+decode)':>22} {'KV pool tokens':>14}")
     lines = [header, "-" * len(header)]
     for r in runs:
         steps = f"{r.steps.get('prefill', 0):,}+{r.steps.get('decode', 0):,}"
         lines.append(f"{r.cache:<8} {r.seconds:>9.2f} {r.tok_per_s:>18,.1f} {100 * r.hit_rate:>14.1f}% "
-                     f"{r.prefill_computed:>23,} {steps:>22}")
+                     f"{r.prefill_computed:>23,} {steps:>22} {r.kv_pool_tokens:>14,}")
     for r in runs:
         status = "OK" if r.ok else "MISMATCH"
         lines.append(f"token counts {r.cache}: {status} ({r.output_tokens:,} of {r.expected_output_tokens:,})")
@@ -205,12 +206,13 @@ def run_shared_prefix_bench(opts: SharedPrefixOptions, print_fn: Callable[[str],
         # the CPU has no free-memory rule: room for every request at once, without sharing
         kw["kv_cache_tokens"] = _pages(longest, page) * page * min(opts.max_running_reqs, len(w.prompts))
     runs: List[CacheRun] = []
+    print_fn(f"model {desc}, {opts.dtype} on {opts.device} ({_device_name(opts.device)}); "
+             f"{opts.max_running_reqs} running at most")
     for cache in opts.cache_list():
         with LLM(source, cache_type=cache, **kw) as llm:
-            if not runs:
-                print_fn(f"model {desc}, {opts.dtype} on {opts.device} ({_device_name(opts.device)}); KV pool "
-                         f"{llm.scheduler.config.num_pages * page:,} tokens, {opts.max_running_reqs} running at most")
             runs.append(run_cache(llm, w, warm, opts.device))
+            runs[-1].kv_pool_tokens = llm.scheduler.config.num_pages * page
+        del llm  # before sizing the next engine's pool from free memory
         _free_memory(opts.device)
     for line in format_table(runs):
         print_fn(line)
