@@ -190,6 +190,15 @@ def _children():
     return [p for p in multiprocessing.active_children() if p.name.startswith("kvledger-rank")]
 
 
+def test_a_second_engine_while_one_runs_is_refused_and_the_first_keeps_working():
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    with LLM(TINY, dummy_weights=True, tensor_parallel_size=2, threads=1) as first:
+        with pytest.raises(RuntimeError, match="close\\(\\) that LLM first"):
+            LLM(TINY, dummy_weights=True, tensor_parallel_size=2, threads=1)
+        assert [len(o.token_ids) for o in first.generate(PROMPTS[:2], params)] == [3, 3]
+    assert _children() == []
+
+
 @pytest.mark.parametrize("hook,error,match", [
     (fail_on_rank_1, RankFailed, "rank 1 failed: RuntimeError: planted failure on rank 1"),
     (fail_on_rank_0, ValueError, "planted failure on rank 0"),

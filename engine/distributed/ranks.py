@@ -69,6 +69,11 @@ class RankProcesses:
         """Spawn ranks 1..N-1 (or join torchrun's world) and connect rank 0. On a torchrun rank
         other than 0 this serves rank 0 and then exits the process."""
         size = options.tensor_parallel_size
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            raise RuntimeError("a tensor-parallel engine (or another torch.distributed user) is already running in "
+                               "this process: close() that LLM first")
         if under_torchrun():
             return cls._join_torchrun(options, size, hook)
         workdir = tempfile.mkdtemp(prefix="kvledger-tp-")
