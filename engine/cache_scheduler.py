@@ -10,7 +10,8 @@ Operations (typed in `cache_ops.py`; each is one line of a trace, see `trace.py`
   evict(tokens)                    evict from the prefix cache directly, freeing the pages
   probe(tokens)                    match, lock, read available_size, unlock
 `sample` gives the sampled tokens in batch order (cycled), so a trace replays identically;
-`stop` names requests whose sampled token ends them (EOS or a stop token).
+`stop` names requests whose sampled token ends them (EOS or a stop token); one that names a
+request sampling nothing in the step is refused (InvalidOp), like every refusal changing nothing.
 The engine runs the same steps with its model between `allocate` and `complete`.
 The driver checks the ownership invariants after every operation (`check`).
 
@@ -28,6 +29,7 @@ from typing import Any, Callable, Dict, List, Sequence, Union
 
 from kvledger.engine.cache_ops import Abort, CacheOp, Decode, Evict, Finish, InvalidOp, Prefill, Probe, Submit, parse
 from kvledger.engine.invariants import InvariantViolation, KVProvenance, judge, tolist
+from kvledger.engine.rollback import Checkpoint
 from kvledger.reference.admission_policy import RESERVE, AdmissionPolicy, ObservedOutputRatio
 from kvledger.reference.events import note
 from kvledger.reference.pages import div_ceil, tokens_to_finish
@@ -107,13 +109,32 @@ class CacheScheduler:
         return {}
 
     def prefill(self, budget: int, sample: Sequence[int] = (), stop: Sequence[int] = ()) -> Dict:
+        self._check_stop_op([p.uid for p in self.waiting], stop, "are not waiting")
+        # Whether a waiting request named in `stop` samples (admitted whole, not turned away or
+        # left mid-chunk) is known only once admission has locked, split, stamped and taken table
+        # slots: a refusal then rolls all of it back, since a refused operation leaves no trace.
+        checkpoint = self._checkpoint() if stop else None
         batch, rejected = self.admit(budget)
+        try:
+            self._check_stop(self._sampling(batch), stop)
+        except InvalidOp:
+            checkpoint.restore()
+            raise
         batch, preempted = self._run(batch, sample, stop, is_prefill=True)
         return {"batch": [r.uid for r in batch], "rejected": rejected, **self._preempted_result(preempted)}
 
     def decode(self, sample: Sequence[int] = (), stop: Sequence[int] = ()) -> Dict:
-        batch, preempted = self._run(list(self.dm.running_reqs), sample, stop, is_prefill=False)
+        batch = list(self.dm.running_reqs)
+        # before allocating or preempting: a bad stop takes no page
+        self._check_stop_op(self._sampling(batch), stop, "are not running")
+        batch, preempted = self._run(batch, sample, stop, is_prefill=False)
         return {"batch": [r.uid for r in batch], **self._preempted_result(preempted)}
+
+    def _checkpoint(self) -> Checkpoint:
+        # Left out: what is not state, and what admission does not write but for rows of the
+        # table slots it takes (a slot freed by the rollback is read by nobody until reused).
+        return Checkpoint(self, keep=(self.impl, self.after_forward, self.page_table, self.tm.token_pool,
+                                      self.provenance))
 
     def _preempted_result(self, preempted: List[int]) -> Dict:
         return {"preempted": preempted} if self.policy.preempts else {}
@@ -223,17 +244,26 @@ class CacheScheduler:
              is_prefill: bool) -> tuple[List[Any], List[int]]:
         if not batch:
             return [], []
-        self._check_stop(batch, stop)  # before allocating or preempting: a bad stop takes no page
         batch, preempted = self.allocate(batch)
         if batch:
             # a request this step preempted samples no token, so no token of its can stop it
             self.complete(batch, sample, [u for u in stop if u not in preempted], is_prefill)
         return batch, preempted
 
-    def _check_stop(self, batch: List[Any], stop: Sequence[int]) -> None:
-        bad = set(stop) - {r.uid for r in batch if not self.is_chunked(r)}
+    def _sampling(self, batch: List[Any]) -> List[int]:
+        return [r.uid for r in batch if not self.is_chunked(r)]
+
+    def _check_stop_op(self, allowed: Sequence[int], stop: Sequence[int], why: str) -> None:
+        """A prefill's or decode's `stop`, before the operation changes anything."""
+        if len(set(stop)) < len(stop):
+            raise InvalidOp(f"stop names a uid twice: {list(stop)}")
+        self._check_stop(allowed, stop, why)
+
+    def _check_stop(self, allowed: Sequence[int], stop: Sequence[int],
+                    why: str = "sampled no token in this batch") -> None:
+        bad = set(stop) - set(allowed)
         if bad:
-            raise InvalidOp(f"stop names uids {sorted(bad)} that sampled no token in this batch")
+            raise InvalidOp(f"stop names uids {sorted(bad)} that {why}")
 
     def allocate(self, batch: List[Any]) -> tuple[List[Any], List[int]]:
         """Give the step its pages. Under optimistic admission, first preempt the newest live
@@ -282,7 +312,7 @@ class CacheScheduler:
         """After the forward: every request computed its tokens; the sampled ones get their token
         (`sample`, in batch order, cycled); those that reached max_tokens or are in `stop` (EOS)
         finish, in one lazy-free region; a prefill hands its prompt KV to the prefix cache."""
-        self._check_stop(batch, stop)
+        self._check_stop(self._sampling(batch), stop)
         stop = set(stop)
         if self.provenance is not None:  # the forward pass filled positions [cached_len, device_len)
             for req in batch:

@@ -12,7 +12,8 @@ ratio follows what ended requests generated) a quarter each. Under `reserve` no 
 preemption. Under the other two (reserve_ratio 0, 0.25 or 0.5 to start; 0 most often) the pool
 holds at most OPTIMISTIC_POOL_TOKENS, and `submit` clips a request until its worst case fits the
 pool (a bigger one is an InvalidOp there). Rules only those examples run push into preemption: `grow` decodes until a
-step preempts, `chunk_then_grow` leaves a request mid-chunk first (then continues it), `stream`
+step preempts, `chunk_then_grow` leaves a request mid-chunk first (then continues it),
+`outgrown_chunk` does so from idle, where the continuation's step loses its whole batch, `stream`
 has short same-prefix requests arrive one per step (several victims in one step), and `drain`
 checks liveness: with no new requests, driving the scheduler as the engine does ends every
 request within a bound counted from what is outstanding (operations, never time).
@@ -319,6 +320,19 @@ class LockstepMachine(RuleBasedStateMachine):
             self.prefill(1024, sample)
 
     @precondition(lambda self: self.optimistic and not self.ref.waiting and not self.ref.live)
+    @rule(family=st.integers(0, 2), sample=SAMPLE)
+    def outgrown_chunk(self, family: int, sample: List[int]) -> None:
+        """Optimistic only, from idle: a one-token request that may grow to the whole pool runs,
+        then chunk_then_grow admits a half-pool prompt one token at a time and decodes the first
+        while a decode fits. The chunk's continuation no longer fits: its step preempts the request
+        mid-chunk, the whole batch. From an arbitrary state the half-pool prompt is mostly turned
+        away instead, and no step loses its whole batch."""
+        self.submit(family, 1, [], self.pool)
+        self._do({"op": "prefill", "budget": 1024, "sample": sample})
+        self.submit(family, self.pool, [0] * self.pool, 1)
+        self.chunk_then_grow(1, sample, self.pool, True)
+
+    @precondition(lambda self: self.optimistic and not self.ref.waiting and not self.ref.live)
     @rule(family=st.integers(0, 2), keep=st.integers(1, 6),
           arrivals=st.lists(st.tuples(st.lists(ALPHABET, max_size=1), st.integers(1, 24)), min_size=3, max_size=6),
           sample=SAMPLE, steps=st.integers(1, 16))
@@ -383,7 +397,7 @@ class LockstepMachine(RuleBasedStateMachine):
             self.evict(max(evict, 1e-9))
 
     def _invalid_ops(self) -> List[Dict]:
-        """Operations the scheduler must refuse, in this state, before changing anything."""
+        """Operations the scheduler must refuse in this state, leaving it as it was."""
         ops = [
             {"op": "submit", "uid": self.next_uid, "tokens": [0] * self.header.max_seq_len, "max_tokens": 1},
             {"op": "submit", "uid": self.next_uid, "tokens": [], "max_tokens": 1},
@@ -402,26 +416,38 @@ class LockstepMachine(RuleBasedStateMachine):
             ops.append({"op": "submit", "uid": self.next_uid, "tokens": [0] * (self.pool + 1), "max_tokens": 1})
         if self.ref.waiting:
             ops.append({"op": "finish", "uid": self.ref.waiting[0].uid})
-        if self.ref.dm.runnable:
-            ops.append({"op": "decode", "sample": [], "stop": [self.next_uid]})
+        # a stop may name only a request of the step that samples: on an empty step, none
+        ops.append({"op": "decode", "sample": [], "stop": [self.next_uid]})
+        ops.append({"op": "prefill", "budget": 1024, "sample": [], "stop": [self.next_uid]})
+        running = self.ref.dm.running_reqs.uids()
+        if running:
+            ops.append({"op": "decode", "sample": [], "stop": running[:1] * 2})
+            ops.append({"op": "prefill", "budget": 1024, "sample": [], "stop": running[:1]})
+        # waiting requests that will not sample, known only once admission ran (and rolled back):
+        # behind the head, a budget of 1 admits nobody; a head mid-chunk with 2 tokens to go stays so
+        waiting = self.ref.waiting
+        if len(waiting) > 1:
+            ops.append({"op": "prefill", "budget": 1, "sample": [], "stop": [waiting[-1].uid]})
+        if waiting and waiting[0].chunked_req is not None and \
+                waiting[0].input_len - waiting[0].chunked_req.cached_len > 1:
+            ops.append({"op": "prefill", "budget": 1, "sample": [], "stop": [waiting[0].uid]})
         return ops
 
     @rule(data=st.data())
     def invalid(self, data: st.DataObject) -> None:
         """An operation the scheduler must refuse (InvalidOp), on both sides, changing nothing
         (the trace keeps only valid operations, so a refusal that changed state would not replay).
-        A prefill whose `stop` names a request outside its batch is left out: the scheduler refuses
-        it only after admission has moved the batch out of the queue (a known issue of
-        `CacheScheduler.prefill`, to be fixed there)."""
+        Among them a prefill whose `stop` names a waiting request that admission leaves out or
+        mid-chunk: the scheduler finds out after admitting, and rolls admission back."""
         op = data.draw(st.sampled_from(self._invalid_ops()), label="op")
-        before = self.ref.snapshot()
         for name, side in (("reference", self.lock.ref), ("fast", self.lock.fast)):
+            before = side.snapshot()
             try:
                 side.apply(dict(op))
             except InvalidOp:
+                self._check(side.snapshot() == before, f"the refused operation {op} changed the {name}'s state")
                 continue
             self._check(False, f"{name} accepted the invalid operation {op}")
-        self._check(self.ref.snapshot() == before, f"the refused operation {op} changed the reference's state")
 
     @rule(family=st.integers(0, 2), keep=st.integers(0, 48))
     def probe(self, family: int, keep: int) -> None:
