@@ -43,9 +43,10 @@ def rank_device(device: str, local_rank: int, tp_size: int) -> str:
     return device
 
 
-def build_rank(o: EngineConfig, tp: TensorParallelGroup, device: str, eos: Sequence[int] = (),
+def build_rank(o: EngineConfig, tp: TensorParallelGroup, device: str, eos: Optional[Sequence[int]] = None,
                hook: Optional[RankHook] = None) -> RankEngine:
-    """`eos`: rank 0's EOS ids (from its tokenizer); the other ranks receive them."""
+    """`eos`: rank 0's EOS ids (from its tokenizer; None: the model config's); the other ranks
+    receive rank 0's."""
     if o.threads is not None:
         torch.set_num_threads(o.threads)
     if torch.device(device).type == "cuda" and torch.device(device).index is not None:
@@ -70,6 +71,8 @@ def build_rank(o: EngineConfig, tp: TensorParallelGroup, device: str, eos: Seque
                                      kv_dtype=kv_dtype)
     if model.kv_pool.quantized:
         model.kv_pool.k_scale, model.kv_pool.v_scale = calibrate_kv_scales(model, calibration_ids(config.vocab_size))
+    if eos is None:
+        eos = config.eos_token_ids
     if tp.distributed:
         eos = tp.broadcast(list(eos))
     sched = SchedulerConfig(

@@ -62,7 +62,7 @@ class LLM:
                 self.ranks = RankProcesses.start(o, device, rank_hook)
             group = self.ranks.group if self.ranks else TensorParallelGroup()
             self.tokenizer = None if o.dummy_weights or not _has_tokenizer(o.model) else Tokenizer.load(o.model)
-            eos = self.tokenizer.eos_token_ids if self.tokenizer else model_config(o.model).eos_token_ids
+            eos = self.tokenizer.eos_token_ids if self.tokenizer else None  # None: the model config's
             built = build_rank(o, group, device, eos, rank_hook)
         except BaseException:
             if self.ranks is not None:

@@ -88,8 +88,6 @@ class TensorParallelShard:
     def take(self, name: str, c: ModelConfig, get: Callable[[], Any]) -> torch.Tensor:
         """This rank's part of parameter `name`; `get()` returns the whole parameter, lazily
         indexable (a tensor, a safetensors slice, or `FusedRows` over separate pieces)."""
-        if self.size == 1:
-            return _tensor(get()[:])
         leaf = name.split(".")[-2]  # "layers.3.attn.qkv_proj.weight" -> "qkv_proj"
         d = c.head_dim
         if leaf == "qkv_proj":
@@ -120,8 +118,6 @@ class FusedRows:
         self.pieces = pieces  # (indexable, rows)
 
     def __getitem__(self, rows: slice) -> torch.Tensor:
-        if rows.start is None and rows.stop is None:
-            return torch.cat([_tensor(piece[:]) for piece, _ in self.pieces], dim=0)
         start = 0
         for piece, n in self.pieces:
             if start <= rows.start and rows.stop <= start + n:
