@@ -55,7 +55,7 @@ def build_rank(o: EngineConfig, tp: TensorParallelGroup, device: str, eos: Optio
     validate_for_model(o.max_seq_len, config, tp.size)
     dtype = DTYPES[o.dtype]
     model = CausalLM.from_state_dict(config, state, dtype=dtype, device=device, tp=tp)
-    model.attn_backend = _attention_backend(o.attention, device)
+    model.attn_backend = _attention_backend(o.attention, device, cascade=o.cascade_attention and o.cache_type == "radix")
     del state
     kv_heads = len(tp.shard.kv_heads(config))
     kv_dtype = KV_CACHE_DTYPES[o.kv_cache_dtype] or dtype
@@ -104,8 +104,9 @@ def _auto_kv_tokens(config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dty
     return KVPool.tokens_that_fit(config, kv_dtype, free, fraction=0.9, reserve_bytes=reserve, kv_heads=kv_heads)
 
 
-def _attention_backend(name: str, device: str):
-    """auto: the Triton kernel on CUDA, torch-native (gathered KV + SDPA) on the CPU."""
+def _attention_backend(name: str, device: str, cascade: bool = False):
+    """auto: the Triton kernel on CUDA, torch-native (gathered KV + SDPA) on the CPU. cascade: the
+    Triton decode kernel reads shared prefixes once per group (only a radix cache shares pages)."""
     if name == "auto":
         name = "triton" if torch.device(device).type == "cuda" else "torch"
     if name == "torch":
@@ -115,5 +116,5 @@ def _attention_backend(name: str, device: str):
     if name == "triton":
         from kvledger.engine.attention.triton_paged import TritonPagedBackend
 
-        return TritonPagedBackend()
+        return TritonPagedBackend(cascade=cascade)
     raise ValueError(f"attention must be 'auto', 'torch' or 'triton', got {name!r}")

@@ -52,6 +52,9 @@ class EngineConfig:
     attention: str = option("auto", "attention backend (auto: Triton on CUDA, torch-native on the CPU)",
                             choices=ATTENTION_BACKENDS)
     cuda_graphs: bool = option(True, "capture decode steps as CUDA graphs", negative="--no-cuda-graphs")
+    cascade_attention: bool = option(True, "Triton decode with the radix cache: read a prefix that running requests "
+                                           "share once per group, not once per request",
+                                     negative="--no-cascade-attention")
     tensor_parallel_size: int = option(1, "processes (one per GPU, or CPU processes over gloo) that split the model "
                                           "by heads and MLP features; each holds its share of the KV pool",
                                        flag="--tensor-parallel-size", alias="--tp")

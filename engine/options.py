@@ -36,7 +36,7 @@ class EngineOptionError(ValueError):
 def validate_engine_options(c: "EngineConfig") -> None:
     """Raise EngineOptionError for the first bad option of `c` (an EngineConfig), naming it.
     Checks all that needs no model; validate_for_model checks the rest once its config is read."""
-    for name in ("verify", "dummy_weights", "cuda_graphs"):
+    for name in ("verify", "dummy_weights", "cuda_graphs", "cascade_attention"):
         _check_bool(name, getattr(c, name))
     _check_bool("overlap", c.overlap, none_ok=True)
     _check_model(c.model, c.dummy_weights)

@@ -2,6 +2,14 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts its thread pool
 
+import importlib.util  # noqa: E402
+
+import torch  # noqa: E402
+
+if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
+    # Triton kernels decide at definition whether they are interpreted: before any test imports them
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 
 from kvledger import fast

@@ -38,14 +38,17 @@ def test_radix_finds_the_shared_prefixes_and_naive_computes_every_prompt_token(t
     out = tmp_path / "sp.json"
     rc = main(["bench", "--workload", "shared-prefix", "--model-config", "smollm2-135m", "--device", "cpu",
                "--groups", "3", "--group-size", "4", "--prefix-len", "64", "--question-len", "8", "--answer-len", "3",
-               "--page-size", "4", "--max-prefill-tokens", "80", "--threads", "1", "-o", str(out)])
+               "--page-size", "4", "--max-prefill-tokens", "80", "--threads", "1", "--caches", "radix,radix-flat,naive",
+               "-o", str(out)])
     text = capsys.readouterr().out
     assert rc == 0, text
     report = json.loads(out.read_text())
-    radix, naive = report["runs"]
-    assert (radix["cache"], naive["cache"]) == ("radix", "naive") and report["ok"]
+    radix, flat, naive = report["runs"]
+    assert (radix["cache"], flat["cache"], naive["cache"]) == ("radix", "radix-flat", "naive") and report["ok"]
+    # the same cache without cascade decode: the same admissions, so the same hits
+    assert flat["cached_tokens"] == radix["cached_tokens"] and flat["steps"] == radix["steps"]
     assert naive["cached_tokens"] == 0 and naive["prefill_tokens_computed"] == 12 * 72
     # every request after its group's first can reuse the 64-token prefix (whole pages)
     assert 0 < radix["cached_tokens"] <= 9 * 64 and radix["cached_tokens"] % 4 == 0
     assert radix["prefill_tokens_computed"] == 12 * 72 - radix["cached_tokens"]
-    assert "radix over naive:" in text
+    assert "radix over naive:" in text and "cascade decode attention:" in text

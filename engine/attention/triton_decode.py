@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from kvledger.engine.attention.shared_prefix import PrefixGroups, shared_prefix_partials
+from kvledger.engine.attention.triton_online_softmax import attend_locations, finish_partial
+
 try:
     import triton
     import triton.language as tl
@@ -25,51 +28,39 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_split_kernel(
-        Q, K, V, TABLE, ROWS, SEQ_LEN, PART_O, PART_LSE,
+        Q, K, V, TABLE, ROWS, SEQ_LEN, START, PART_O, PART_LSE,
         stride_qb, stride_qh, stride_kn, stride_kh, stride_tr,
         stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
         sm_scale, v_scale, PRECISION: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT: tl.constexpr,
+        PREFIX_SPLITS: tl.constexpr,
     ):
         b = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         seq_len = tl.load(SEQ_LEN + b)
         row = tl.load(ROWS + b).to(tl.int64)
-        per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        start = split * per_split
-        end = tl.minimum(start + per_split, seq_len)
-
         offs_g = tl.arange(0, GROUP_PAD)
         g_mask = offs_g < GROUP
         heads = kv_head * GROUP + offs_g
+        first = 0
+        if PREFIX_SPLITS > 0:  # cascade: a grouped row's prefix [0, START[b]) is the prefix kernel's
+            first = tl.load(START + b)
+            if (split == 0) & (first == 0):  # in no group: its prefix slots stay empty
+                offs_p = NUM_SPLITS + tl.arange(0, PREFIX_SPLITS)
+                tl.store(PART_LSE + b * stride_lb + heads[:, None] * stride_lh + offs_p[None, :],
+                         tl.full([GROUP_PAD, PREFIX_SPLITS], float("-inf"), tl.float32), mask=g_mask[:, None])
+        per_split = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = first + split * per_split
+        end = tl.minimum(start + per_split, seq_len)
+
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None],
                     other=0.0).to(DOT)
 
-        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < end
-            loc = tl.load(TABLE + row * stride_tr + offs_n, mask=n_mask, other=0).to(tl.int64)
-            kv_off = loc[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :]
-            k = tl.load(K + kv_off, mask=n_mask[:, None], other=0.0)
-            k = k.to(DOT)  # e4m3 -> fp16 is one instruction on Hopper; K's scale is in sm_scale
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * sm_scale
-            s = tl.where(n_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + kv_off, mask=n_mask[:, None], other=0.0)
-            v = v.to(DOT)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
-            m_i = m_new
-        empty = l_i == 0.0  # a split past the end of a short request
-        out = acc * v_scale / tl.where(empty, 1.0, l_i)[:, None]
-        lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+        m_i, l_i, acc = attend_locations(q, K, V, TABLE + row * stride_tr, start, end, kv_head * stride_kh, stride_kn,
+                                         sm_scale, GROUP_PAD, HEAD_DIM, BLOCK_N, PRECISION, DOT)
+        out, lse = finish_partial(m_i, l_i, acc, v_scale)  # a split past a short request's end is empty
         base = b * stride_pb + heads * stride_ph + split * stride_ps
         tl.store(PART_O + base[:, None] + offs_d[None, :], out, mask=g_mask[:, None])
         tl.store(PART_LSE + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
@@ -77,16 +68,19 @@ if triton is not None:
     @triton.jit
     def _decode_attention_merge_kernel(
         PART_O, PART_LSE, O, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-        HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        HEAD_DIM: tl.constexpr, NUM_SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr,
     ):
         b = tl.program_id(0)
         head = tl.program_id(1)
-        offs_s = tl.arange(0, NUM_SPLITS)
+        offs_s = tl.arange(0, SLOTS_PAD)
         offs_d = tl.arange(0, HEAD_DIM)
-        lse = tl.load(PART_LSE + b * stride_lb + head * stride_lh + offs_s)
+        lse = tl.load(PART_LSE + b * stride_lb + head * stride_lh + offs_s, mask=offs_s < NUM_SLOTS,
+                      other=float("-inf"))
         weight = tl.exp(lse - tl.max(lse, 0))  # split 0 is never empty: the max is finite
         weight = weight / tl.sum(weight, 0)
-        part = tl.load(PART_O + b * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :])
+        # an empty slot's output is never read (an unused prefix slot holds stale values)
+        part = tl.load(PART_O + b * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+                       mask=(lse > float("-inf"))[:, None], other=0.0)
         out = tl.sum(part * weight[:, None], 0)
         tl.store(O + b * stride_ob + head * stride_oh + offs_d, out.to(O.dtype.element_ty))
 
@@ -118,11 +112,16 @@ def decode_launch_config(batch_size: int, kv_heads: int) -> tuple[int, int]:
 
 
 class DecodeWorkspace:
-    """Partial outputs of stage 1 for up to `max_batch` requests: allocate once, reuse per layer."""
+    """Partial outputs of stage 1 for up to `max_batch` requests: allocate once, reuse per layer.
+    A step with S splits uses slots [0, S) for each request's own tokens and the next
+    `prefix_splits` for a shared prefix (cascade attention, `shared_prefix.py`)."""
 
-    def __init__(self, max_batch: int, heads: int, head_dim: int, max_splits: int, device: torch.device | str) -> None:
-        self.part_o = torch.empty(max_batch, heads, max_splits, head_dim, dtype=torch.float32, device=device)
-        self.part_lse = torch.empty(max_batch, heads, max_splits, dtype=torch.float32, device=device)
+    def __init__(self, max_batch: int, heads: int, head_dim: int, max_splits: int, device: torch.device | str,
+                 prefix_splits: int = 0) -> None:
+        self.max_splits, self.prefix_splits = max_splits, prefix_splits
+        slots = max_splits + prefix_splits
+        self.part_o = torch.empty(max_batch, heads, slots, head_dim, dtype=torch.float32, device=device)
+        self.part_lse = torch.empty(max_batch, heads, slots, dtype=torch.float32, device=device)
 
 
 def decode_attention(
@@ -140,12 +139,15 @@ def decode_attention(
     num_warps: int = 4,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    groups: PrefixGroups | None = None,
 ) -> torch.Tensor:
     """q [B, heads, D] (each request's one new token, already stored in the cache) attends over
     the request's first seq_lens[b] tokens at table[rows[b], :seq_lens[b]].
 
     k_cache/v_cache: one layer's pool, [tokens, kv_heads, D] (token_dim 0) or [kv_heads, tokens, D]
     (token_dim 1), in q's dtype or FP8 (e4m3, read back as value * k_scale / v_scale).
+    groups: rows sharing a prefix (`find_prefix_groups`): the prefix is read once per group, in
+    the workspace's prefix slots (which it must have).
     Returns [B, heads, D] in q's dtype.
     """
     if triton is None:
@@ -153,21 +155,31 @@ def decode_attention(
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1 - token_dim]
     group = heads // kv_heads
-    if num_splits & (num_splits - 1) or num_splits > workspace.part_o.shape[2]:
-        raise ValueError(f"num_splits must be a power of two <= {workspace.part_o.shape[2]}, got {num_splits}")
+    if num_splits & (num_splits - 1) or num_splits > workspace.max_splits:
+        raise ValueError(f"num_splits must be a power of two <= {workspace.max_splits}, got {num_splits}")
+    prefix_splits = workspace.prefix_splits if groups is not None else 0
+    if groups is not None and (not prefix_splits or prefix_splits & (prefix_splits - 1)):
+        raise ValueError(f"shared-prefix groups need a workspace whose prefix_splits is a power of two, "
+                         f"got {prefix_splits}")
     out = torch.empty_like(q) if out is None else out
     po, pl = workspace.part_o, workspace.part_lse
+    sm_scale = head_dim ** -0.5 * k_scale
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    dot = dot_dtype(q.dtype, k_cache.dtype)
+    if groups is not None:
+        shared_prefix_partials(q, k_cache, v_cache, token_dim, table, rows, groups, po, pl, num_splits,
+                               prefix_splits, sm_scale, v_scale, dot, block_n=block_n, num_warps=num_warps)
     _decode_attention_split_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, table, rows, seq_lens, po, pl,
+        q, k_cache, v_cache, table, rows, seq_lens, groups.start if groups is not None else seq_lens, po, pl,
         q.stride(0), q.stride(1), k_cache.stride(token_dim), k_cache.stride(1 - token_dim), table.stride(0),
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-        head_dim ** -0.5 * k_scale, v_scale,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        sm_scale, v_scale, PRECISION=precision,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, DOT=dot_dtype(q.dtype, k_cache.dtype), num_warps=num_warps,
+        NUM_SPLITS=num_splits, DOT=dot, PREFIX_SPLITS=prefix_splits, num_warps=num_warps,
     )
+    slots = num_splits + prefix_splits
     _decode_attention_merge_kernel[(batch, heads)](
         po, pl, out, po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        HEAD_DIM=head_dim, NUM_SLOTS=slots, SLOTS_PAD=triton.next_power_of_2(slots),
     )
     return out

@@ -19,6 +19,7 @@ except ImportError:  # CPU-only installs: the backend is simply unavailable
 
 from kvledger.engine.attention.base import AttentionBackend, AttentionBatch
 from kvledger.engine.attention import triton_decode
+from kvledger.engine.attention.shared_prefix import PrefixGroups, find_prefix_groups, members_per_group
 from kvledger.engine.attention.triton_decode import DecodeWorkspace, decode_attention, num_splits_for
 from kvledger.engine.kv_pool import KVPool
 
@@ -88,20 +89,26 @@ class TritonPagedBackend(AttentionBackend):
 
     reads_stored_kv = True
 
-    def __init__(self, block_m: int | None = None, block_n: int = 64, max_batch: int = 256, max_splits: int = 16) -> None:
+    def __init__(self, block_m: int | None = None, block_n: int = 64, max_batch: int = 256, max_splits: int = 16,
+                 cascade: bool = False, prefix_splits: int = 8) -> None:
         """block_m: new tokens per program of the unified kernel; None picks 64 for 16-bit KV
-        (prefill on the H200 ran 3x faster than with 16) and 16 for float32."""
+        (prefill on the H200 ran 3x faster than with 16) and 16 for float32.
+        cascade: decode steps read a prefix that several requests share once per group
+        (`shared_prefix.py`), in `prefix_splits` splits."""
         if triton is None:
             raise RuntimeError("the Triton attention backend needs the `triton` package")
         self.block_m, self.block_n = block_m, block_n
         self.max_batch, self.max_splits = max_batch, max_splits
+        self.cascade, self.prefix_splits = cascade, prefix_splits
         self._decode: tuple | None = None  # (table, rows, seq_lens, num_splits) for a pure-decode step
+        self._groups: PrefixGroups | None = None  # this decode step's, found at its first layer
         self._workspace: DecodeWorkspace | None = None
 
     def plan(self, batch: AttentionBatch) -> None:
         device = batch.locs.device
         self._out_loc = batch.out_loc
         self._decode = None
+        self._groups = None
         if batch.is_decode and batch.table is not None and batch.batch_size <= self.max_batch:
             seq = torch.tensor(batch.seq_lens, dtype=torch.int32).to(device)
             self._decode = (batch.table, batch.rows, seq, None)  # split count: at the first layer
@@ -119,6 +126,7 @@ class TritonPagedBackend(AttentionBackend):
     def plan_decode(self, table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, num_splits: int) -> None:
         """Decode metadata already on the device: rows [B] int64 into table, seq_lens [B] int32."""
         self._decode = (table, rows, seq_lens, num_splits)
+        self._groups = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, pool: KVPool) -> torch.Tensor:
         pool.store(layer, self._out_loc, k, v)
@@ -137,11 +145,17 @@ class TritonPagedBackend(AttentionBackend):
             if splits is None:
                 splits = num_splits_for(q.shape[0], kv_heads, max_splits=self.max_splits)
             ws = self._workspace
-            if ws is None or ws.part_o.shape[1] != heads or ws.part_o.device != q.device:
-                ws = self._workspace = DecodeWorkspace(self.max_batch, heads, head_dim, self.max_splits, q.device)
+            prefix_splits = self.prefix_splits if self.cascade else 0
+            if ws is None or ws.part_o.shape[1] != heads or ws.part_o.device != q.device or \
+                    ws.prefix_splits != prefix_splits:
+                ws = self._workspace = DecodeWorkspace(self.max_batch, heads, head_dim, self.max_splits, q.device,
+                                                       prefix_splits=prefix_splits)
+            if self.cascade and self._groups is None:  # once per step: every layer shares the table
+                self._groups = find_prefix_groups(table, rows, seq, members_per_group(heads // kv_heads))
             block_n, warps = triton_decode.decode_launch_config(q.shape[0], kv_heads)
             return decode_attention(q, kp, vp, pool.token_dim, table, rows, seq, ws, splits,
-                                    block_n=block_n, num_warps=warps, k_scale=k_scale, v_scale=v_scale)
+                                    block_n=block_n, num_warps=warps, k_scale=k_scale, v_scale=v_scale,
+                                    groups=self._groups)
         q = q.contiguous()
         out = torch.empty_like(q)
         heads, head_dim = q.shape[1], q.shape[2]

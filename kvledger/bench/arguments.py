@@ -110,7 +110,8 @@ def add_nano_bench_arguments(p) -> None:
     g.add_argument("--question-len", dest="question_len", type=int, default=256,
                    help="tokens each request adds after its group's prefix")
     g.add_argument("--answer-len", dest="answer_len", type=int, default=256, help="tokens each request generates")
-    g.add_argument("--caches", default="radix,naive", help="prefix caches to run in turn, comma-separated")
+    g.add_argument("--caches", default="radix,naive", help="caches to run in turn, comma-separated: radix (with "
+                   "cascade decode attention), radix-flat (radix without it), naive")
 
 
 def add_online_bench_arguments(p: argparse.ArgumentParser) -> None:

@@ -10,6 +10,9 @@ questions, 256 output tokens, 256 running at most.
 
 Per cache it prints output tok/s, the prefix hit rate (prompt tokens found in the prefix cache at
 admission over all prompt tokens) and the prefill tokens computed (prompt tokens minus hits).
+`radix` decodes with cascade attention (a prefix shared by running requests is read once per
+group; Triton backend); `radix-flat` is the radix cache with it off, each request reading its
+whole context, so the two show what prefix-aware decode adds to prefix-aware prefill.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from kvledger.bench.nano import NANO_VOCAB_MAX, _device_name, _free_memory, _pag
 from kvledger.engine.engine_config import EngineConfig
 
 WORKLOAD = "shared-prefix"
-CACHES = ("radix", "naive")
+CACHES = ("radix", "radix-flat", "naive")
 
 
 @dataclass
@@ -102,7 +105,7 @@ class CacheRun:
                 "prefill_tokens_computed": self.prefill_computed, "token_counts_ok": self.ok}
 
 
-def run_cache(llm, workload: SharedPrefixWorkload, warm: List[List[int]], device: str) -> CacheRun:
+def run_cache(llm, workload: SharedPrefixWorkload, warm: List[List[int]], device: str, label: str) -> CacheRun:
     from kvledger.fast import SamplingParams
 
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=workload.answer_len)
@@ -118,18 +121,18 @@ def run_cache(llm, workload: SharedPrefixWorkload, warm: List[List[int]], device
     for o in outs:
         if o.error is not None:
             raise o.error
-    return CacheRun(llm.options.cache_type, seconds, sum(len(o.token_ids) for o in outs), workload.output_tokens,
+    return CacheRun(label, seconds, sum(len(o.token_ids) for o in outs), workload.output_tokens,
                     workload.prompt_tokens, sum(o.cached_tokens for o in outs),
                     {k: v - steps0[k] for k, v in llm.scheduler.steps.items()})
 
 
 def format_table(runs: List[CacheRun]) -> List[str]:
-    header = (f"{'cache':<8} {'time (s)':>9} {'throughput (tok/s)':>18} {'prefix hit rate':>15} "
+    header = (f"{'cache':<10} {'time (s)':>9} {'throughput (tok/s)':>18} {'prefix hit rate':>15} "
               f"{'prefill tokens computed':>23} {'steps (prefill+decode)':>22} {'KV pool tokens':>14}")
     lines = [header, "-" * len(header)]
     for r in runs:
         steps = f"{r.steps.get('prefill', 0):,}+{r.steps.get('decode', 0):,}"
-        lines.append(f"{r.cache:<8} {r.seconds:>9.2f} {r.tok_per_s:>18,.1f} {100 * r.hit_rate:>14.1f}% "
+        lines.append(f"{r.cache:<10} {r.seconds:>9.2f} {r.tok_per_s:>18,.1f} {100 * r.hit_rate:>14.1f}% "
                      f"{r.prefill_computed:>23,} {steps:>22} {r.kv_pool_tokens:>14,}")
     for r in runs:
         status = "OK" if r.ok else "MISMATCH"
@@ -138,6 +141,9 @@ def format_table(runs: List[CacheRun]) -> List[str]:
     if "radix" in by and "naive" in by and by["naive"].tok_per_s:
         lines.append(f"radix over naive: {by['radix'].tok_per_s / by['naive'].tok_per_s:.2f}x throughput, "
                      f"{by['naive'].prefill_computed / max(1, by['radix'].prefill_computed):.2f}x fewer prefill tokens")
+    if "radix" in by and "radix-flat" in by and by["radix-flat"].tok_per_s:
+        lines.append(f"cascade decode attention: {by['radix'].tok_per_s / by['radix-flat'].tok_per_s:.2f}x the "
+                     f"throughput of the radix cache without it")
     return lines
 
 
@@ -209,8 +215,8 @@ def run_shared_prefix_bench(opts: SharedPrefixOptions, print_fn: Callable[[str],
     print_fn(f"model {desc}, {opts.dtype} on {opts.device} ({_device_name(opts.device)}); "
              f"{opts.max_running_reqs} running at most")
     for cache in opts.cache_list():
-        with LLM(source, cache_type=cache, **kw) as llm:
-            runs.append(run_cache(llm, w, warm, opts.device))
+        with LLM(source, cache_type=cache.split("-")[0], cascade_attention=cache != "radix-flat", **kw) as llm:
+            runs.append(run_cache(llm, w, warm, opts.device, cache))
             runs[-1].kv_pool_tokens = llm.scheduler.config.num_pages * page
         del llm  # before sizing the next engine's pool from free memory
         _free_memory(opts.device)
