@@ -56,6 +56,7 @@ class CacheScheduler:
         self.preemptor = impl.Preemptor(self.cm, self.tm)
         self.preemptions = 0  # requests preempted so far
         self.recomputed_tokens = 0  # KV positions computed again after a preemption (not found in the cache)
+        self.prefix_hits: Dict[int, int] = {}  # the last admit's newly admitted uids -> tokens found in the cache
         # uid -> (KV positions it had computed when last preempted, times preempted) while it lives
         self._preempted: Dict[int, tuple[int, int]] = {}
         # adaptive admission: the ratio follows what ended requests generated (uid -> prompt length)
@@ -148,6 +149,7 @@ class CacheScheduler:
         adder = self.impl.PrefillAdder(budget, self.dm.inflight_tokens, self.cm, self.tm, policy=self.policy)
         batch = []
         rejected = None
+        self.prefix_hits = {}
         for pending in self.waiting:
             fresh = pending.chunked_req is None
             before = self._admission_state() if self.check_admission and fresh else None
@@ -160,6 +162,8 @@ class CacheScheduler:
                                                  f"rejecting uid {pending.uid} changed locks, free list or table slots")
                 break
             pending.chunked_req = req if self.is_chunked(req) else None
+            if fresh:
+                self.prefix_hits[req.uid] = req.cached_len
             if fresh and req.uid in self._preempted:
                 self._readmitted(req)
             batch.append(req)

@@ -10,6 +10,10 @@ decode step needs nothing from the host but the metadata and nothing goes back b
 Padded rows (batch sizes are rounded up to a captured size) read table row 0, write their K/V to
 the pool's scratch location and their token to the scratch entry of the token buffer: nothing a
 live request owns is touched.
+
+With cascade attention (a backend whose `cascade` is set) every size is captured twice, with and
+without it: a step where no running request came with a cached prefix shares no pages, and
+replays the plain graph, free of the grouping and prefix kernels.
 """
 
 from __future__ import annotations
@@ -38,32 +42,35 @@ class DecodeGraphs:
         self.max_batch = self.sizes[-1]
         device = table.device
         self.meta = torch.zeros(3, self.max_batch, dtype=torch.int64, device=device)  # rows, seq_lens, valid
-        self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self.graphs: Dict[Tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, cascade)
+        self.outputs: Dict[Tuple[int, bool], Tuple[torch.Tensor, torch.Tensor]] = {}
         self._kv_heads = model.config.num_kv_heads
+        self.variants = (False, True) if getattr(model.attn_backend, "cascade", False) else (False,)
 
     def capture(self) -> None:
         """Capture every size, largest first so the smaller graphs reuse its memory pool."""
         self.meta[1].fill_(1)
         pool = None
         for bs in reversed(self.sizes):
-            self._body(bs)  # warm-up: compiles the Triton kernels, settles the allocator
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = self._body(bs)
-            pool = graph.pool()
-            self.graphs[bs] = graph
+            for cascade in self.variants:
+                self._body(bs, cascade)  # warm-up: compiles the Triton kernels, settles the allocator
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[bs, cascade] = self._body(bs, cascade)
+                pool = graph.pool()
+                self.graphs[bs, cascade] = graph
         torch.cuda.synchronize()
 
-    def _body(self, bs: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _body(self, bs: int, cascade: bool) -> Tuple[torch.Tensor, torch.Tensor]:
         rows, seq_lens, valid = self.meta[0, :bs], self.meta[1, :bs], self.meta[2, :bs].bool()
         positions = seq_lens - 1
         pool = self.model.kv_pool
         out_loc = torch.where(valid, self.table[rows, positions].long(), pool.scratch_loc)
         token_rows = torch.where(valid, rows, self.scratch_row)
         input_ids = self.next_tokens[token_rows]
-        self.model.attn_backend.plan_decode(self.table, rows, seq_lens, num_splits_for(bs, self._kv_heads))
+        self.model.attn_backend.plan_decode(self.table, rows, seq_lens, num_splits_for(bs, self._kv_heads),
+                                            cascade=cascade)
         logits = self.model.run(input_ids, positions, out_loc, None)
         tokens = logits.argmax(-1)
         self.next_tokens[token_rows] = tokens
@@ -72,15 +79,16 @@ class DecodeGraphs:
     def fits(self, batch_size: int) -> bool:
         return 0 < batch_size <= self.max_batch and bool(self.graphs)
 
-    def run(self, rows: Sequence[int], seq_lens: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    def run(self, rows: Sequence[int], seq_lens: Sequence[int], cascade: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph for this batch: (logits [B, vocab] float32, greedy tokens [B]) on the
-        device, valid until the next replay."""
+        device, valid until the next replay. cascade=False: no row shares pages with another."""
         n = len(rows)
         bs = next(s for s in self.sizes if s >= n)
         pad = bs - n
         host = torch.tensor([list(rows) + [0] * pad, list(seq_lens) + [1] * pad, [1] * n + [0] * pad],
                             dtype=torch.int64, pin_memory=True)
         self.meta[:, :bs].copy_(host, non_blocking=True)
-        self.graphs[bs].replay()
-        logits, tokens = self.outputs[bs]
+        key = (bs, cascade and len(self.variants) > 1)
+        self.graphs[key].replay()
+        logits, tokens = self.outputs[key]
         return logits[:n], tokens[:n]

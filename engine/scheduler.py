@@ -34,6 +34,7 @@ from torch.profiler import record_function
 
 from kvledger import fast
 from kvledger.engine.attention.base import AttentionBatch
+from kvledger.engine.attention.shared_prefix import MIN_SHARED
 from kvledger.engine.cuda_graphs import DecodeGraphs
 from kvledger.engine.model import CausalLM
 from kvledger.engine.observers import FrozenState
@@ -141,6 +142,9 @@ class Scheduler:
             self.graphs = DecodeGraphs(model, self.driver.page_table, self.next_tokens,
                                        min(config.max_running_reqs, 256))
         self._inflight: Optional[_Step] = None
+        # live requests admitted with a prefix from the cache: pages are shared only through such a
+        # match, so while none is live the decode graphs without cascade attention do (no overhead)
+        self._may_share: set = set()
         self._ops: Deque[_PendingOp] = deque()  # observers see operations in order, with their values
         # greedy requests that sampled a stop token in a step whose bookkeeping ran on placeholders:
         # delivered as finished, released at the next bookkeeping (see step())
@@ -153,6 +157,12 @@ class Scheduler:
         # host blocked on the GPU), and steps per phase: benchmarks report them
         self.host_seconds: Dict[str, float] = {"schedule": 0.0, "complete": 0.0, "land": 0.0, "wait": 0.0}
         self.steps: Dict[str, int] = {"prefill": 0, "decode": 0}
+
+    @property
+    def sharing_possible(self) -> bool:
+        """Whether a live request came with a cached prefix (only then can running requests share
+        pages, and decode uses cascade attention)."""
+        return bool(self._may_share)
 
     def capture_graphs(self) -> None:
         """Capture the decode CUDA graphs (needs model.kv_pool); a no-op without graphs."""
@@ -252,6 +262,8 @@ class Scheduler:
                     rec = self.requests[req.uid]
                     if rec.cached_tokens is None:
                         rec.cached_tokens = req.cached_len
+                    if d.prefix_hits.get(req.uid, 0) >= MIN_SHARED:  # pages matched in the cache
+                        self._may_share.add(req.uid)
                 if not batch:
                     # the attempt's prefix match may have split a radix node and touched its LRU
                     # clock: it is an operation of its own, or traces and the shadow miss it
@@ -302,7 +314,7 @@ class Scheduler:
         The tokens are also left in next_tokens for the next decode step."""
         rows = [r.table_idx for r in batch]
         if phase == "decode" and self.graphs is not None and self.graphs.fits(len(batch)):
-            return self.graphs.run(rows, [r.device_len for r in batch])
+            return self.graphs.run(rows, [r.device_len for r in batch], cascade=self.sharing_possible)
         attn = AttentionBatch.from_page_table(self.driver.page_table, rows,
                                               [r.cached_len for r in batch], [r.device_len for r in batch])
         if phase == "decode":
@@ -449,5 +461,6 @@ class Scheduler:
 
     def _forget(self, uid: int) -> None:
         self.requests.pop(uid, None)
+        self._may_share.discard(uid)
         self._resumed_placeholders.pop(uid, None)
         self.sampler.remove(uid)

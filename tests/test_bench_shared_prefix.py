@@ -39,7 +39,7 @@ def test_radix_finds_the_shared_prefixes_and_naive_computes_every_prompt_token(t
     rc = main(["bench", "--workload", "shared-prefix", "--model-config", "smollm2-135m", "--device", "cpu",
                "--groups", "3", "--group-size", "4", "--prefix-len", "64", "--question-len", "8", "--answer-len", "3",
                "--page-size", "4", "--max-prefill-tokens", "80", "--threads", "1", "--caches", "radix,radix-flat,naive",
-               "-o", str(out)])
+               "--profile-requests", "4", "--profile-output-len", "2", "-o", str(out)])
     text = capsys.readouterr().out
     assert rc == 0, text
     report = json.loads(out.read_text())
@@ -52,3 +52,6 @@ def test_radix_finds_the_shared_prefixes_and_naive_computes_every_prompt_token(t
     assert 0 < radix["cached_tokens"] <= 9 * 64 and radix["cached_tokens"] % 4 == 0
     assert radix["prefill_tokens_computed"] == 12 * 72 - radix["cached_tokens"]
     assert "radix over naive:" in text and "cascade decode attention:" in text
+    assert sorted(report["decode_profiles"]) == ["naive", "radix", "radix-flat"]
+    assert all(p["requests"] == 4 and p["decode_steps"] >= 1 for p in report["decode_profiles"].values())
+    assert text.count("decode profile (kvledger): 4 requests") == 3

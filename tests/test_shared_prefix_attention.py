@@ -163,24 +163,54 @@ def test_cascade_decode_matches_gathered_sdpa(seed):
             assert err < tol, f"{splits} splits, {prefix_splits} prefix splits: relative error {err:.2e}"
 
 
+def _tiny_qwen():
+    from kvledger.engine.config import ModelConfig
+
+    return ModelConfig(arch="qwen3", vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=3,
+                       num_heads=8, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6,
+                       tie_word_embeddings=True, max_position_embeddings=2048, bos_token_id=None, eos_token_ids=(5,))
+
+
+def _prefix_prompts(groups, n, seed=0):
+    import random
+
+    from kvledger.fast import SamplingParams
+
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1024) for _ in range(rng.choice([64, 200, 333]))] for _ in range(groups)]
+    prompts = [prefixes[i % groups] + [rng.randrange(1024) for _ in range(rng.randint(1, 40))] for i in range(n)]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=rng.randint(10, 50)) for _ in prompts]
+    return prompts, params
+
+
+def test_the_scheduler_knows_when_running_requests_may_share_pages():
+    """Decode takes the plain (graph) path unless a live request came with a cached prefix: on
+    while prefix hits run, off once they end, never on for prompts with nothing in common."""
+    from kvledger.engine.llm import LLM
+
+    seen = []
+    llm = LLM(_tiny_qwen(), dummy_weights=True, page_size=4, kv_cache_tokens=4096, max_running_reqs=8,
+              max_prefill_tokens=256)
+    llm.scheduler.observers.append(lambda step, op, state: seen.append(llm.scheduler.sharing_possible))
+    prompts, params = _prefix_prompts(2, 8)
+    llm.generate(prompts, params)
+    assert any(seen) and not llm.scheduler.sharing_possible
+    seen.clear()
+    unrelated, params = _prefix_prompts(6, 6, seed=1)  # six different prefixes, one request each
+    unrelated = [[7 + i] + p for i, p in enumerate(unrelated)]  # and nothing in the cache from before
+    llm.generate(unrelated, params)
+    assert seen and not any(seen)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_engine_with_cascade_attention_gives_the_tokens_of_flat_decode(monkeypatch):
     """Groups of prompts behind a shared prefix, float32: cascade decode (eager, then CUDA graphs
     with overlap) generates exactly the greedy tokens of flat decode, and the eager run did group."""
-    import random
-
     from kvledger.engine.attention import triton_paged
-    from kvledger.engine.config import ModelConfig
     from kvledger.engine.llm import LLM
-    from kvledger.fast import SamplingParams
 
-    config = ModelConfig(arch="qwen3", vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=3,
-                         num_heads=8, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6,
-                         tie_word_embeddings=True, max_position_embeddings=2048, bos_token_id=None, eos_token_ids=(5,))
-    rng = random.Random(0)
-    prefixes = [[rng.randrange(1024) for _ in range(rng.choice([64, 200, 333]))] for _ in range(4)]
-    prompts = [prefixes[i % 4] + [rng.randrange(1024) for _ in range(rng.randint(1, 40))] for i in range(28)]
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=rng.randint(10, 50)) for _ in prompts]
+    config = _tiny_qwen()
+    prompts, params = _prefix_prompts(4, 28)
     kw = dict(dummy_weights=True, device="cuda", dtype="float32", page_size=16, kv_cache_tokens=20000,
               max_running_reqs=32, max_seq_len=512, max_prefill_tokens=256)
     flat = LLM(config, cuda_graphs=False, overlap=False, cascade_attention=False, **kw)
@@ -200,8 +230,9 @@ def test_engine_with_cascade_attention_gives_the_tokens_of_flat_decode(monkeypat
     assert eager.model.attn_backend.cascade
     assert [o.token_ids for o in eager.generate(prompts, params)] == expected
     eager.close()
+    monkeypatch.undo()  # the spy syncs: no graph could capture it
     assert max(grouped_rows) >= 8, grouped_rows
     graphs = LLM(config, cuda_graphs=True, overlap=True, **kw)
-    assert graphs.scheduler.graphs is not None and graphs.scheduler.graphs.graphs
+    assert graphs.scheduler.graphs is not None and graphs.scheduler.graphs.variants == (False, True)
     assert [o.token_ids for o in graphs.generate(prompts, params)] == expected
     graphs.close()

@@ -116,7 +116,7 @@ def find_prefix_groups(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.
 if triton is not None:
 
     @triton.jit
-    def _shared_prefix_kernel(
+    def _shared_prefix_attention_kernel(
         Q, K, V, TABLE, ROWS, LEADERS, PREFIX_LEN, MEMBERS, PART_O, PART_LSE,
         stride_qb, stride_qh, stride_kn, stride_kh, stride_tr, stride_mg,
         stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
@@ -164,7 +164,7 @@ def shared_prefix_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kv_heads = k_cache.shape[1 - token_dim]
     group = heads // kv_heads
     members = groups.members
-    _shared_prefix_kernel[(groups.leaders.numel(), kv_heads, prefix_splits)](
+    _shared_prefix_attention_kernel[(groups.leaders.numel(), kv_heads, prefix_splits)](
         q, k_cache, v_cache, table, rows, groups.leaders, groups.prefix_len, members, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(token_dim), k_cache.stride(1 - token_dim), table.stride(0),
         members.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0),

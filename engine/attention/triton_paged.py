@@ -90,7 +90,7 @@ class TritonPagedBackend(AttentionBackend):
     reads_stored_kv = True
 
     def __init__(self, block_m: int | None = None, block_n: int = 64, max_batch: int = 256, max_splits: int = 16,
-                 cascade: bool = False, prefix_splits: int = 8) -> None:
+                 cascade: bool = False, prefix_splits: int = 4) -> None:
         """block_m: new tokens per program of the unified kernel; None picks 64 for 16-bit KV
         (prefill on the H200 ran 3x faster than with 16) and 16 for float32.
         cascade: decode steps read a prefix that several requests share once per group
@@ -100,6 +100,7 @@ class TritonPagedBackend(AttentionBackend):
         self.block_m, self.block_n = block_m, block_n
         self.max_batch, self.max_splits = max_batch, max_splits
         self.cascade, self.prefix_splits = cascade, prefix_splits
+        self._step_cascade = True  # plan_decode's caller may say a step has nothing shared
         self._decode: tuple | None = None  # (table, rows, seq_lens, num_splits) for a pure-decode step
         self._groups: PrefixGroups | None = None  # this decode step's, found at its first layer
         self._workspace: DecodeWorkspace | None = None
@@ -109,6 +110,7 @@ class TritonPagedBackend(AttentionBackend):
         self._out_loc = batch.out_loc
         self._decode = None
         self._groups = None
+        self._step_cascade = True
         if batch.is_decode and batch.table is not None and batch.batch_size <= self.max_batch:
             seq = torch.tensor(batch.seq_lens, dtype=torch.int32).to(device)
             self._decode = (batch.table, batch.rows, seq, None)  # split count: at the first layer
@@ -123,10 +125,13 @@ class TritonPagedBackend(AttentionBackend):
         self._locs = torch.nn.functional.pad(batch.locs, (0, width - batch.locs.shape[1])).contiguous()
         self._max_q = max(batch.q_lens)
 
-    def plan_decode(self, table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, num_splits: int) -> None:
-        """Decode metadata already on the device: rows [B] int64 into table, seq_lens [B] int32."""
+    def plan_decode(self, table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, num_splits: int,
+                    cascade: bool = True) -> None:
+        """Decode metadata already on the device: rows [B] int64 into table, seq_lens [B] int32.
+        cascade=False: no row shares a prefix with another, so plain decode does."""
         self._decode = (table, rows, seq_lens, num_splits)
         self._groups = None
+        self._step_cascade = cascade
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, pool: KVPool) -> torch.Tensor:
         pool.store(layer, self._out_loc, k, v)
@@ -150,7 +155,7 @@ class TritonPagedBackend(AttentionBackend):
                     ws.prefix_splits != prefix_splits:
                 ws = self._workspace = DecodeWorkspace(self.max_batch, heads, head_dim, self.max_splits, q.device,
                                                        prefix_splits=prefix_splits)
-            if self.cascade and self._groups is None:  # once per step: every layer shares the table
+            if self.cascade and self._step_cascade and self._groups is None:  # once per step, for every layer
                 self._groups = find_prefix_groups(table, rows, seq, members_per_group(heads // kv_heads))
             block_n, warps = triton_decode.decode_launch_config(q.shape[0], kv_heads)
             return decode_attention(q, kp, vp, pool.token_dim, table, rows, seq, ws, splits,

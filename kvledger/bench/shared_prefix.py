@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from kvledger.bench.decode_profile import sync
+from kvledger.bench.decode_profile import format_breakdown, profile_decode, sync
 from kvledger.bench.nano import NANO_VOCAB_MAX, _device_name, _free_memory, _pages, _versions, \
     default_device_and_dtype, resolve_model_config
 from kvledger.engine.engine_config import EngineConfig
@@ -169,6 +169,8 @@ class SharedPrefixOptions:
     overlap: Optional[bool] = None
     attention: str = EngineConfig.attention
     threads: Optional[int] = None
+    profile_requests: int = 256
+    profile_output_len: int = 32
     output: Optional[str] = None
 
     def resolve(self) -> SharedPrefixOptions:
@@ -212,22 +214,30 @@ def run_shared_prefix_bench(opts: SharedPrefixOptions, print_fn: Callable[[str],
         # the CPU has no free-memory rule: room for every request at once, without sharing
         kw["kv_cache_tokens"] = _pages(longest, page) * page * min(opts.max_running_reqs, len(w.prompts))
     runs: List[CacheRun] = []
+    profiles: Dict[str, Dict[str, Any]] = {}
     print_fn(f"model {desc}, {opts.dtype} on {opts.device} ({_device_name(opts.device)}); "
              f"{opts.max_running_reqs} running at most")
     for cache in opts.cache_list():
         with LLM(source, cache_type=cache.split("-")[0], cascade_attention=cache != "radix-flat", **kw) as llm:
             runs.append(run_cache(llm, w, warm, opts.device, cache))
             runs[-1].kv_pool_tokens = llm.scheduler.config.num_pages * page
+            k = min(opts.profile_requests, len(w.prompts))
+            if k > 0:  # the first requests again, their prefixes as cached as in the run
+                profiles[cache] = profile_decode(llm, w.prompts[:k], [opts.profile_output_len] * k, opts.device)
         del llm  # before sizing the next engine's pool from free memory
         _free_memory(opts.device)
     for line in format_table(runs):
         print_fn(line)
+    for cache, breakdown in profiles.items():
+        print_fn(f"[{cache}]")
+        for line in format_breakdown(breakdown):
+            print_fn(line)
     report = {"workload": {"name": WORKLOAD, "groups": opts.groups, "group_size": opts.group_size,
                            "prefix_len": opts.prefix_len, "question_len": opts.question_len,
                            "answer_len": opts.answer_len, "prompt_tokens": w.prompt_tokens,
                            "output_tokens": w.output_tokens, "seed": opts.seed},
               "model": desc, "device_name": _device_name(opts.device), "versions": _versions(), "engine_kwargs": kw,
-              "runs": [r.as_dict() for r in runs], "ok": all(r.ok for r in runs)}
+              "runs": [r.as_dict() for r in runs], "decode_profiles": profiles, "ok": all(r.ok for r in runs)}
     if opts.output:
         Path(opts.output).write_text(json.dumps(report, indent=2, default=str) + "\n")
         print_fn(f"wrote {opts.output}")
