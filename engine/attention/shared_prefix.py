@@ -158,7 +158,8 @@ if triton is not None:
 def shared_prefix_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, token_dim: int,
                            table: torch.Tensor, rows: torch.Tensor, groups: PrefixGroups, part_o: torch.Tensor,
                            part_lse: torch.Tensor, first_slot: int, prefix_splits: int, sm_scale: float,
-                           v_scale: float, dot, block_n: int = 64, num_warps: int = 4) -> None:
+                           v_scale: float, dot, block_n: int = 64, num_warps: int = 4,
+                           num_stages: int | None = None) -> None:
     """Write each grouped row's prefix partials into slots [first_slot, first_slot + prefix_splits)."""
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1 - token_dim]
@@ -172,5 +173,5 @@ def shared_prefix_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP=group,
         GROUP_PAD=triton.next_power_of_2(group), MEMBERS_PAD=triton.next_power_of_2(members.shape[1]),
         HEAD_DIM=head_dim, BLOCK_N=block_n, FIRST_SLOT=first_slot, PREFIX_SPLITS=prefix_splits, DOT=dot,
-        num_warps=num_warps,
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )

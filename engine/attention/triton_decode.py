@@ -140,6 +140,8 @@ def decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     groups: PrefixGroups | None = None,
+    num_stages: int | None = None,
+    prefix_launch: tuple[int, int, int | None] | None = None,
 ) -> torch.Tensor:
     """q [B, heads, D] (each request's one new token, already stored in the cache) attends over
     the request's first seq_lens[b] tokens at table[rows[b], :seq_lens[b]].
@@ -148,6 +150,8 @@ def decode_attention(
     (token_dim 1), in q's dtype or FP8 (e4m3, read back as value * k_scale / v_scale).
     groups: rows sharing a prefix (`find_prefix_groups`): the prefix is read once per group, in
     the workspace's prefix slots (which it must have).
+    num_stages: Triton's software-pipelining depth (None: its default); prefix_launch: (BLOCK_N,
+    num_warps, num_stages) of the prefix kernel (None: those of the decode kernel).
     Returns [B, heads, D] in q's dtype.
     """
     if triton is None:
@@ -167,8 +171,10 @@ def decode_attention(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     dot = dot_dtype(q.dtype, k_cache.dtype)
     if groups is not None:
+        pre_block, pre_warps, pre_stages = prefix_launch or (block_n, num_warps, num_stages)
         shared_prefix_partials(q, k_cache, v_cache, token_dim, table, rows, groups, po, pl, num_splits,
-                               prefix_splits, sm_scale, v_scale, dot, block_n=block_n, num_warps=num_warps)
+                               prefix_splits, sm_scale, v_scale, dot, block_n=pre_block, num_warps=pre_warps,
+                               num_stages=pre_stages)
     _decode_attention_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, table, rows, seq_lens, groups.start if groups is not None else seq_lens, po, pl,
         q.stride(0), q.stride(1), k_cache.stride(token_dim), k_cache.stride(1 - token_dim), table.stride(0),
@@ -176,6 +182,7 @@ def decode_attention(
         sm_scale, v_scale, PRECISION=precision,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT=dot, PREFIX_SPLITS=prefix_splits, num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
     slots = num_splits + prefix_splits
     _decode_attention_merge_kernel[(batch, heads)](
