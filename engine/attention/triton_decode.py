@@ -111,6 +111,12 @@ def decode_launch_config(batch_size: int, kv_heads: int) -> tuple[int, int]:
     return 64, 4
 
 
+# (BLOCK_N, num_warps, num_stages) of the cascade's prefix kernel: on the H200 (Qwen3-0.6B, 32
+# groups sharing 2,048 tokens) two pipeline stages beat Triton's default three, 83 us per layer
+# against 93 (results/gpu/decode-stage-sweep.txt); a third stage's buffers halve occupancy
+PREFIX_LAUNCH = (64, 4, 2)
+
+
 class DecodeWorkspace:
     """Partial outputs of stage 1 for up to `max_batch` requests: allocate once, reuse per layer.
     A step with S splits uses slots [0, S) for each request's own tokens and the next

@@ -177,7 +177,7 @@ class TritonPagedBackend(AttentionBackend):
             block_n, warps = triton_decode.decode_launch_config(q.shape[0], kv_heads)
             return decode_attention(q, kp, vp, pool.token_dim, table, rows, seq, ws, splits,
                                     block_n=block_n, num_warps=warps, k_scale=k_scale, v_scale=v_scale,
-                                    groups=self._groups)
+                                    groups=self._groups, prefix_launch=triton_decode.PREFIX_LAUNCH)
         q = q.contiguous()
         out = torch.empty_like(q)
         heads, head_dim = q.shape[1], q.shape[2]
