@@ -103,11 +103,14 @@ def num_splits_for(batch_size: int, kv_heads: int, target_programs: int = 1024, 
     return splits
 
 
-def decode_launch_config(batch_size: int, kv_heads: int) -> tuple[int, int]:
+def decode_launch_config(batch_size: int, kv_heads: int, kv_dtype: torch.dtype | None = None) -> tuple[int, int]:
     """(BLOCK_N, num_warps) for stage 1. On the H200 (bf16) a per-layer sweep at fixed context
     lengths favoured 32-token blocks on 2 warps for large batches (6-10%), but over the whole
-    nano-vllm workload that made Qwen3-0.6B's decode phase 5% slower (5.40 s vs 5.11 s) and
-    SmolLM2's no faster, so one configuration it is."""
+    nano-vllm workload that made Qwen3-0.6B 4% slower (21,811 tok/s against 22,672), so 64 on 4
+    it is. An FP8 cache runs best on 2 warps: 22,931 tok/s against 21,708 on 4 (same run,
+    results/gpu/decode-configs.txt)."""
+    if kv_dtype == torch.float8_e4m3fn:
+        return 64, 2
     return 64, 4
 
 
