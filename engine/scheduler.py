@@ -317,6 +317,7 @@ class Scheduler:
             return self.graphs.run(rows, [r.device_len for r in batch], cascade=self.sharing_possible)
         attn = AttentionBatch.from_page_table(self.driver.page_table, rows,
                                               [r.cached_len for r in batch], [r.device_len for r in batch])
+        attn.may_share = self.sharing_possible
         if phase == "decode":
             ids = self.next_tokens[attn.rows]  # the previous step's tokens, still on the device
         else:

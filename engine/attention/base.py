@@ -29,6 +29,7 @@ class AttentionBatch:
     last_token_idx: torch.Tensor  # [B] int64, index in T of each request's last new token
     table: torch.Tensor | None = None  # the request-to-token table the rows index (decode kernels read it)
     rows: torch.Tensor | None = None  # [B] int64 table row of each request
+    may_share: bool = True  # False: no request shares KV pages with another (no cascade attention)
 
     @property
     def batch_size(self) -> int:

@@ -131,6 +131,7 @@ class TritonPagedBackend(AttentionBackend):
         if batch.is_decode and batch.table is not None and batch.batch_size <= self.max_batch:
             seq = torch.tensor(batch.seq_lens, dtype=torch.int32).to(device)
             self._decode = (batch.table, batch.rows, seq, None)  # split count: at the first layer
+            self._step_cascade = batch.may_share
             return
         q_lens = torch.tensor(batch.q_lens, dtype=torch.int32)
         self._q_len = q_lens.to(device)
