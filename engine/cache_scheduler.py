@@ -103,7 +103,7 @@ class CacheScheduler:
         if not self.increasing_uids:
             self.known.add(uid)
         self.last_uid = uid if self.last_uid is None else max(self.last_uid, uid)
-        self.submitted[uid] = (tuple(int(t) for t in tokens), max_tokens)
+        self.submitted[uid] = (tuple(map(int, tokens)), max_tokens)
         if self.observed_ratio is not None:
             self._prompt_len[uid] = len(tokens)
         self.waiting.append(pending)

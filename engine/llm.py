@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 from kvledger.engine.build import build_rank, rank_device
 from kvledger.engine.default_model import default_model_path
@@ -87,7 +87,7 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("prompt: text prompts need a tokenizer (dummy weights have none); pass token ids")
             return self.tokenizer.encode(prompt)
-        return [int(t) for t in prompt]
+        return list(map(int, prompt))
 
     def chat(self, message: str) -> List[int]:
         if self.tokenizer is None:
@@ -120,9 +120,26 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = _per_request(sampling_params, len(prompts))
-        outputs = [self._submit(p, sp) for p, sp in zip(prompts, params)]
-        by_uid = {o.uid: o for o in outputs if o.error is None}
-        bar = _progress(len(by_uid), use_tqdm)
+        outputs: List[RequestOutput] = []
+        by_uid: Dict[int, RequestOutput] = {}
+        bar = _progress(len(prompts), use_tqdm)
+        todo = iter(zip(prompts, params))
+        # Submitting a 2k-token prompt costs about a millisecond of host time. Requests are
+        # submitted only while fewer than max_running_reqs + 1 wait, the most that one admission
+        # can look at, so steps are scheduled exactly as with everything submitted up front.
+        # The rest are submitted between steps, while the GPU runs the one in flight.
+        enough = self.options.max_running_reqs + 1
+
+        def submit_more() -> None:
+            while len(outputs) < len(prompts) and self.scheduler.waiting_requests < enough:
+                out = self._submit(*next(todo))
+                outputs.append(out)
+                if out.error is None:
+                    by_uid[out.uid] = out
+                elif bar is not None:
+                    bar.update(1)
+
+        submit_more()
         while self.scheduler.has_work:
             for ev in self.scheduler.step():
                 out = by_uid[ev.uid]
@@ -136,6 +153,7 @@ class LLM:
                     out.text = self._decode(out.token_ids)
                     if bar is not None:
                         bar.update(1)
+            submit_more()
         if bar is not None:
             bar.close()
         return outputs

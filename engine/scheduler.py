@@ -175,7 +175,9 @@ class Scheduler:
         n = len(token_ids)
         if n == 0:
             raise RequestError("prompt", "prompt is empty")
-        bad = [t for t in token_ids if not 0 <= int(t) < self.vocab_size]
+        # min/max first: a per-token Python check costs ~0.3 ms for a 2k-token prompt
+        bad = [] if 0 <= min(token_ids) and max(token_ids) < self.vocab_size else \
+            [t for t in token_ids if not 0 <= int(t) < self.vocab_size]
         if bad:
             raise RequestError("prompt", f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         validate_sampling(params)
@@ -193,7 +195,7 @@ class Scheduler:
             raise RequestError("max_tokens", f"max_tokens {params.max_tokens}: the request may need {need} KV tokens, the pool holds {pool}")
 
     def submit(self, uid: int, token_ids: Sequence[int], params: fast.SamplingParams) -> None:
-        ids = [int(t) for t in token_ids]
+        ids = list(map(int, token_ids))
         self.validate(ids, params)
         self.requests[uid] = RequestRecord(uid, params)
         self.sampler.add(uid, params)
@@ -211,6 +213,11 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.driver.waiting or self.driver.dm.runnable or self._inflight is not None)
+
+    @property
+    def waiting_requests(self) -> int:
+        """Requests submitted and not admitted yet (preempted ones included)."""
+        return len(self.driver.waiting)
 
     # -- one step -----------------------------------------------------------------------------
     def step(self) -> List[TokenEvent]:

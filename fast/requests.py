@@ -18,7 +18,8 @@ def as_token_tensor(ids: Any) -> torch.Tensor:
         if ids.dim() != 1:
             raise ValueError(f"input_ids must be 1-D, got shape {tuple(ids.shape)}")
         return ids.to(device="cpu", dtype=torch.int32)
-    return torch.tensor(list(ids), dtype=torch.int32)
+    # through numpy: torch.tensor() checks each element's type, ~5x slower for a 2k-token list
+    return torch.from_numpy(np.asarray(list(ids), dtype=np.int32))
 
 
 class Req:
