@@ -4,7 +4,8 @@ Stage 1: one program per (request, KV head, split) walks its slice of the reques
 locations straight from the request-to-token table (no gathered copy), with every query head of
 that KV head's group at once (GQA: the group shares each loaded K/V block), and writes a partial
 output normalized by its own softmax sum plus the log-sum-exp. Stage 2: one program per (request,
-query head) merges the splits. Splitting keeps the GPU busy when few requests have long contexts.
+query head) merges the splits. Splitting keeps the GPU busy when few requests have long contexts;
+with one split (large batches) stage 1 writes the output itself and stage 2 is skipped.
 
 Everything the kernels need is on the device (table rows, sequence lengths), so a captured graph
 replays them with new metadata copied into the same buffers; no host value enters the launch
@@ -28,9 +29,9 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_split_kernel(
-        Q, K, V, TABLE, ROWS, SEQ_LEN, START, PART_O, PART_LSE,
+        Q, K, V, TABLE, ROWS, SEQ_LEN, START, PART_O, PART_LSE, O,
         stride_qb, stride_qh, stride_kn, stride_kh, stride_tr,
-        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
         sm_scale, v_scale, PRECISION: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT: tl.constexpr,
         PREFIX_SPLITS: tl.constexpr,
@@ -61,9 +62,13 @@ if triton is not None:
         m_i, l_i, acc = attend_locations(q, K, V, TABLE + row * stride_tr, start, end, kv_head * stride_kh, stride_kn,
                                          sm_scale, GROUP_PAD, HEAD_DIM, BLOCK_N, PRECISION, DOT)
         out, lse = finish_partial(m_i, l_i, acc, v_scale)  # a split past a short request's end is empty
-        base = b * stride_pb + heads * stride_ph + split * stride_ps
-        tl.store(PART_O + base[:, None] + offs_d[None, :], out, mask=g_mask[:, None])
-        tl.store(PART_LSE + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+        if NUM_SPLITS + PREFIX_SPLITS == 1:  # the only partial is the answer: no merge
+            tl.store(O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
+                     mask=g_mask[:, None])
+        else:
+            base = b * stride_pb + heads * stride_ph + split * stride_ps
+            tl.store(PART_O + base[:, None] + offs_d[None, :], out, mask=g_mask[:, None])
+            tl.store(PART_LSE + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
 
     @triton.jit
     def _decode_attention_merge_kernel(
@@ -185,15 +190,17 @@ def decode_attention(
                                prefix_splits, sm_scale, v_scale, dot, block_n=pre_block, num_warps=pre_warps,
                                num_stages=pre_stages)
     _decode_attention_split_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, table, rows, seq_lens, groups.start if groups is not None else seq_lens, po, pl,
+        q, k_cache, v_cache, table, rows, seq_lens, groups.start if groups is not None else seq_lens, po, pl, out,
         q.stride(0), q.stride(1), k_cache.stride(token_dim), k_cache.stride(1 - token_dim), table.stride(0),
-        po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+        po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), out.stride(0), out.stride(1),
         sm_scale, v_scale, PRECISION=precision,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT=dot, PREFIX_SPLITS=prefix_splits, num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
     slots = num_splits + prefix_splits
+    if slots == 1:
+        return out
     _decode_attention_merge_kernel[(batch, heads)](
         po, pl, out, po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, NUM_SLOTS=slots, SLOTS_PAD=triton.next_power_of_2(slots),
