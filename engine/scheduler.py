@@ -34,10 +34,10 @@ from torch.profiler import record_function
 
 from kvledger import fast
 from kvledger.engine.attention.base import AttentionBatch
-from kvledger.engine.attention.shared_prefix import MIN_SHARED
 from kvledger.engine.cuda_graphs import DecodeGraphs
 from kvledger.engine.model import CausalLM
 from kvledger.engine.observers import FrozenState
+from kvledger.engine.prefix_sharing import PrefixSharing
 from kvledger.engine.request_error import RequestError
 from kvledger.engine.sampling import Sampler, validate_sampling
 from kvledger.engine.cache_ops import Abort, CacheOp, Finish, Submit, to_json
@@ -142,9 +142,9 @@ class Scheduler:
             self.graphs = DecodeGraphs(model, self.driver.page_table, self.next_tokens,
                                        min(config.max_running_reqs, 256))
         self._inflight: Optional[_Step] = None
-        # live requests admitted with a prefix from the cache: pages are shared only through such a
-        # match, so while none is live the decode graphs without cascade attention do (no overhead)
-        self._may_share: set = set()
+        # whether running requests may share KV pages: decode replays the cascade-attention graphs
+        # only then (a workload without shared prefixes pays nothing for them)
+        self.prefix_sharing = PrefixSharing()
         self._ops: Deque[_PendingOp] = deque()  # observers see operations in order, with their values
         # greedy requests that sampled a stop token in a step whose bookkeeping ran on placeholders:
         # delivered as finished, released at the next bookkeeping (see step())
@@ -160,9 +160,9 @@ class Scheduler:
 
     @property
     def sharing_possible(self) -> bool:
-        """Whether a live request came with a cached prefix (only then can running requests share
-        pages, and decode uses cascade attention)."""
-        return bool(self._may_share)
+        """Whether running requests may share KV pages (`PrefixSharing`): decode then uses cascade
+        attention."""
+        return self.prefix_sharing.possible
 
     def capture_graphs(self) -> None:
         """Capture the decode CUDA graphs (needs model.kv_pool); a no-op without graphs."""
@@ -269,8 +269,8 @@ class Scheduler:
                     rec = self.requests[req.uid]
                     if rec.cached_tokens is None:
                         rec.cached_tokens = req.cached_len
-                    if d.prefix_hits.get(req.uid, 0) >= MIN_SHARED:  # pages matched in the cache
-                        self._may_share.add(req.uid)
+                    if req.uid in d.prefix_hits:  # admitted now, not a later chunk
+                        self.prefix_sharing.admitted(req.uid, req.input_ids, d.prefix_hits[req.uid])
                 if not batch:
                     # the attempt's prefix match may have split a radix node and touched its LRU
                     # clock: it is an operation of its own, or traces and the shadow miss it
@@ -469,6 +469,6 @@ class Scheduler:
 
     def _forget(self, uid: int) -> None:
         self.requests.pop(uid, None)
-        self._may_share.discard(uid)
+        self.prefix_sharing.forget(uid)
         self._resumed_placeholders.pop(uid, None)
         self.sampler.remove(uid)

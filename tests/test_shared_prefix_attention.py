@@ -200,6 +200,36 @@ def test_the_scheduler_knows_when_running_requests_may_share_pages():
     unrelated = [[7 + i] + p for i, p in enumerate(unrelated)]  # and nothing in the cache from before
     llm.generate(unrelated, params)
     assert seen and not any(seen)
+    # each request again, so each hits its own cached prompt (a chat's next turn): nothing shared
+    seen.clear()
+    assert [o.cached_tokens >= 16 for o in llm.generate(unrelated, params)] == [True] * 6
+    assert seen and not any(seen)
+
+
+def test_prefix_sharing_needs_a_hit_and_a_second_request_with_the_same_start():
+    from kvledger.engine.prefix_sharing import PrefixSharing
+
+    s = PrefixSharing(min_shared=4)
+    a, b = [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 9, 9]  # the same first four tokens
+    s.admitted(1, a, hit=0)
+    s.admitted(2, [7, 7, 7, 7, 7], hit=5)  # a hit on a prompt nobody else runs
+    assert not s.possible
+    s.admitted(3, b, hit=3)  # the same start, but a hit too short to share a group's worth
+    assert not s.possible
+    s.admitted(4, b, hit=4)
+    assert s.possible
+    s.forget(1)
+    assert s.possible  # 3 and 4 still share their start
+    s.forget(3)
+    assert not s.possible  # 4 is alone with its start now
+    s.admitted(4, b, hit=0)  # re-admitted after a preemption: counted once, its earlier hit kept
+    s.admitted(5, [1, 2, 3, 0, 4], hit=0)  # equal up to the third token only
+    assert not s.possible
+    s.admitted(6, b, hit=0)
+    assert s.possible
+    for uid in (2, 4, 5, 6):
+        s.forget(uid)
+    assert not s.possible and not s._count and not s._key
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

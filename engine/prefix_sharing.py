@@ -1,0 +1,48 @@
+"""Whether two running requests can hold the same KV pages, decided on the host per decode step.
+
+Pages are shared only through the radix cache, which matches by token content from the root, so
+two requests that share a page share every token before it and their first tokens are equal. One
+of them found the page in the cache when it was admitted (a hit). Sharing of at least
+`MIN_SHARED` tokens is therefore possible only while some live request that was admitted with a
+hit of that length has the same first `MIN_SHARED` tokens as another live request.
+
+A request that hits only its own earlier conversation (a multi-turn chat) leaves this False, and
+decode replays the graphs without cascade attention. False is a guarantee; True is only a
+possibility, and the grouping on the device then finds what is shared.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Dict, Sequence, Set, Tuple
+
+from kvledger.engine.attention.shared_prefix import MIN_SHARED
+
+
+class PrefixSharing:
+    def __init__(self, min_shared: int = MIN_SHARED) -> None:
+        self.min_shared = min_shared
+        self._key: Dict[int, Tuple[int, ...]] = {}  # live uid -> its first min_shared tokens
+        self._count: Counter = Counter()  # key -> live requests with it
+        self._hits: Set[int] = set()  # live uids admitted with a hit of at least min_shared tokens
+
+    def admitted(self, uid: int, tokens: Sequence[int], hit: int) -> None:
+        """A request entered the running set (again, after a preemption) with `hit` cached tokens."""
+        if uid not in self._key:
+            key = tuple(int(t) for t in tokens[: self.min_shared])
+            self._key[uid] = key
+            self._count[key] += 1
+        if hit >= self.min_shared:
+            self._hits.add(uid)
+
+    def forget(self, uid: int) -> None:
+        key = self._key.pop(uid, None)
+        if key is not None:
+            self._count[key] -= 1
+            if not self._count[key]:
+                del self._count[key]
+        self._hits.discard(uid)
+
+    @property
+    def possible(self) -> bool:
+        return any(self._count[self._key[uid]] >= 2 for uid in self._hits)
