@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from kvledger.bench.shared_prefix import make_workload
 from kvledger.cli import main
@@ -55,3 +56,14 @@ def test_radix_finds_the_shared_prefixes_and_naive_computes_every_prompt_token(t
     assert sorted(report["decode_profiles"]) == ["naive", "radix", "radix-flat"]
     assert all(p["requests"] == 4 and p["decode_steps"] >= 1 for p in report["decode_profiles"].values())
     assert text.count("decode profile (kvledger): 4 requests") == 3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_the_kernel_sweeps_refuse_without_a_gpu_and_name_a_bad_sweep(capsys):
+    from kvledger.bench.decode_kernels import main as sweeps
+
+    assert sweeps([]) == 2
+    assert capsys.readouterr().err.strip() == "python -m kvledger.bench.decode_kernels: needs a CUDA device"
+    with pytest.raises(SystemExit) as e:
+        sweeps(["plain", "prefil"])
+    assert e.value.code == 2 and "unknown sweep 'prefil'" in capsys.readouterr().err
