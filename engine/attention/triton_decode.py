@@ -17,11 +17,12 @@ from __future__ import annotations
 import torch
 
 from kvledger.engine.attention.shared_prefix import PrefixGroups, shared_prefix_partials
-from kvledger.engine.attention.triton_online_softmax import attend_locations, finish_partial
 
 try:
     import triton
     import triton.language as tl
+
+    from kvledger.engine.attention.triton_online_softmax import attend_locations, finish_partial
 except ImportError:
     triton = None
 
