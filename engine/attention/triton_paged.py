@@ -1,7 +1,8 @@
 """CUDA attention over the page table: one Triton kernel for prefill, chunked extend and decode.
 
 Each program takes one request, one KV head and a block of that request's new tokens, with every
-query head of the KV head's group in one tile (GQA: each K/V block is loaded once for the group),
+query head of the KV head's group in one tile (GQA: each K/V block is loaded once for the group;
+a group whose size is not a power of two takes one query head per program),
 and streams the request's keys and values straight from the KV pool through its token locations
 (no gathered copy), with an online softmax. The new tokens' K/V are stored first, so prefix and
 new tokens are read the same way; the causal mask is key position <= query position.
@@ -30,11 +31,13 @@ if triton is not None:
     def _paged_attention_kernel(
         Q, K, V, O, LOCS, Q_START, Q_LEN, SEQ_LEN,
         stride_qt, stride_qh, stride_kn, stride_kh, stride_ot, stride_oh, stride_lb,
-        sm_scale, v_scale, PRECISION: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+        sm_scale, v_scale, PRECISION: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr,
+        HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        DOT: tl.constexpr,
     ):
         req = tl.program_id(0)
-        kv_head = tl.program_id(1)
+        first_head = tl.program_id(1) * HEADS  # HEADS query heads per program, all of one KV head
+        kv_head = first_head // GROUP
         block = tl.program_id(2)
         q_len = tl.load(Q_LEN + req)
         if block * BLOCK_M >= q_len:
@@ -43,20 +46,20 @@ if triton is not None:
         q_start = tl.load(Q_START + req)
         cached = seq_len - q_len
 
-        # tile row r: query head kv_head * GROUP + r // BLOCK_M, new token block * BLOCK_M + r % BLOCK_M
-        offs_r = tl.arange(0, GROUP_PAD * BLOCK_M)
+        # tile row r: query head first_head + r // BLOCK_M, new token block * BLOCK_M + r % BLOCK_M
+        offs_r = tl.arange(0, HEADS_PAD * BLOCK_M)
         h = offs_r // BLOCK_M
         offs_m = block * BLOCK_M + offs_r % BLOCK_M  # index among this request's new tokens
         offs_d = tl.arange(0, HEAD_DIM)
-        r_mask = (offs_m < q_len) & (h < GROUP)
-        head = kv_head * GROUP + h
+        r_mask = (offs_m < q_len) & (h < HEADS)
+        head = first_head + h
         q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=r_mask[:, None], other=0.0).to(DOT)
         q_pos = cached + offs_m
 
-        m_i = tl.full([GROUP_PAD * BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_PAD * BLOCK_M], tl.float32)
-        acc = tl.zeros([GROUP_PAD * BLOCK_M, HEAD_DIM], tl.float32)
+        m_i = tl.full([HEADS_PAD * BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([HEADS_PAD * BLOCK_M], tl.float32)
+        acc = tl.zeros([HEADS_PAD * BLOCK_M, HEAD_DIM], tl.float32)
         end = tl.minimum(seq_len, cached + (block + 1) * BLOCK_M)  # causal: later keys are never seen
         for start in range(0, end, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
@@ -82,17 +85,21 @@ if triton is not None:
                  out.to(O.dtype.element_ty), mask=r_mask[:, None])
 
 
-def prefill_tile(group: int, block_m: int, block_n: int) -> tuple[int, int, int]:
-    """(new tokens per program, keys per iteration, num_warps) for the unified kernel, whose tile
-    holds a KV head's whole query group: about `block_m` x 2 rows, at least 16 tokens. On the H200
-    (Qwen3-0.6B, bf16) a 128-row tile ran best with 32-key blocks on 8 warps: 1.22 ms per layer
-    for 64 requests x 256 new tokens over 2,048 cached, against 1.48 ms one head per program
-    (results/gpu/prefill-kernel-sweep.txt)."""
-    group_pad = triton.next_power_of_2(group)
-    tokens = max(16, (block_m * 2) // group_pad) if group > 1 else block_m
-    if tokens * group_pad >= 128:
-        return tokens, min(block_n, 32), 8
-    return tokens, block_n, 4
+def prefill_tile(group: int, block_m: int, block_n: int) -> tuple[int, int, int, int]:
+    """(query heads per program, new tokens per program, keys per iteration, num_warps) for the
+    unified kernel.
+
+    A power-of-two GQA group shares one tile: about `block_m` x 2 rows, at least 16 tokens. On
+    the H200 (Qwen3-0.6B, bf16) a 128-row tile ran best with 32-key blocks on 8 warps: 1.22 ms
+    per layer for 64 requests x 256 new tokens over 2,048 cached, against 1.48 ms with one head
+    per program (results/gpu/prefill-kernel-sweep.txt). Other groups (SmolLM2's 3) keep one head
+    per program: a packed tile would pad a quarter of its rows, and that shape was not measured."""
+    if group > 1 and group & (group - 1) == 0:
+        tokens = max(16, (block_m * 2) // group)
+        if tokens * group >= 128:
+            return group, tokens, min(block_n, 32), 8
+        return group, tokens, block_n, 4
+    return 1, block_m, block_n, 4
 
 
 class TritonPagedBackend(AttentionBackend):
@@ -185,16 +192,16 @@ class TritonPagedBackend(AttentionBackend):
         token_dim = pool.token_dim
         block_m = self.block_m or (16 if q.dtype == torch.float32 else 64)
         group = heads // kp.shape[1 - token_dim]
-        tokens, block_n, warps = prefill_tile(group, block_m, self.block_n)
-        grid = (len(self._q_len), heads // group, triton.cdiv(self._max_q, tokens))
+        per_program, tokens, block_n, warps = prefill_tile(group, block_m, self.block_n)
+        grid = (len(self._q_len), heads // per_program, triton.cdiv(self._max_q, tokens))
         _paged_attention_kernel[grid](
             q, kp, vp, out, self._locs, self._q_start, self._q_len, self._seq_len,
             q.stride(0), q.stride(1), kp.stride(token_dim), kp.stride(1 - token_dim),
             out.stride(0), out.stride(1), self._locs.stride(0),
             head_dim ** -0.5 * k_scale, v_scale,
             # float32 stays float32 (Hopper would otherwise round dot inputs to TF32)
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP=group,
-            GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, BLOCK_M=tokens, BLOCK_N=block_n,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP=group, HEADS=per_program,
+            HEADS_PAD=triton.next_power_of_2(per_program), HEAD_DIM=head_dim, BLOCK_M=tokens, BLOCK_N=block_n,
             DOT=triton_decode.dot_dtype(q.dtype, kp.dtype), num_warps=warps,
         )
         return out
