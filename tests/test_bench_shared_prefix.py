@@ -56,6 +56,13 @@ def test_radix_finds_the_shared_prefixes_and_naive_computes_every_prompt_token(t
     assert sorted(report["decode_profiles"]) == ["naive", "radix", "radix-flat"]
     assert all(p["requests"] == 4 and p["decode_steps"] >= 1 for p in report["decode_profiles"].values())
     assert text.count("decode profile (kvledger): 4 requests") == 3
+    # the host's share of each run, per step: the part of a step the GPU cannot hide
+    for r in (radix, flat, naive):
+        assert set(r["host_seconds"]) == {"schedule", "complete", "land", "wait"}
+        assert 0 < r["host_seconds"]["schedule"] < r["seconds"]
+        steps = r["steps"]["prefill"] + r["steps"]["decode"]
+        assert f"{r['cache']} steps: {r['steps']['prefill']:,} prefill + {r['steps']['decode']:,} decode" in text
+        assert steps > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")

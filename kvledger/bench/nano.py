@@ -340,6 +340,15 @@ def run_transformers(model, workload: NanoWorkload, warmup: tuple[List[List[int]
 # ------------------------------------------------------------------------------------ report
 
 
+def format_host_line(name: str, seconds: float, steps: Dict[str, int], host: Dict[str, float]) -> str:
+    """Steps by phase, wall ms per step, and the scheduler's host seconds per step by part."""
+    n = max(1, sum(steps.values()))
+    parts = ", ".join(f"{k} {1000 * v / n:.3f}" for k, v in host.items())
+    return (f"{name} steps: {steps.get('prefill', 0):,} prefill + {steps.get('decode', 0):,} decode, "
+            f"{1000 * seconds / n:.3f} ms per step; host ms per step: {parts} "
+            f"(land includes wait, the host blocked on the GPU)")
+
+
 def format_table(runs: Sequence[SystemRun]) -> List[str]:
     ours = next((r for r in runs if r.name.startswith(ENGINE_ROW)), None)
     header = (f"{'system':<34} {'input tokens':>12} {'output tokens':>13} {'time (s)':>9} "
@@ -355,12 +364,7 @@ def format_table(runs: Sequence[SystemRun]) -> List[str]:
     for r in runs:
         if not r.name.startswith(ENGINE_ROW) or not r.extra.get("steps"):
             continue
-        steps, host = r.extra["steps"], r.extra["host_seconds"]
-        n = max(1, sum(steps.values()))
-        parts = ", ".join(f"{k} {1000 * v / n:.3f}" for k, v in host.items())
-        lines.append(f"{r.name} steps: {steps.get('prefill', 0):,} prefill + {steps.get('decode', 0):,} decode, "
-                     f"{1000 * r.seconds / n:.3f} ms per step; host ms per step: {parts} "
-                     f"(land includes wait, the host blocked on the GPU)")
+        lines.append(format_host_line(r.name, r.seconds, r.extra["steps"], r.extra["host_seconds"]))
     engines = [r for r in runs if r.name.startswith(ENGINE_ROW)]
     for r in engines[1:]:
         lines.append(f"{r.name} over {engines[0].name}: {r.tok_per_s / engines[0].tok_per_s:.2f}x throughput")

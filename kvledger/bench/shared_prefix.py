@@ -29,7 +29,7 @@ import torch
 
 from kvledger.bench.decode_profile import format_breakdown, profile_decode, sync
 from kvledger.bench.nano import NANO_VOCAB_MAX, _device_name, _free_memory, _pages, _versions, \
-    default_device_and_dtype, resolve_model_config
+    default_device_and_dtype, format_host_line, resolve_model_config
 from kvledger.engine.engine_config import EngineConfig
 
 WORKLOAD = "shared-prefix"
@@ -83,6 +83,7 @@ class CacheRun:
     cached_tokens: int
     steps: Dict[str, int] = field(default_factory=dict)
     kv_pool_tokens: int = 0
+    host_seconds: Dict[str, float] = field(default_factory=dict)  # the scheduler's, by part of a step
 
     @property
     def tok_per_s(self) -> float:
@@ -113,7 +114,7 @@ def run_cache(llm, workload: SharedPrefixWorkload, warm: List[List[int]], device
         if o.error is not None:
             raise o.error
     sync(device)
-    steps0 = dict(llm.scheduler.steps)
+    steps0, host0 = dict(llm.scheduler.steps), dict(llm.scheduler.host_seconds)
     start = time.perf_counter()
     outs = llm.generate(workload.prompts, params, use_tqdm=False)
     sync(device)
@@ -123,7 +124,8 @@ def run_cache(llm, workload: SharedPrefixWorkload, warm: List[List[int]], device
             raise o.error
     return CacheRun(label, seconds, sum(len(o.token_ids) for o in outs), workload.output_tokens,
                     workload.prompt_tokens, sum(o.cached_tokens for o in outs),
-                    {k: v - steps0[k] for k, v in llm.scheduler.steps.items()})
+                    {k: v - steps0[k] for k, v in llm.scheduler.steps.items()},
+                    host_seconds={k: v - host0.get(k, 0.0) for k, v in llm.scheduler.host_seconds.items()})
 
 
 def format_table(runs: List[CacheRun]) -> List[str]:
@@ -134,6 +136,8 @@ def format_table(runs: List[CacheRun]) -> List[str]:
         steps = f"{r.steps.get('prefill', 0):,}+{r.steps.get('decode', 0):,}"
         lines.append(f"{r.cache:<10} {r.seconds:>9.2f} {r.tok_per_s:>18,.1f} {100 * r.hit_rate:>14.1f}% "
                      f"{r.prefill_computed:>23,} {steps:>22} {r.kv_pool_tokens:>14,}")
+    for r in runs:
+        lines.append(format_host_line(r.cache, r.seconds, r.steps, r.host_seconds))
     for r in runs:
         status = "OK" if r.ok else "MISMATCH"
         lines.append(f"token counts {r.cache}: {status} ({r.output_tokens:,} of {r.expected_output_tokens:,})")
