@@ -52,7 +52,7 @@ class PrefixGroups:
 
 def members_per_group(group: int) -> int:
     """Rows per group so that the prefix kernel's tile stays at most 64 query rows."""
-    group_pad = triton.next_power_of_2(group) if triton is not None else 1 << max(0, group - 1).bit_length()
+    group_pad = 1 << (group - 1).bit_length()  # the next power of two, as the kernel pads it
     return max(1, min(MAX_MEMBERS, 64 // group_pad))
 
 

@@ -1,7 +1,7 @@
 """The online-softmax loop that the decode kernels share, as Triton device functions (inlined).
 
 `attend_locations` streams keys and values at the token locations table_row[start:end] for a
-tile of query rows and returns the running max, sum and unnormalized output; `finish_partial`
+tile of query rows (causally for prefill and extend) and returns the running max, sum and unnormalized output; `finish_partial`
 turns them into a partial output normalized by its own sum plus its log-sum-exp, which a merge
 combines with other partials over disjoint key ranges.
 """
@@ -19,8 +19,9 @@ if triton is not None:
     @triton.jit
     def attend_locations(q, K, V, table_row, start, end, head_off, stride_kn, sm_scale,
                          ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PRECISION: tl.constexpr, DOT: tl.constexpr):
-        """q [ROWS, HEAD_DIM] (in DOT) over keys table_row[start:end] of the KV head at head_off."""
+                         PRECISION: tl.constexpr, DOT: tl.constexpr, q_pos=0, CAUSAL: tl.constexpr = False):
+        """q [ROWS, HEAD_DIM] (in DOT) over keys table_row[start:end] of the KV head at head_off.
+        CAUSAL: row r sees only keys at positions <= q_pos[r] (a row may see none in a block)."""
         offs_d = tl.arange(0, HEAD_DIM)
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
@@ -33,10 +34,14 @@ if triton is not None:
             k = tl.load(K + kv_off, mask=n_mask[:, None], other=0.0)
             k = k.to(DOT)  # e4m3 -> fp16 is one instruction on Hopper; K's scale is in sm_scale
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * sm_scale
-            s = tl.where(n_mask[None, :], s, float("-inf"))
+            keep = n_mask[None, :]
+            if CAUSAL:
+                keep = keep & (offs_n[None, :] <= q_pos[:, None])
+            s = tl.where(keep, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + kv_off, mask=n_mask[:, None], other=0.0)
             v = v.to(DOT)

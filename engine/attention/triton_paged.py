@@ -16,6 +16,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from kvledger.engine.attention.triton_online_softmax import attend_locations
 except ImportError:  # CPU-only installs: the backend is simply unavailable
     triton = None
 
@@ -57,29 +59,10 @@ if triton is not None:
                     mask=r_mask[:, None], other=0.0).to(DOT)
         q_pos = cached + offs_m
 
-        m_i = tl.full([HEADS_PAD * BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([HEADS_PAD * BLOCK_M], tl.float32)
-        acc = tl.zeros([HEADS_PAD * BLOCK_M, HEAD_DIM], tl.float32)
         end = tl.minimum(seq_len, cached + (block + 1) * BLOCK_M)  # causal: later keys are never seen
-        for start in range(0, end, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < end
-            loc = tl.load(LOCS + req * stride_lb + offs_n, mask=n_mask, other=0).to(tl.int64)
-            kv_off = loc[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :]
-            k = tl.load(K + kv_off, mask=n_mask[:, None], other=0.0)
-            k = k.to(DOT)  # e4m3 -> fp16 is one instruction on Hopper; K's scale is in sm_scale
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * sm_scale
-            keep = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-            s = tl.where(keep, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + kv_off, mask=n_mask[:, None], other=0.0)
-            v = v.to(DOT)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
-            m_i = m_new
+        m_i, l_i, acc = attend_locations(q, K, V, LOCS + req * stride_lb, 0, end, kv_head * stride_kh, stride_kn,
+                                         sm_scale, HEADS_PAD * BLOCK_M, HEAD_DIM, BLOCK_N, PRECISION, DOT,
+                                         q_pos, True)
         out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(O + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=r_mask[:, None])
