@@ -103,8 +103,12 @@ def test_split_kv_decode_matches_gathered_sdpa(dtype, tol, seed):
     ws = DecodeWorkspace(8, heads, head_dim, 16, DEVICE)
     seq_t = torch.tensor(seq, dtype=torch.int32, device=DEVICE)
     for splits in (1, 2, 16):
-        out = decode_attention(q, pool.k[0], pool.v[0], pool.token_dim, table, rows, seq_t, ws, splits)
-        assert not torch.isnan(out).any()
+        # the workspace and the output start as NaN: a partial or a row nobody wrote shows
+        ws.part_o.fill_(float("nan"))
+        ws.part_lse.fill_(float("nan"))
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, pool.k[0], pool.v[0], pool.token_dim, table, rows, seq_t, ws, splits, out=out)
+        assert not torch.isnan(out).any(), f"{splits} splits: a row was not written"
         err = (out.float() - expected).norm() / expected.norm()
         assert err < tol, f"{splits} splits: relative error {err:.2e}"
     # the backend picks the decode kernel for a pure-decode batch

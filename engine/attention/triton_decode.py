@@ -109,15 +109,20 @@ def num_splits_for(batch_size: int, kv_heads: int, target_programs: int = 1024, 
     return splits
 
 
-def decode_launch_config(batch_size: int, kv_heads: int, kv_dtype: torch.dtype | None = None) -> tuple[int, int]:
-    """(BLOCK_N, num_warps) for stage 1. On the H200 (bf16) a per-layer sweep at fixed context
-    lengths favoured 32-token blocks on 2 warps for large batches (6-10%), but over the whole
-    nano-vllm workload that made Qwen3-0.6B 4% slower (21,811 tok/s against 22,672), so 64 on 4
-    it is. An FP8 cache runs best on 2 warps: 22,931 tok/s against 21,708 on 4 (same run,
-    results/gpu/decode-configs.txt)."""
+def decode_launch_config(batch_size: int, kv_heads: int, kv_dtype: torch.dtype | None = None,
+                         head_dim: int = 128) -> tuple[int, int, int | None]:
+    """(BLOCK_N, num_warps, num_stages) for stage 1 (None: Triton's default stages), chosen by
+    whole-workload runs on the H200 (nano-vllm bench):
+    - bf16, head dim 128 (Qwen3-0.6B): 64-token blocks on 4 warps. A per-layer sweep favoured 32
+      on 2 for large batches (6-10%), but the workload ran 4% slower (21,811 tok/s against 22,672).
+    - bf16, head dim 64 (SmolLM2-135M): 128-token blocks (a 64-wide row is half the bytes) on 4
+      warps with 2 stages: 57,466 and 57,474 tok/s in two runs against 54,219-56,434 for 64 on 4.
+    - FP8: 2 warps, 22,931 tok/s against 21,708 on 4 (results/gpu/decode-configs.txt)."""
     if kv_dtype == torch.float8_e4m3fn:
-        return 64, 2
-    return 64, 4
+        return 64, 2, None
+    if head_dim <= 64:
+        return 128, 4, 2
+    return 64, 4, None
 
 
 # (BLOCK_N, num_warps, num_stages) of the cascade's prefix kernel: on the H200 (Qwen3-0.6B, 32

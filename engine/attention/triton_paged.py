@@ -165,9 +165,10 @@ class TritonPagedBackend(AttentionBackend):
                                                        prefix_splits=prefix_splits)
             if self.cascade and self._step_cascade and self._groups is None:  # once per step, for every layer
                 self._groups = find_prefix_groups(table, rows, seq, members_per_group(heads // kv_heads))
-            block_n, warps = triton_decode.decode_launch_config(q.shape[0], kv_heads, kp.dtype)
+            block_n, warps, stages = triton_decode.decode_launch_config(q.shape[0], kv_heads, kp.dtype, head_dim)
             return decode_attention(q, kp, vp, pool.token_dim, table, rows, seq, ws, splits,
-                                    block_n=block_n, num_warps=warps, k_scale=k_scale, v_scale=v_scale,
+                                    block_n=block_n, num_warps=warps, num_stages=stages,
+                                    k_scale=k_scale, v_scale=v_scale,
                                     groups=self._groups, prefix_launch=triton_decode.PREFIX_LAUNCH)
         q = q.contiguous()
         out = torch.empty_like(q)
