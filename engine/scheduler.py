@@ -253,9 +253,9 @@ class Scheduler:
         return events
 
     def check_idle(self) -> None:
-        """With nothing live: every page is free or cached, no lock held, and the partition holds."""
+        """With nothing live: every page is free or cached, no lock held, and the partition holds
+        (the judge, then the implementation's own integrity check: `CacheScheduler.check`)."""
         if not self.driver.live and self._inflight is None:
-            self.driver.cm.check_integrity()
             self.driver.check()
 
     # -- internals ----------------------------------------------------------------------------

@@ -1,14 +1,11 @@
 """The fused Triton kernels of the CUDA path against the torch layers they replace (float32 and,
 on a GPU, bfloat16). On the GPU when there is one, else under Triton's CPU interpreter when
-Triton is installed; skipped otherwise (CI has neither)."""
-
-import os
+Triton is installed (tests/conftest.py sets
+TRITON_INTERPRET); skipped otherwise (CI has neither)."""
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
 from kvledger.engine import fused_ops  # noqa: E402

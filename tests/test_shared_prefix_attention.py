@@ -1,14 +1,10 @@
 """Cascade decode attention: the grouping of a decode batch by shared prefix locations (plain
 torch, runs everywhere) and the prefix + suffix kernels against the gathered-KV oracle (on the
-GPU, or under Triton's CPU interpreter when Triton is installed; skipped otherwise)."""
-
-import os
+GPU, or under Triton's CPU interpreter when Triton is installed (tests/conftest.py sets
+TRITON_INTERPRET); skipped otherwise)."""
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():  # before anything imports triton
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvledger.engine.attention.shared_prefix import find_prefix_groups  # noqa: E402
 

@@ -1,14 +1,11 @@
 """The Triton paged-attention kernel against a gathered-KV SDPA oracle: random shapes, page
 sizes, prefix hits and lengths, float32 and bfloat16. On the GPU when there is one, else under
-Triton's CPU interpreter when Triton is installed; skipped otherwise (CI has neither)."""
-
-import os
+Triton's CPU interpreter when Triton is installed (tests/conftest.py sets
+TRITON_INTERPRET); skipped otherwise (CI has neither)."""
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
 from kvledger.engine.attention.base import AttentionBatch  # noqa: E402
