@@ -7,6 +7,9 @@ scheduler's (see `cache_scheduler.py`), e.g. {"op": "submit", "uid": 3, "tokens"
 what the producer saw (for example the batch's uids, and under optimistic admission the uids
 preempted) and is checked on replay.
 
+A subject's trace (judge mode, `kvledger fuzz --subject`) also names the subject's spec and
+version ("subject", "subject_version"); its "cache_type" is the subject's kind of cache.
+
 Versions: 2 added "admission" ("reserve" or "optimistic") and "reserve_ratio" (the fraction of the
 remaining max_tokens optimistic admission reserves). A version 1 trace has neither and replays as
 "reserve", the only policy there was; it is still read, and written back as version 2.
@@ -41,6 +44,8 @@ class Header:
     reserve_ratio: float = 0.5
     seed: int | None = None
     producer: str = "unknown"
+    subject: str | None = None  # a trace of a subject under judge mode: its spec and version
+    subject_version: str | None = None
     kvledger_trace: int = field(default=VERSION)
 
     def validate(self) -> None:

@@ -12,15 +12,41 @@ from typing import List
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def _subject_error(command: str, e: Exception) -> int:
+    print(f"kvledger {command}: {e}", file=sys.stderr)
+    return 2
+
+
 def _check(args: argparse.Namespace) -> int:
     os.environ["HYPOTHESIS_PROFILE"] = args.profile
+    if args.subject:
+        from kvledger.engine.subject import SubjectUnavailable
+        from kvledger.subjects import SpecError, parse_spec
+        from kvledger.tools.subject_check import run_subject_check
+        from kvledger.tools.subject_replay import edits_for
+
+        try:
+            edits = edits_for(parse_spec(args.subject), fix=args.fix, bug=args.bug)
+            return run_subject_check(args.subject, args.profile, args.examples, edits, args.out_dir)[0]
+        except (SpecError, SubjectUnavailable, KeyError) as e:
+            return _subject_error("check", e)
     from kvledger.tools.check import run_check
 
     return run_check(args.profile, args.examples)
 
 
 def _replay(args: argparse.Namespace) -> int:
+    from kvledger.engine.trace import TraceError, read
     from kvledger.tools.replay import replay_file
+
+    try:
+        named = read(args.trace)[0].subject
+    except (OSError, TraceError) as e:
+        return _subject_error("replay", e)
+    if args.subject or named:
+        from kvledger.tools.subject_replay import replay_subject_file
+
+        return replay_subject_file(args.trace, args.subject, fix=args.fix, bug=args.bug)
 
     return replay_file(args.trace, device=args.device, bug=args.bug)
 
@@ -65,6 +91,21 @@ def _zoo(args: argparse.Namespace) -> int:
 
 
 def _fuzz(args: argparse.Namespace) -> int:
+    if args.subject:
+        from kvledger.engine.subject import SubjectUnavailable
+        from kvledger.subjects import SpecError, parse_spec
+        from kvledger.tools.subject_fuzz import fuzz_subject, print_report
+        from kvledger.tools.subject_replay import edits_for
+
+        try:
+            edits = edits_for(parse_spec(args.subject), fix=args.fix, bug=args.bug)
+            report = fuzz_subject(args.subject, args.seconds, workers=args.workers, seed=args.seed,
+                                  out_dir=args.out_dir, edits=edits, minimize_budget=args.minimize_budget,
+                                  max_cases=args.max_cases, minimize_replays=args.minimize_replays)
+        except (SpecError, SubjectUnavailable, KeyError) as e:
+            return _subject_error("fuzz", e)
+        print_report(args.subject, report, args.workers)
+        return 1 if report.findings else 0
     from kvledger.tools.fuzz import fuzz
 
     try:
@@ -78,9 +119,36 @@ def _fuzz(args: argparse.Namespace) -> int:
 
 
 def _minimize(args: argparse.Namespace) -> int:
+    from kvledger.engine.trace import TraceError, read
+
+    try:
+        named = read(args.trace)[0].subject
+    except (OSError, TraceError) as e:
+        return _subject_error("minimize", e)
+    if args.subject or named:
+        from kvledger.engine.subject import SubjectUnavailable
+        from kvledger.subjects import SpecError
+        from kvledger.tools.subject_minimize import main_minimize_subject
+
+        try:
+            return main_minimize_subject(args.trace, args.output, args.budget, args.subject, args.max_replays)
+        except (SpecError, SubjectUnavailable) as e:
+            return _subject_error("minimize", e)
     from kvledger.tools.minimize import main_minimize
 
     return main_minimize(args.trace, args.output, args.budget, args.bug, args.max_replays)
+
+
+def _subjects(args: argparse.Namespace) -> int:
+    from kvledger.subjects import probe_all
+
+    rows = probe_all()
+    width = max(len(r[0]) for r in rows)
+    print(f"{'subject':<{width}}  installed  version       detail")
+    for name, installed, version, detail in rows:
+        print(f"{name:<{width}}  {'yes' if installed else 'no':<9}  {version:<12}  {detail}")
+    print("a user's own subject: --subject package.module:factory (factory(SubjectConfig) -> Subject)")
+    return 0
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -116,12 +184,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Hypothesis profile: ci (1500 sequences of up to 60 operations), deep (5000 of up to 120), "
                         "dev (40 of up to 30)")
     p.add_argument("--examples", type=int, default=None, help="override the profile's number of examples")
+    p.add_argument("--subject", default=None, metavar="SPEC",
+                   help="judge mode on this cache manager instead of reference vs fast: fast, reference, vllm, "
+                        "sglang, minisgl[:PATH], nanovllm[:PATH|@COMMIT], or package.module:factory "
+                        "(kvledger subjects lists them)")
+    p.add_argument("--fix", default=None, help="with --subject: apply this upstream-style fix to a copy first")
+    p.add_argument("--bug", default=None, help="with --subject: apply this zoo bug of the subject to a copy first")
+    p.add_argument("--out-dir", default=".kvledger/failures", metavar="DIR", help="where a failing trace goes")
     p.set_defaults(func=_check)
 
     p = sub.add_parser("replay", help="replay a trace on reference and fast in lockstep")
     p.add_argument("trace", help="the trace file (.jsonl)")
     p.add_argument("--device", default="cpu", help="where fast's tensors live: cpu or cuda")
-    p.add_argument("--bug", default=None, help="patch this bug-zoo bug into fast first (see kvledger zoo)")
+    p.add_argument("--bug", default=None, help="patch this bug-zoo bug into fast first (see kvledger zoo); "
+                                                "with --subject, one of the subject's zoo")
+    p.add_argument("--subject", default=None, metavar="SPEC",
+                   help="judge mode on this cache manager instead of reference vs fast: fast, reference, vllm, "
+                        "sglang, minisgl[:PATH], nanovllm[:PATH|@COMMIT], or package.module:factory "
+                        "(kvledger subjects lists them)")
+    p.add_argument("--fix", default=None, help="with --subject: apply this upstream-style fix to a copy first")
     p.set_defaults(func=_replay)
 
     from kvledger.engine.cli import add_generate_parser
@@ -162,6 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each worker stops after this many cases (the same cases on any machine)")
     p.add_argument("--admission", default=None, choices=["reserve", "optimistic"],
                    help="run every case under this admission policy (default: drawn per case, 40%% optimistic)")
+    p.add_argument("--subject", default=None, metavar="SPEC",
+                   help="judge mode on this cache manager instead of reference vs fast: fast, reference, vllm, "
+                        "sglang, minisgl[:PATH], nanovllm[:PATH|@COMMIT], or package.module:factory "
+                        "(kvledger subjects lists them)")
+    p.add_argument("--fix", default=None, help="with --subject: apply this upstream-style fix to a copy first")
     p.set_defaults(func=_fuzz)
 
     p = sub.add_parser("minimize", help="shrink a failing trace, keeping its divergence kind")
@@ -171,7 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-replays", type=int, default=None,
                    help="also stop after this many candidate replays (the same result on any machine)")
     p.add_argument("--bug", default=None, help="patch a bug-zoo bug into fast first")
+    p.add_argument("--subject", default=None, metavar="SPEC",
+                   help="minimize on this subject (default: the one the trace's header names, if any)")
     p.set_defaults(func=_minimize)
+
+    p = sub.add_parser("subjects", help="the cache managers kvledger can check, and whether each is installed")
+    p.set_defaults(func=_subjects)
 
     p = sub.add_parser("show", help="draw a trace's page ownership over time (PNG)")
     p.add_argument("trace", help="the trace (.jsonl)")

@@ -1,0 +1,127 @@
+"""The subject protocol: how kvledger drives a cache manager it did not write.
+
+A *subject* is any KV-cache manager put under kvledger: vLLM's `KVCacheManager`, SGLang's radix
+cache with its paged allocator, mini-sglang's `CacheManager`, nano-vllm's `BlockManager`,
+kvledger's own `fast` and `reference`, or a user's. kvledger's driver plays the serving
+scheduler (it owns the waiting queue, the token budget, sampling and stop decisions) and talks to
+the subject through the calls below, in engine terms; the adapter turns each call into the calls
+the subject's own scheduler makes, in the same order, so any finding is a sequence the real
+system can reach.
+
+The calls, in the order a request sees them:
+
+  submit(uid, prompt, max_tokens)    the request exists (queued by the driver)
+  admit(uid, budget) -> hit | None   prefix match plus whatever the subject reserves or allocates
+                                     at admission for a first chunk of up to `budget` tokens; the
+                                     number of prompt tokens found cached, or None: refused, and
+                                     nothing changed
+  allocate(uid, start, end) -> bool  give positions [start, end) locations (a prefill chunk, a
+                                     decode token); False: no room, nothing changed. A range the
+                                     subject already allocated (at admission) is a no-op
+  computed(uid, start, end, token)   a forward pass wrote KV for positions [start, end); `token`
+                                     is the token sampled after it (None mid-prefill). The
+                                     subject may publish hashes or hand KV to its prefix cache
+  finish(uid)                        the request ended (max_tokens or a stop token)
+  abort(uid)                         dropped, waiting (admitted mid-prefill or not) or running
+  preempt(uid)                       (capability `preempts`) release a live request's pages; it
+                                     is admitted again later from its prompt plus its output
+  evict(tokens) -> int               (capability `explicit_evict`) evict from the prefix cache
+  view() -> View                     the subject's raw state, read from its own structures
+
+Errors: an exception raised by the subject inside any call is a finding (`subject-raised:X`),
+reported with its traceback by the driver; an adapter raises `SubjectUnavailable` only from its
+factory, when the subject cannot be imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Hashable, List, Protocol, Sequence, Tuple, runtime_checkable
+
+
+class SubjectUnavailable(RuntimeError):
+    """The subject cannot be built here: the message names what is missing and how to install it."""
+
+
+@dataclass(frozen=True)
+class SubjectConfig:
+    """The pool a subject is built with: every subject gets the same shape for one trace."""
+
+    num_pages: int  # usable pages (a subject that reserves a page, as vLLM and SGLang do, adds it)
+    page_size: int
+    max_seq_len: int  # prompt + max_tokens of any request
+    max_running: int = 8  # table slots / concurrent live requests
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a subject does, which decides what the driver asks and what the judge expects."""
+
+    page_size: int
+    pages: Tuple[int, ...]  # the page ids it hands out (location = page * page_size + offset)
+    worst_case_admission: bool  # an admitted request never fails an allocation later
+    preempts: bool  # a step that finds no room preempts the newest live request (vLLM, nano-vllm)
+    explicit_evict: bool  # evict(tokens) is part of its API
+    cached_pages_in_free_pool: bool  # a cached page nobody uses sits in the free queue (vLLM, nano-vllm)
+    chunked_prefill: bool = True  # may admit part of a prompt; the rest in later steps
+    chunk_only_first: bool = False  # only the first request of a prefill batch may be chunked (nano-vllm)
+    prefill_publishes_to_cache: bool = True  # a request's computed full pages can be hit while it runs
+    lockstep: bool = False  # implements the seed's policy deterministically: comparable with `reference`
+
+
+@dataclass(frozen=True)
+class CachedEntry:
+    """One entry of the subject's prefix cache, as its structure holds it.
+
+    `locations[i]` holds the KV of position `start + i`. A radix tree knows its path, so it gives
+    `tokens`: the whole prefix [0, start + len(locations)) the entry claims. A hash-chained block
+    cache stores a key instead: `key` (the judge recomputes it from the tokens the KV was written
+    for, with the subject's own `cache_key`), and `start` may be None (the position comes from
+    what was written there). `lock` is the entry's lock or reference count where the subject
+    keeps one per entry (radix nodes); None where counts are per page (`View.page_refs`)."""
+
+    locations: Tuple[int, ...]
+    start: int | None = 0
+    tokens: Tuple[int, ...] | None = None
+    key: Hashable | None = None
+    lock: int | None = None
+    name: str = ""  # how the subject names it (a node id, a block id), for messages
+
+
+@dataclass
+class View:
+    """The subject's raw state. Each field reads the subject's own structure, never a value
+    recomputed from other fields: the judge checks the subject, not the adapter."""
+
+    free: List[int]  # pages in its free list or queue, in its order, duplicates kept
+    requests: Dict[int, List[int]]  # live (admitted) uid -> location of each position it holds
+    cached: List[CachedEntry] = field(default_factory=list)
+    page_refs: Dict[int, int] | None = None  # page -> its reference count, where the subject keeps one
+    # counters the subject keeps about those structures, by meaning: "free_pages" (its count of
+    # free pages), "evictable_tokens" / "protected_tokens" / "cached_tokens" (unlocked, locked and
+    # all tokens of its prefix cache), "available_tokens" (what it says it can still hand out)
+    counters: Dict[str, int] = field(default_factory=dict)
+    waiting: List[int] | None = None  # its own waiting queue's uids, where it keeps one
+
+
+@runtime_checkable
+class Subject(Protocol):
+    name: str
+    version: str
+    capabilities: Capabilities
+
+    def submit(self, uid: int, prompt: Sequence[int], max_tokens: int) -> None: ...
+    def admit(self, uid: int, budget: int) -> int | None: ...
+    def allocate(self, uid: int, start: int, end: int) -> bool: ...
+    def computed(self, uid: int, start: int, end: int, token: int | None) -> None: ...
+    def finish(self, uid: int) -> None: ...
+    def abort(self, uid: int) -> None: ...
+    def preempt(self, uid: int) -> None: ...
+    def evict(self, tokens: int) -> int: ...
+    def view(self) -> View: ...
+    # the key a hash-chained cache files the prefix `tokens` under (whole pages), with the
+    # subject's own hash function; radix subjects never need it
+    def cache_key(self, tokens: Sequence[int]) -> Hashable: ...
+
+
+SubjectFactory = Callable[[SubjectConfig], Subject]

@@ -1,0 +1,118 @@
+"""The subjects kvledger checks, and how a spec names one.
+
+A spec is one of:
+  fast, reference            kvledger's own cache managers (judge mode, and lockstep against reference)
+  vllm, sglang               the installed vLLM 0.33 / SGLang 0.5.23 (`make subjects` installs them)
+  minisgl[:PATH]             a mini-sglang checkout or snapshot (default: the shipped peer)
+  nanovllm[:PATH]            a nano-vllm checkout or snapshot (nanovllm@f64d821 names a shipped commit)
+  package.module:factory     a user's own: `factory(SubjectConfig) -> Subject`
+
+Adapters live one per module here; each exports NAME, probe(path), build(config, path, edits)
+and ZOO (see `docs/checking-your-cache-manager.md`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Callable, Dict, List, Sequence, Tuple
+
+from kvledger.engine.subject import Subject, SubjectConfig, SubjectUnavailable
+from kvledger.subjects.edits import SourceEdit
+
+BUILTINS: Dict[str, str] = {
+    "fast": "kvledger.subjects.seed_fast",
+    "reference": "kvledger.subjects.seed_fast",
+    "minisgl": "kvledger.subjects.minisgl",
+    "nanovllm": "kvledger.subjects.nanovllm",
+    "vllm": "kvledger.subjects.vllm",
+    "sglang": "kvledger.subjects.sglang",
+}
+
+
+class SpecError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class SubjectSpec:
+    text: str
+    name: str  # a builtin's name, or the user's module:factory
+    path: str | None = None  # a checkout (minisgl, nanovllm); "@commit" names a shipped snapshot
+
+    @property
+    def builtin(self) -> bool:
+        return self.name in BUILTINS
+
+    def adapter(self) -> ModuleType:
+        if not self.builtin:
+            raise SpecError(f"{self.text}: not a builtin subject")
+        return importlib.import_module(BUILTINS[self.name])
+
+    def factory(self, edits: Sequence[SourceEdit] = ()) -> Callable[[SubjectConfig], Subject]:
+        """config -> a fresh subject instance (with `edits` bound into it)."""
+        if self.builtin:
+            module = self.adapter()
+            return lambda config: _build(module, config, self, edits)
+        module_name, _, attr = self.name.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise SubjectUnavailable(f"{self.text}: cannot import {module_name}: {e}") from None
+        factory = getattr(module, attr, None)
+        if not callable(factory):
+            raise SpecError(f"{self.text}: {module_name} has no callable {attr!r}")
+        if edits:
+            raise SpecError(f"{self.text}: edits apply to builtin subjects only")
+        return factory
+
+    def zoo(self) -> Tuple[SourceEdit, ...]:
+        return tuple(getattr(self.adapter(), "ZOO", ())) if self.builtin else ()
+
+    def fixes(self) -> Dict[str, Tuple[SourceEdit, ...]]:
+        return dict(getattr(self.adapter(), "FIXES", {})) if self.builtin else {}
+
+
+def _build(module: ModuleType, config: SubjectConfig, spec: SubjectSpec, edits: Sequence[SourceEdit]) -> Subject:
+    if spec.name in ("fast", "reference"):
+        return module.build(config, spec.name, edits)
+    return module.build(config, spec.path, edits)
+
+
+def parse_spec(text: str) -> SubjectSpec:
+    """`name`, `name:PATH`, `name@commit` (a shipped snapshot) or `package.module:factory`."""
+    text = text.strip()
+    if not text:
+        raise SpecError("empty subject spec (try `kvledger subjects`)")
+    head, sep, rest = text.partition(":")
+    name, at, commit = head.partition("@")
+    if name in BUILTINS:
+        if name in ("fast", "reference", "vllm", "sglang") and (sep or at):
+            raise SpecError(f"{text}: {name} takes no path")
+        path = rest or None
+        if at:
+            from kvledger.subjects.peers import peer_path
+
+            found = peer_path({"minisgl": "mini-sglang", "nanovllm": "nano-vllm"}[name], commit)
+            if found is None:
+                raise SubjectUnavailable(f"{text}: no shipped snapshot of commit {commit} (set KVLEDGER_PEERS)")
+            path = str(found)
+        return SubjectSpec(text, name, path)
+    if sep and rest.isidentifier() and all(p.isidentifier() for p in head.split(".")):
+        return SubjectSpec(text, text)
+    raise SpecError(f"unknown subject {text!r}: builtins are {', '.join(BUILTINS)}; a path goes after a colon "
+                    "(minisgl:PATH), a user's subject is package.module:factory")
+
+
+def probe_all() -> List[Tuple[str, bool, str, str]]:
+    """(name, installed, version, detail) of every builtin, without importing heavy packages."""
+    rows = []
+    for name in BUILTINS:
+        try:
+            module = importlib.import_module(BUILTINS[name])
+            installed, version, detail = module.probe(name if name in ("fast", "reference") else None)
+        except Exception as e:  # an adapter that cannot even probe: say so, keep listing
+            installed, version, detail = False, "-", f"{type(e).__name__}: {e}"
+        rows.append((name, installed, version, detail))
+    return rows

@@ -1,0 +1,397 @@
+"""Judge mode: drive one subject the way a serving scheduler does, and judge it after every operation.
+
+The driver plays the scheduler around the subject's cache: it owns the waiting queue (first come,
+first served; a preempted request rejoins at the head), the token budget, sampling and stops,
+and talks to the subject only through the protocol (`engine/subject.py`). It interprets the
+cache scheduler's operations (`engine/cache_ops.py`), so a subject's run is a trace like any
+other: submit, prefill(budget, sample, stop), decode(sample, stop), finish, abort, evict.
+
+A step: prefill walks the queue from its head; a request mid-prefill gets its next chunk, a new
+one is admitted (`admit`: its hit, or a refusal that ends the walk); each gets
+`allocate(uid, computed, computed + chunk)`; then `computed` for each in batch order, with its
+sampled token once its prompt is done; then `finish` for those that reached max_tokens or a stop.
+Decode allocates one position per running request (in admission order), then the same.
+When an allocation finds no room, a subject that preempts gives up its newest live request (the
+victim waits again at the head of the queue) and the allocation is retried; for a subject that
+promises worst-case admission it is a finding (3-no-oom).
+
+Every finding is a `Finding`: an invariant the judge (`engine/subject_judge.py`) or the driver
+found broken, or `subject-raised:X`, an exception out of the subject, with its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any, Callable, Dict, List, Sequence, Set, Union
+
+from kvledger.reference.pages import div_ceil
+
+from kvledger.engine.cache_ops import Abort, CacheOp, Decode, Evict, Finish, InvalidOp, Prefill, Probe, Submit, parse
+from kvledger.engine.invariants import InvariantViolation
+from kvledger.engine.subject import Subject, SubjectConfig, SubjectUnavailable, View
+from kvledger.engine.subject_judge import Ledger, check_queue_order, judge
+
+__all__ = ["Finding", "SubjectDriver", "InvalidOp"]
+
+
+class Finding(AssertionError):
+    """A bug found in the subject: `kind` is an invariant's name or `subject-raised:<exception>`."""
+
+    def __init__(self, kind: str, message: str, detail: str = "") -> None:
+        super().__init__(f"[{kind}] {message}")
+        self.kind = kind
+        self.message = message
+        self.detail = detail  # the subject's traceback, for subject-raised
+
+
+# the rare states every subject's generator must reach (kvledger check reports the first sequence)
+SUBJECT_EVENTS = frozenset({
+    "hit: prefix hit",
+    "hit: diverges inside a cached page",
+    "hit: diverges after the first page of a cached entry",
+    "hit: re-hit of cached pages no request holds",
+    "hit: on a request still mid-prefill",
+    "admission: refused",
+    "prefill: chunked",
+    "allocate: full pool with locked entries",
+    "preempt: a running request preempted",
+    "abort: mid-prefill",
+    "driver: idle after work",
+})
+
+
+class SubjectDriver:
+    def __init__(self, subject: Subject, config: SubjectConfig, *, check: bool = True,
+                 on_event: Callable[[str], None] | None = None) -> None:
+        self.subject = subject
+        self.config = config
+        self.caps = subject.capabilities
+        self.check = check
+        self.ledger = Ledger()
+        self.max_tokens: Dict[int, int] = {}
+        self.waiting: List[int] = []  # head first; a request mid-prefill stays here
+        self.running: List[int] = []  # admission order
+        self.live: Set[int] = set()  # admitted (running or mid-prefill)
+        self.known: Set[int] = set()
+        self.arrival: Dict[int, int] = {}
+        self.admitted: Dict[int, int] = {}  # uid -> order of its first admission
+        self.preempted: Set[int] = set()
+        self.on_event = on_event or (lambda name: None)
+        self.ops = 0
+
+    # -- calling the subject ---------------------------------------------------------------------
+    def _call(self, what: str, fn: Callable, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except (Finding, InvalidOp):
+            raise
+        except Exception as e:  # the subject failed inside its own code: a finding, not our crash
+            raise Finding(f"subject-raised:{type(e).__name__}", f"{what}{args!r:.120}: {e}",
+                          traceback.format_exc()) from e
+
+    def view(self) -> View:
+        return self._call("view", self.subject.view)
+
+    # -- operations ------------------------------------------------------------------------------
+    def apply(self, op: Union[Dict[str, Any], CacheOp]) -> Dict:
+        if isinstance(op, dict):
+            op = parse(op)
+        result = self._dispatch(op)
+        self.ops += 1
+        if self.check:
+            self.judge()
+        return result
+
+    def _dispatch(self, op: CacheOp) -> Dict:
+        if isinstance(op, Submit):
+            return self.submit(op.uid, op.tokens, op.max_tokens)
+        if isinstance(op, Prefill):
+            return self.prefill(op.budget, op.sample, op.stop)
+        if isinstance(op, Decode):
+            return self.decode(op.sample, op.stop)
+        if isinstance(op, Finish):
+            return self.finish(op.uid)
+        if isinstance(op, Abort):
+            return self.abort(op.uid)
+        if isinstance(op, Evict):
+            return self.evict(op.tokens)
+        if isinstance(op, Probe):
+            raise InvalidOp("probe: not an operation a subject is driven with")
+        raise InvalidOp(f"not a cache operation: {op!r:.80}")
+
+    def judge(self) -> None:
+        view = self.view()
+        try:
+            judge(view, self.caps, self.ledger, self.subject)
+            check_queue_order(self.waiting, self.arrival, self.admitted, self.preempted)
+        except InvariantViolation as e:
+            raise Finding(e.invariant, str(e).split("] ", 1)[-1]) from e
+        except Finding:
+            raise
+        except Exception as e:  # cache_key is the subject's own code
+            raise Finding(f"subject-raised:{type(e).__name__}", f"while judging: {e}", traceback.format_exc()) from e
+        if not self.live and not self.waiting and self.ops and self.known:
+            self.on_event("driver: idle after work")
+
+    def submit(self, uid: int, tokens: Sequence[int], max_tokens: int) -> Dict:
+        if uid in self.known:
+            raise InvalidOp(f"submit: uid {uid} was already submitted")
+        if not tokens or max_tokens < 1:
+            raise InvalidOp(f"submit: uid {uid} needs a prompt and max_tokens >= 1")
+        if len(tokens) + max_tokens > self.config.max_seq_len:
+            raise InvalidOp(f"submit: uid {uid} needs {len(tokens) + max_tokens} positions, "
+                            f"max_seq_len is {self.config.max_seq_len}")
+        if div_ceil(len(tokens) + max_tokens - 1, self.caps.page_size) > self.config.num_pages:
+            raise InvalidOp(f"submit: uid {uid} can never fit the pool of {self.config.num_pages} pages")
+        self._call("submit", self.subject.submit, uid, list(tokens), max_tokens)
+        self.known.add(uid)
+        self.arrival[uid] = len(self.arrival)
+        self.ledger.tokens[uid] = list(tokens)
+        self.ledger.prompt_len[uid] = len(tokens)
+        self.max_tokens[uid] = max_tokens
+        self.waiting.append(uid)
+        return {}
+
+    def prefill(self, budget: int, sample: Sequence[int] = (), stop: Sequence[int] = ()) -> Dict:
+        if budget < 1:
+            raise InvalidOp(f"prefill: budget must be >= 1, got {budget}")
+        if len(set(stop)) < len(stop) or set(stop) - set(self.waiting):
+            raise InvalidOp(f"prefill: stop {list(stop)} must name waiting uids, each once")
+        batch: List[tuple[int, int, int]] = []  # (uid, start, end)
+        left, refused = budget, None
+        for uid in list(self.waiting):
+            if left <= 0:
+                break
+            if uid not in self.live:
+                if self.caps.chunk_only_first and batch and self._needs(uid) > left:
+                    break
+                hit = self._admit(uid, left)
+                if hit is None:
+                    refused = uid
+                    break
+            start = self.ledger.computed[uid]
+            end = start + min(len(self.ledger.tokens[uid]) - start, left)
+            if not self._allocate(uid, start, end):
+                break
+            if uid not in self.live:  # preempted while making room for itself
+                break
+            left -= end - start
+            batch.append((uid, start, end))
+            if end < len(self.ledger.tokens[uid]):
+                self.on_event("prefill: chunked")
+                break
+        batch = [(u, a, b) for u, a, b in batch if u in self.live]  # a later allocation preempted it
+        self._complete(batch, sample, stop, prefill=True)
+        return {"batch": [u for u, _, _ in batch], "refused": refused}
+
+    def decode(self, sample: Sequence[int] = (), stop: Sequence[int] = ()) -> Dict:
+        if len(set(stop)) < len(stop) or set(stop) - set(self.running):
+            raise InvalidOp(f"decode: stop {list(stop)} must name running uids, each once")
+        batch: List[tuple[int, int, int]] = []
+        for uid in list(self.running):
+            if uid not in self.running:  # preempted by an earlier request's allocation
+                continue
+            n = len(self.ledger.tokens[uid])
+            if self._allocate(uid, n - 1, n) and uid in self.running:
+                batch.append((uid, n - 1, n))
+        batch = [(u, a, b) for u, a, b in batch if u in self.running]
+        self._complete(batch, sample, stop, prefill=False)
+        return {"batch": [u for u, _, _ in batch]}
+
+    def finish(self, uid: int) -> Dict:
+        if uid not in self.running:
+            raise InvalidOp(f"finish: uid {uid} is not running")
+        self._end(uid)
+        return {}
+
+    def abort(self, uid: int) -> Dict:
+        if uid not in self.waiting and uid not in self.running:
+            raise InvalidOp(f"abort: uid {uid} is neither waiting nor running")
+        if uid in self.waiting and uid in self.live:
+            self.on_event("abort: mid-prefill")
+        self._call("abort", self.subject.abort, uid)
+        self._forget(uid)
+        return {}
+
+    def evict(self, tokens: int) -> Dict:
+        if not self.caps.explicit_evict:
+            raise InvalidOp(f"evict: {self.subject.name} has no explicit eviction")
+        if tokens < 0:
+            raise InvalidOp(f"evict: tokens must be >= 0, got {tokens}")
+        evictable = sum(len(e.locations) for e in self.view().cached if not e.lock)
+        if tokens > evictable:
+            raise InvalidOp(f"evict: {tokens} tokens asked, {evictable} evictable")
+        return {"evicted": self._call("evict", self.subject.evict, tokens)}
+
+    # -- the parts of a step -----------------------------------------------------------------------
+    def _needs(self, uid: int) -> int:
+        return len(self.ledger.tokens[uid])  # an upper bound before the hit is known
+
+    def _admit(self, uid: int, budget: int) -> int | None:
+        before = self.view() if self.check else None
+        hit = self._call("admit", self.subject.admit, uid, budget)
+        if hit is None:
+            self.on_event("admission: refused")
+            if before is not None and _state(self.view()) != _state(before):
+                raise Finding("4-failed-admission", f"refusing uid {uid} changed the subject's free list, "
+                                                    "rows, cache or counts")
+            return None
+        tokens = self.ledger.tokens[uid]
+        if not isinstance(hit, int) or not 0 <= hit < len(tokens):
+            raise Finding("8-request", f"uid {uid} was admitted with a hit of {hit!r} tokens, but its prompt "
+                                       f"has {len(tokens)}: a hit must leave the last prompt token to compute")
+        if hit and before is not None:
+            self._note_hit(uid, hit, before)
+        self.live.add(uid)
+        self.admitted.setdefault(uid, len(self.admitted))
+        self.ledger.computed[uid] = hit
+        return hit
+
+    def _note_hit(self, uid: int, hit: int, before: View) -> None:
+        ps = self.caps.page_size
+        self.on_event("hit: prefix hit")
+        tokens = self.ledger.tokens[uid]
+        hit_pages = {int(loc) // ps for loc in self.view().requests.get(uid, [])[:hit]}
+        held_before = {int(loc) // ps for row in before.requests.values() for loc in row}
+        if hit_pages - held_before:
+            self.on_event("hit: re-hit of cached pages no request holds")
+        mid_prefill = {u for u in self.live if u in self.waiting and u != uid}
+        if any(hit_pages & {int(loc) // ps for loc in before.requests.get(u, [])} for u in mid_prefill):
+            self.on_event("hit: on a request still mid-prefill")
+        for entry in before.cached:
+            prefix = self._claimed(entry)
+            common = _shared(prefix, tokens)
+            start = len(prefix) - len(entry.locations)
+            if common >= len(tokens) or common >= len(prefix):
+                continue
+            if start < common and common % ps:
+                self.on_event("hit: diverges inside a cached page")
+            # a radix edge whose first page matched; a block chain whose first blocks matched
+            elif common >= start + ps if entry.tokens is not None else common == start >= ps:
+                self.on_event("hit: diverges after the first page of a cached entry")
+
+    def _claimed(self, entry: Any) -> Sequence[int]:
+        """The token prefix a cache entry stands for: its path (radix) or what its KV was written for."""
+        if entry.tokens is not None:
+            return entry.tokens
+        found = self.ledger.written.get(int(entry.locations[-1])) if entry.locations else None
+        return self.ledger.prefixes.get(found[0], ()) if found else ()
+
+    def _allocate(self, uid: int, start: int, end: int) -> bool:
+        """Locations for [start, end) of `uid`, preempting the newest live request while the
+        subject preempts and finds no room. False: nothing allocated (the request does not run)."""
+        while True:
+            before = self.view() if self.check else None
+            if self._call("allocate", self.subject.allocate, uid, start, end):
+                if before is not None and _full_with_locks(before, self.caps.page_size):
+                    self.on_event("allocate: full pool with locked entries")
+                return True
+            if self.caps.worst_case_admission:
+                raise Finding("3-no-oom", f"{self.subject.name} refused positions [{start}, {end}) to admitted uid "
+                                          f"{uid}, but it promises worst-case admission")
+            if not self.caps.preempts:
+                return False
+            victim = max(self.live, key=lambda u: self.admitted[u])
+            self._preempt(victim)
+            if victim == uid:
+                return False
+
+    def _preempt(self, uid: int) -> None:
+        self.on_event("preempt: a running request preempted")
+        self._call("preempt", self.subject.preempt, uid)
+        self.live.discard(uid)
+        self.ledger.computed.pop(uid, None)
+        if uid in self.running:
+            self.running.remove(uid)
+        if uid in self.waiting:
+            self.waiting.remove(uid)
+        self.waiting.insert(0, uid)
+        self.preempted.add(uid)
+
+    def _complete(self, batch: List[tuple[int, int, int]], sample: Sequence[int], stop: Sequence[int],
+                  prefill: bool) -> None:
+        row_of: Dict[int, List[int]] = {}
+        if batch:
+            requests = self.view().requests
+            row_of = {uid: list(requests.get(uid, [])) for uid, _, _ in batch}
+        sampled = 0
+        ending: List[int] = []
+        for uid, start, end in batch:
+            tokens = self.ledger.tokens[uid]
+            row = row_of[uid]
+            if len(row) < end:
+                raise Finding("8-request", f"uid {uid} was allocated positions [{start}, {end}) but the subject "
+                                           f"shows locations for {len(row)}")
+            token = None
+            if end == len(tokens):
+                token = int(sample[sampled % len(sample)]) if sample else 0
+                sampled += 1
+            self._call("computed", self.subject.computed, uid, start, end, token)
+            self.ledger.wrote(row[start:end], tokens, start)
+            self.ledger.computed[uid] = end
+            if token is None:
+                continue
+            tokens.append(token)
+            if prefill:
+                self.waiting.remove(uid)
+                self.running.append(uid)
+            generated = len(tokens) - self.ledger.prompt_len[uid]
+            if generated >= self.max_tokens[uid] or uid in stop:
+                ending.append(uid)
+        for uid in ending:
+            self._end(uid)
+
+    def _end(self, uid: int) -> None:
+        self._call("finish", self.subject.finish, uid)
+        self._forget(uid)
+
+    def _forget(self, uid: int) -> None:
+        for queue in (self.waiting, self.running):
+            if uid in queue:
+                queue.remove(uid)
+        self.live.discard(uid)
+        self.ledger.computed.pop(uid, None)
+        self.preempted.discard(uid)
+
+
+def _shared(a: Sequence[int], b: Sequence[int]) -> int:
+    return len(os.path.commonprefix([list(a), list(b)]))
+
+
+def _state(view: View) -> tuple:
+    return (sorted(map(int, view.free)), {u: list(map(int, r)) for u, r in view.requests.items()},
+            sorted((tuple(map(int, e.locations)), e.lock, e.key if e.key is None else str(e.key)) for e in view.cached),
+            sorted((view.page_refs or {}).items()), sorted(view.counters.items()))
+
+
+def _full_with_locks(view: View, page_size: int) -> bool:
+    """No page is free and uncached (the allocation must evict), while some cached entry is in use."""
+    cached = {int(loc) // page_size for e in view.cached for loc in e.locations}
+    if set(map(int, view.free)) - cached:
+        return False
+    held = {int(loc) // page_size for row in view.requests.values() for loc in row}
+    return any(e.lock for e in view.cached) or bool(cached & held)
+
+
+def replay(factory: Callable[[SubjectConfig], Subject], config: SubjectConfig,
+           ops: Sequence[Dict[str, Any]]) -> tuple[Finding | None, List[Dict[str, Any]]]:
+    """Apply `ops` to a fresh subject; the first finding (or None) and the ops that applied (an
+    op the driver refuses as invalid at its point is skipped, as the fuzzer never records one)."""
+    try:
+        driver = SubjectDriver(factory(config), config)
+    except SubjectUnavailable:
+        raise
+    except Exception as e:
+        return Finding(f"subject-raised:{type(e).__name__}", f"building the subject: {e}", traceback.format_exc()), []
+    applied: List[Dict[str, Any]] = []
+    for op in ops:
+        try:
+            driver.apply(op)
+        except InvalidOp:
+            continue
+        except Finding as f:
+            applied.append(op)
+            return f, applied
+        applied.append(op)
+    return None, applied

@@ -1,0 +1,90 @@
+"""Workloads that reach the hard states of any cache manager, for the fuzzer and the state machine.
+
+Prompts are a few *stems* (token strings shared across requests) cut at lengths biased to page
+boundaries and one token either side, plus a short random tail, over a tiny alphabet; a quarter
+of submissions repeat an earlier prompt exactly. That is what reaches, on every subject:
+prefixes that diverge inside a cached page and after a cached entry's first page, re-hits of
+pages nobody holds (a block cache's free pool, a radix tree's unlocked leaves), hits on a request
+still mid-prefill (small budgets leave it chunked), and a full pool with locked entries (small
+pools). Everything is drawn from one `random.Random`, so a seed gives the same case anywhere.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence
+
+from kvledger.engine.subject import SubjectConfig
+
+ALPHABET = 4
+
+
+@dataclass(frozen=True)
+class Shape:
+    config: SubjectConfig
+    stems: tuple[tuple[int, ...], ...]
+
+
+def draw_shape(rng: random.Random, page_sizes: Sequence[int] = (1, 2, 4)) -> Shape:
+    ps = rng.choice(page_sizes)
+    num_pages = rng.randint(max(6, 24 // ps), max(12, 64 // ps))
+    max_seq_len = min(num_pages * ps, 48)
+    stems = tuple(tuple(rng.randrange(ALPHABET) for _ in range(4 * ps + 2)) for _ in range(rng.randint(1, 3)))
+    return Shape(SubjectConfig(num_pages=num_pages, page_size=ps, max_seq_len=max_seq_len,
+                               max_running=rng.randint(3, 8)), stems)
+
+
+def draw_prompt(rng: random.Random, shape: Shape, history: Sequence[Sequence[int]], room: int) -> List[int]:
+    """A prompt of at most `room` tokens (room >= 1)."""
+    if history and rng.random() < 0.25:
+        old = list(rng.choice(history))
+        if len(old) <= room:
+            return old
+    ps = shape.config.page_size
+    stem = rng.choice(shape.stems)
+    cut = rng.choice([ps - 1, ps, ps + 1, 2 * ps - 1, 2 * ps, 2 * ps + 1, 3 * ps, rng.randint(0, len(stem))])
+    tail = [rng.randrange(ALPHABET) for _ in range(rng.randint(0, 2 * ps + 1))]
+    prompt = (list(stem[: max(cut, 0)]) + tail)[:room]
+    return prompt or [rng.randrange(ALPHABET)]
+
+
+def next_op(rng: random.Random, shape: Shape, driver: Any, next_uid: int,
+            history: List[List[int]]) -> Dict[str, Any] | None:
+    """One operation for the driver's current state (None: nothing sensible to do)."""
+    cfg, ps = shape.config, shape.config.page_size
+    waiting, running = driver.waiting, driver.running
+    choices = [("submit", 30 if len(waiting) < 6 else 3), ("prefill", 30 if waiting else 0),
+               ("decode", 25 if running else 0), ("finish", 4 if running else 0),
+               ("abort", 4 if waiting or running else 0),
+               ("evict", 4 if driver.caps.explicit_evict else 0)]
+    kind = rng.choices([c for c, _ in choices], [w for _, w in choices])[0]
+    if kind == "submit":
+        max_tokens = rng.choice([1, 1, 2, 3, 5, 8])
+        room = min(cfg.max_seq_len, cfg.num_pages * ps + 1) - max_tokens
+        if room < 1:
+            return None
+        prompt = draw_prompt(rng, shape, history, room)
+        history.append(prompt)
+        return {"op": "submit", "uid": next_uid, "tokens": prompt, "max_tokens": max_tokens}
+    sample = [rng.randrange(ALPHABET) for _ in range(2)]
+    if kind == "prefill":
+        budget = rng.choice([1, ps, ps + 1, 2 * ps, 3 * ps + 1, 64])
+        return {"op": "prefill", "budget": budget, "sample": sample}
+    if kind == "decode":
+        stop = [u for u in running if rng.random() < 0.1]
+        return {"op": "decode", "sample": sample, "stop": stop}
+    if kind == "finish":
+        return {"op": "finish", "uid": rng.choice(running)}
+    if kind == "abort":
+        return {"op": "abort", "uid": rng.choice(list(waiting) + list(running))}
+    return {"op": "evict", "tokens": rng.choice([1, ps, 4 * ps])}
+
+
+def drain_op(driver: Any) -> Dict[str, Any] | None:
+    """The next operation that moves every request towards its end (None when all ended)."""
+    if driver.waiting:
+        return {"op": "prefill", "budget": 64, "sample": [1]}
+    if driver.running:
+        return {"op": "decode", "sample": [1]}
+    return None
