@@ -9,7 +9,8 @@ The invariants keep the names of kvledger's own judge (`invariants.py`) where th
   5-quiescence    with no live request, no entry is locked and no page is referenced
   1-2-partition   every page of the pool is free (once), held by live requests, or cached; a free
                   page is held by no live request (and is cached only where the subject keeps
-                  cached pages in its free pool); a page two requests hold is cached, at the same
+                  cached pages in its free pool, where then every cached page nobody holds must
+                  be); a page two requests hold is cached, at the same
                   positions; each request's row is page-aligned and page-contiguous; reference and
                   lock counts equal the live requests that hold the page or entry
   8-request       the view's live requests are the harness's; each holds at least what it computed;
@@ -166,6 +167,10 @@ def _check_partition(view: View, caps: Capabilities, holders: Dict[int, Dict[int
         if not (is_free or held or names):
             _fail("1-2-partition", f"page {page} is owned by nobody: not free, not cached, held by no live "
                                    "request (a leak)")
+        if names and not (held or is_free) and caps.cached_pages_in_free_pool:
+            _fail("1-2-partition", f"page {page} is cached ({', '.join(names)}) and held by no live request, but "
+                                   "not in the free queue, where this subject keeps such pages: it is never "
+                                   "reused (a leak)")
 
 
 def _check_counts(view: View, holders: Dict[int, Dict[int, int]]) -> None:

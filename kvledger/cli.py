@@ -85,6 +85,18 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _zoo(args: argparse.Namespace) -> int:
+    if args.subject:
+        from kvledger.engine.subject import SubjectUnavailable
+        from kvledger.subjects import SpecError
+        from kvledger.tools.subject_zoo import print_subject_zoo, run_subject_zoo
+
+        bugs = args.bugs.split(",") if args.bugs else None
+        try:
+            rows = run_subject_zoo(args.subject, bugs, max_cases=args.max_cases, seconds=args.fuzz_seconds)
+        except (SpecError, SubjectUnavailable) as e:
+            return _subject_error("zoo", e)
+        print_subject_zoo(args.subject, rows)
+        return 0 if all(r.caught for r in rows) else 1
     from kvledger.tools.zoo_run import main_zoo
 
     return main_zoo(args.bugs, args.fuzz_seconds, args.out_dir, args.hypothesis_seconds)
@@ -228,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hypothesis-seconds", type=float, default=45.0, help="time cap per bug for the CI profile")
     p.add_argument("--out-dir", default=None, metavar="DIR",
                    help="where to keep each bug's failing traces (default: a temp dir)")
+    p.add_argument("--subject", default=None, metavar="SPEC",
+                   help="judge mode on this subject's own zoo (fast: kvledger's 39 bugs); --fuzz-seconds caps each bug")
+    p.add_argument("--max-cases", type=int, default=2000, help="with --subject: cases per bug at most")
     p.set_defaults(func=_zoo)
 
     p = sub.add_parser("fuzz", help="random-walk differential fuzzing of reference vs fast")

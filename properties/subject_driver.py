@@ -360,8 +360,10 @@ def _shared(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def _state(view: View) -> tuple:
-    return (sorted(map(int, view.free)), {u: list(map(int, r)) for u, r in view.requests.items()},
-            sorted((tuple(map(int, e.locations)), e.lock, e.key if e.key is None else str(e.key)) for e in view.cached),
+    """What a refused admission must leave as it was. Cached entries are compared per location:
+    a radix match may split a node, which moves no page and no lock."""
+    cached = sorted((int(loc), e.lock, None if e.key is None else str(e.key)) for e in view.cached for loc in e.locations)
+    return (sorted(map(int, view.free)), {u: list(map(int, r)) for u, r in view.requests.items()}, cached,
             sorted((view.page_refs or {}).items()), sorted(view.counters.items()))
 
 
