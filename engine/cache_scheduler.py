@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Sequence, Union
 from kvledger.engine.cache_ops import Abort, CacheOp, Decode, Evict, Finish, InvalidOp, Prefill, Probe, Submit, parse
 from kvledger.engine.invariants import InvariantViolation, KVProvenance, judge, tolist
 from kvledger.engine.rollback import Checkpoint
+from kvledger.engine.subject_judge import check_queue_order
 from kvledger.reference.admission_policy import RESERVE, AdmissionPolicy, ObservedOutputRatio
 from kvledger.reference.events import note
 from kvledger.reference.pages import div_ceil, tokens_to_finish
@@ -62,6 +63,11 @@ class CacheScheduler:
         # adaptive admission: the ratio follows what ended requests generated (uid -> prompt length)
         self.observed_ratio = ObservedOutputRatio(admission.reserve_ratio) if admission.kind == "adaptive" else None
         self._prompt_len: Dict[int, int] = {}
+        # queue order (invariant 10): uid -> its submission's number, and its latest admission's
+        self._arrival: Dict[int, int] = {}
+        self._admitted_at: Dict[int, int] = {}
+        self._admissions = 0
+        self._submissions = 0
         self.waiting: List[Any] = []
         self.live: Dict[int, Any] = {}  # uid -> admitted request (running or mid-chunk)
         self.known: set = set()
@@ -104,6 +110,8 @@ class CacheScheduler:
             self.known.add(uid)
         self.last_uid = uid if self.last_uid is None else max(self.last_uid, uid)
         self.submitted[uid] = (tuple(map(int, tokens)), max_tokens)
+        self._arrival[uid] = self._submissions
+        self._submissions += 1
         if self.observed_ratio is not None:
             self._prompt_len[uid] = len(tokens)
         self.waiting.append(pending)
@@ -164,6 +172,8 @@ class CacheScheduler:
             pending.chunked_req = req if self.is_chunked(req) else None
             if fresh:
                 self.prefix_hits[req.uid] = req.cached_len
+                self._admitted_at[req.uid] = self._admissions
+                self._admissions += 1
             if fresh and req.uid in self._preempted:
                 self._readmitted(req)
             batch.append(req)
@@ -198,6 +208,8 @@ class CacheScheduler:
                     note("preempt: a preempted request aborted while waiting")
                 self._prompt_len.pop(uid, None)
                 self.submitted.pop(uid, None)
+                self._arrival.pop(uid, None)
+                self._admitted_at.pop(uid, None)
                 return {"where": "waiting"}
         req = self.dm.running_reqs.get(uid)
         if req is None:
@@ -344,6 +356,8 @@ class CacheScheduler:
         self.live.pop(req.uid, None)
         self._preempted.pop(req.uid, None)
         self.submitted.pop(req.uid, None)
+        self._arrival.pop(req.uid, None)
+        self._admitted_at.pop(req.uid, None)
         prompt_len = self._prompt_len.pop(req.uid, None)
         if prompt_len is not None and not self.is_chunked(req):
             self._observe_output(len(req.input_ids) - prompt_len, req.max_device_len - prompt_len)
@@ -394,6 +408,7 @@ class CacheScheduler:
         """The invariants on this implementation alone: the judge (`invariants.py`), from first
         principles, then the implementation's own integrity check (structure it alone knows)."""
         judge(self)
+        check_queue_order([p.uid for p in self.waiting], self._arrival, self._admitted_at, set(self._preempted))
         try:
             self.cm.check_integrity(list(self.live.values()))
         except RuntimeError as e:

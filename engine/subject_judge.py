@@ -22,8 +22,8 @@ The invariants keep the names of kvledger's own judge (`invariants.py`) where th
   3-no-oom        (at allocation, by the driver) a subject promising worst-case admission never
                   fails an allocation of an admitted request
   4-failed-admission (by the driver) a refused admission leaves the view unchanged
-  10-queue-order  (by the driver) the waiting queue is first come, first served, a preempted request
-                  ahead of every request admitted after it
+  10-queue-order  (by the driver) the waiting queue is first come, first served, and a request
+                  waiting again (preempted, mid-prefill) waits ahead of every request never admitted
 """
 
 from __future__ import annotations
@@ -257,16 +257,18 @@ def _check_entry(entry: CachedEntry, name: str, ledger: Ledger, subject: Any) ->
 def check_queue_order(waiting: Sequence[int], arrival: Dict[int, int], admitted: Dict[int, int],
                       preempted: Set[int]) -> None:
     """10-queue-order over a waiting queue (head first): requests never admitted wait in arrival
-    order; a preempted (or mid-prefill) request waits ahead of every request first admitted after
-    it and of every request never admitted. `arrival` and `admitted` give submission and first
-    admission order numbers."""
+    order, and every request that was admitted before (preempted, or mid-prefill) waits ahead of
+    every request never admitted. Among requests waiting again the order is the scheduler's (a
+    stack of victims, the request mid-prefill first), which this leaves alone. `arrival` and
+    `admitted` map uids to submission and admission order numbers; `preempted` is informative."""
     fresh = [u for u in waiting if u not in admitted]
     if fresh != sorted(fresh, key=lambda u: arrival[u]):
         _fail("10-queue-order", f"requests never admitted wait in the order {fresh}, not in arrival order")
-    for i, uid in enumerate(waiting):
+    seen_fresh = None
+    for uid in waiting:
         if uid not in admitted:
-            continue
-        for later in waiting[:i]:
-            if later not in admitted or admitted[later] > admitted[uid]:
-                _fail("10-queue-order", f"uid {uid}, admitted before and waiting again, waits behind uid {later}, "
-                                        + ("never admitted" if later not in admitted else "admitted after it"))
+            seen_fresh = uid if seen_fresh is None else seen_fresh
+        elif seen_fresh is not None:
+            again = "preempted" if uid in preempted else "admitted before"
+            _fail("10-queue-order", f"uid {uid}, {again} and waiting again, waits behind uid {seen_fresh}, "
+                                    "which was never admitted")

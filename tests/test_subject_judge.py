@@ -134,7 +134,7 @@ def test_queue_order_first_come_first_served_and_preempted_ahead():
     with pytest.raises(InvariantViolation, match="not in arrival order"):
         check_queue_order([2, 1], arrival, {}, set())
     check_queue_order([3, 1, 2], arrival, {3: 0}, {3})
-    with pytest.raises(InvariantViolation, match="waits behind uid 1, never admitted"):
+    with pytest.raises(InvariantViolation, match="waits behind uid 1, which was never admitted"):
         check_queue_order([1, 3, 2], arrival, {3: 0}, {3})
 
 
