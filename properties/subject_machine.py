@@ -12,7 +12,7 @@ that first reached it (counts, never time).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Sequence
 
 from hypothesis import event, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
@@ -35,7 +35,8 @@ class Progress:
         self.last_failure: tuple[SubjectConfig, List[Dict[str, Any]], Finding] | None = None
 
 
-def machine_for(factory: Callable[[SubjectConfig], Subject], progress: Progress) -> type:
+def machine_for(factory: Callable[[SubjectConfig], Subject], progress: Progress,
+                page_sizes: Sequence[int] = (1, 2, 4)) -> type:
     tokens = st.integers(0, ALPHABET - 1)
 
     class SubjectMachine(RuleBasedStateMachine):
@@ -48,7 +49,7 @@ def machine_for(factory: Callable[[SubjectConfig], Subject], progress: Progress)
             self.next_uid = 0
             self.failed = False
 
-        @initialize(ps=st.sampled_from([1, 2, 4]), pages=st.integers(4, 16), data=st.data())
+        @initialize(ps=st.sampled_from(list(page_sizes)), pages=st.integers(4, 16), data=st.data())
         def build(self, ps: int, pages: int, data: st.DataObject) -> None:
             stems = data.draw(st.lists(st.lists(tokens, min_size=4 * ps + 2, max_size=4 * ps + 2),
                                        min_size=1, max_size=3), label="stems")

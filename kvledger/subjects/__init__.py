@@ -67,6 +67,11 @@ class SubjectSpec:
             raise SpecError(f"{self.text}: edits apply to builtin subjects only")
         return factory
 
+    def page_sizes(self, wanted: Sequence[int] = (1, 2, 4)) -> Tuple[int, ...]:
+        """The page sizes of `wanted` this subject runs with (an adapter's MIN_PAGE_SIZE)."""
+        least = getattr(self.adapter(), "MIN_PAGE_SIZE", 1) if self.builtin else 1
+        return tuple(ps for ps in wanted if ps >= least) or (least,)
+
     def zoo(self) -> Tuple[SourceEdit, ...]:
         return tuple(getattr(self.adapter(), "ZOO", ())) if self.builtin else ()
 

@@ -33,18 +33,19 @@ def run_subject_check(text: str, profile: str = "ci", examples: int | None = Non
                       quiet: bool = False) -> tuple[int, Progress, Path | None]:
     """(exit code, what the run reached, the minimized failing trace or None)."""
     from kvledger.tools.subject_fuzz import header_for
-    from kvledger.tools.subject_minimize import minimize_ops
+    from kvledger.tools.subject_minimize import minimize_ops, shortest_failure
 
     spec = parse_spec(text)
     factory = spec.factory(edits)
-    version = factory(SubjectConfig(num_pages=8, page_size=1, max_seq_len=16)).version
+    page_sizes = spec.page_sizes()
+    version = factory(SubjectConfig(num_pages=8, page_size=page_sizes[0], max_seq_len=16)).version
     register_profiles(profile)
     chosen = settings(settings.default, max_examples=examples or SUBJECT_EXAMPLES[profile],
                       stateful_step_count=SUBJECT_STEPS[profile], deadline=None,
                       suppress_health_check=list(HealthCheck), print_blob=False, report_multiple_bugs=False,
                       phases=[Phase.explicit, Phase.reuse, Phase.generate])
     progress = Progress()
-    machine = machine_for(factory, progress)
+    machine = machine_for(factory, progress, page_sizes)
     log.info("kvledger check --subject %s (%s): profile %s, %d sequences of up to %d operations, judge mode",
              text, version, profile, chosen.max_examples, chosen.stateful_step_count)
     start = time.perf_counter()
@@ -57,7 +58,9 @@ def run_subject_check(text: str, profile: str = "ci", examples: int | None = Non
         if progress.last_failure is None:
             raise
         config, ops, finding = progress.last_failure
-        small, finding = minimize_ops(factory, config, ops, finding.kind, budget=minimize_budget)
+        small, finding = minimize_ops(factory, config, ops, finding.kind, budget=minimize_budget / 2)
+        small, config, finding = shortest_failure(factory, finding.kind, small, config, finding, page_sizes,
+                                                  budget=minimize_budget / 2)
         path = Path(out_dir) / f"{spec.name.replace(':', '-')}-{finding.kind.replace(':', '-')}.jsonl"
         trace.write(path, header_for(spec, version, config, None), small)
         if not quiet:

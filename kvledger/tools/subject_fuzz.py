@@ -129,10 +129,11 @@ def _worker(args: Tuple[str, Tuple[SourceEdit, ...], int, int, int, float, int |
 
 def fuzz_subject(text: str, seconds: float, *, workers: int = 1, seed: int = 0, out_dir: str | Path = ".kvledger/fuzz",
                  edits: Sequence[SourceEdit] = (), minimize_budget: float = 60.0, max_cases: int | None = None,
-                 page_sizes: Sequence[int] = (1, 2, 4), minimize_replays: int | None = None) -> FuzzReport:
-    from kvledger.tools.subject_minimize import minimize_ops
+                 page_sizes: Sequence[int] | None = None, minimize_replays: int | None = None) -> FuzzReport:
+    from kvledger.tools.subject_minimize import minimize_ops, shortest_failure
 
     spec = parse_spec(text)
+    page_sizes = spec.page_sizes(page_sizes or (1, 2, 4))
     factory = spec.factory(edits)
     probe = factory(SubjectConfig(num_pages=8, page_size=page_sizes[0], max_seq_len=16))  # fails early, in one line
     version = probe.version
@@ -158,10 +159,12 @@ def fuzz_subject(text: str, seconds: float, *, workers: int = 1, seed: int = 0, 
             path = out / f"{spec.name.replace(':', '-')}-{safe}-seed{case_seed}.jsonl"
             trace.write(path, header_for(spec, version, config, case_seed), ops)
             report.traces.append(path)
-            small, finding = minimize_ops(factory, config, ops, kind, budget=minimize_budget,
+            small, finding = minimize_ops(factory, config, ops, kind, budget=minimize_budget / 2,
                                           max_replays=minimize_replays)
+            small, small_config, finding = shortest_failure(factory, kind, small, config, finding, page_sizes,
+                                                            budget=minimize_budget / 2)
             small_path = path.with_suffix(".min.jsonl")
-            trace.write(small_path, header_for(spec, version, config, case_seed), small)
+            trace.write(small_path, header_for(spec, version, small_config, None), small)
             report.traces.append(small_path)
             log.info("%s: %s (seed %d, %d ops, minimized to %d: %s)", kind, message, case_seed, len(ops),
                      len(small), small_path)

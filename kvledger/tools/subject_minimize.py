@@ -38,28 +38,71 @@ def minimize_ops(factory: Callable[[SubjectConfig], Subject], config: SubjectCon
     ok, current, finding = fails(list(ops))
     if not ok:
         return list(ops), finding
+    while not out_of_budget():
+        before = len(current), json.dumps(current)
+        current, finding = _drop(current, finding, fails, out_of_budget)
+        current, finding = _simplify(current, finding, fails, out_of_budget)
+        if (len(current), json.dumps(current)) == before:
+            break
+    renumbered = _renumber(current)
+    if renumbered != current and not out_of_budget():
+        ok, applied, f = fails(renumbered)
+        if ok and len(applied) == len(renumbered):
+            current, finding = applied, f
+    log.info("minimized %d ops to %d in %d replays", len(ops), len(current), replays[0])
+    return current, finding
+
+
+def _drop(current: List[Dict], finding: Finding | None, fails: Callable, out_of_budget: Callable) -> Tuple[List[Dict], Finding | None]:
+    """Delta debugging: drop chunks of operations, halving the chunk until single operations."""
     chunk = max(len(current) // 2, 1)
     while chunk >= 1 and not out_of_budget():
         i, shrunk = 0, False
         while i < len(current) and not out_of_budget():
-            candidate = current[:i] + current[i + chunk:]
-            ok, applied, f = fails(candidate)
+            ok, applied, f = fails(current[:i] + current[i + chunk:])
             if ok:
                 current, finding, shrunk = applied, f, True
             else:
                 i += chunk
         if not shrunk:
             chunk //= 2
-    for i in range(len(current)):
-        for simpler in _simpler(current[i]):
-            if out_of_budget():
-                break
-            candidate = current[:i] + [simpler] + current[i + 1:]
-            ok, applied, f = fails(candidate)
-            if ok and len(applied) == len(current):
-                current, finding = applied, f
-    log.info("minimized %d ops to %d in %d replays", len(ops), len(current), replays[0])
     return current, finding
+
+
+def _simplify(current: List[Dict], finding: Finding | None, fails: Callable, out_of_budget: Callable) -> Tuple[List[Dict], Finding | None]:
+    """Simpler operations one at a time; a change that makes later operations moot (they are then
+    skipped or become no-ops for `_drop`) is kept as long as the finding is."""
+    i = 0
+    while i < len(current) and not out_of_budget():
+        for simpler in _simpler(current[i]):
+            ok, applied, f = fails(current[:i] + [simpler] + current[i + 1:])
+            if ok and len(applied) <= len(current):
+                current, finding = applied, f
+                break
+        else:
+            i += 1
+    return current, finding
+
+
+def _renumber(ops: List[Dict]) -> List[Dict]:
+    """uids 0, 1, 2, ... in submission order, for a reader."""
+    new: Dict[int, int] = {}
+    for op in ops:
+        if op["op"] == "submit":
+            new.setdefault(op["uid"], len(new))
+
+    def uid(u: int) -> int:
+        return new.get(u, u)
+
+    out = []
+    for op in ops:
+        op = dict(op)
+        if "uid" in op:
+            op["uid"] = uid(op["uid"])
+        if op.get("stop"):
+            op["stop"] = [uid(u) for u in op["stop"]]
+        out.append(op)
+    return out
 
 
 def _simpler(op: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -74,9 +117,11 @@ def _simpler(op: Dict[str, Any]) -> List[Dict[str, Any]]:
     elif op["op"] in ("prefill", "decode"):
         if op.get("stop"):
             out.append({**op, "stop": []})
-        if op["op"] == "prefill" and op["budget"] > 1:
-            out.append({**op, "budget": 64 if op["budget"] < 64 else op["budget"]})
-    return out
+        if op["op"] == "prefill" and op["budget"] < 64:
+            out.append({**op, "budget": 64})
+        if len(op.get("sample", ())) > 1:
+            out.append({**op, "sample": op["sample"][:1]})
+    return [o for o in out if o != op]
 
 
 def main_minimize_subject(path: str, output: str, budget: float, subject: str | None,
@@ -104,3 +149,27 @@ def main_minimize_subject(path: str, output: str, budget: float, subject: str | 
     for op in small:
         print("  " + json.dumps(op))
     return 0
+
+
+def shortest_failure(factory: Callable[[SubjectConfig], Subject], kind: str, ops: List[Dict], config: SubjectConfig,
+                     finding: Finding | None, page_sizes: Sequence[int], budget: float = 20.0, cases: int = 200,
+                     max_ops: int = 6) -> Tuple[List[Dict], SubjectConfig, Finding | None]:
+    """A minimized trace can only lose operations, so a failure reached the long way (a pool
+    filled by many decodes) stays long. This also searches short random cases (`max_ops` before
+    the drain, case seeds from 10**9) for the same kind of finding, minimizes each one found, and
+    returns the shortest of all (its ops, config, finding); deterministic for a number of cases."""
+    from kvledger.tools.subject_fuzz import run_case
+
+    deadline = time.monotonic() + budget
+    best = (ops, config, finding)
+    for k in range(cases):
+        if time.monotonic() > deadline or len(best[0]) <= 2:
+            break
+        result = run_case(factory, 10**9 + k, page_sizes, max_ops=max_ops)
+        if result.finding is None or result.finding.kind != kind or len(result.ops) >= 4 * len(best[0]):
+            continue
+        small, f = minimize_ops(factory, result.config, result.ops, kind, budget=max(deadline - time.monotonic(), 1),
+                                max_replays=2000)
+        if len(small) < len(best[0]):
+            best = (small, result.config, f)
+    return best

@@ -75,7 +75,7 @@ def run_subject_zoo(text: str, bugs: Sequence[str] | None = None, max_cases: int
         if bugs and name not in bugs:
             continue
         with context():
-            row = catch(spec.factory(edits), max_cases, seconds, minimize_budget)
+            row = catch(spec.factory(edits), max_cases, seconds, minimize_budget, spec.page_sizes())
         row.bug, row.why = name, why
         log.info("%s: %s", name, f"caught ({row.kind}) after {row.cases} cases, {row.seconds:.1f} s"
                  if row.caught else f"ESCAPED {row.cases} cases")
