@@ -29,7 +29,7 @@ from kvledger.reference.pages import div_ceil
 
 from kvledger.engine.cache_ops import Abort, CacheOp, Decode, Evict, Finish, InvalidOp, Prefill, Probe, Submit, parse
 from kvledger.engine.invariants import InvariantViolation
-from kvledger.engine.subject import Subject, SubjectConfig, SubjectUnavailable, View
+from kvledger.engine.subject import Capabilities, Subject, SubjectConfig, SubjectUnavailable, View
 from kvledger.engine.subject_judge import Ledger, check_queue_order, judge
 
 __all__ = ["Finding", "SubjectDriver", "InvalidOp"]
@@ -59,6 +59,11 @@ SUBJECT_EVENTS = frozenset({
     "abort: mid-prefill",
     "driver: idle after work",
 })
+
+
+def expected_events(caps: Capabilities) -> frozenset:
+    """The rare states a subject with these capabilities can reach."""
+    return frozenset(e for e in SUBJECT_EVENTS if caps.preempts or not e.startswith("preempt"))
 
 
 class SubjectDriver:
@@ -397,3 +402,14 @@ def replay(factory: Callable[[SubjectConfig], Subject], config: SubjectConfig,
             return f, applied
         applied.append(op)
     return None, applied
+
+
+def drive(subject: Subject, config: SubjectConfig, ops: Sequence[Dict[str, Any]]) -> tuple[Finding | None, SubjectDriver]:
+    """Apply `ops` to `subject` (an InvalidOp propagates); the first finding or None, and the driver."""
+    driver = SubjectDriver(subject, config)
+    for op in ops:
+        try:
+            driver.apply(op)
+        except Finding as f:
+            return f, driver
+    return None, driver

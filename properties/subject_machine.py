@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from kvledger.engine.cache_ops import InvalidOp
 from kvledger.engine.subject import Subject, SubjectConfig
-from kvledger.properties.subject_driver import SUBJECT_EVENTS, Finding, SubjectDriver
+from kvledger.properties.subject_driver import Finding, SubjectDriver
 from kvledger.properties.subject_workload import ALPHABET
 
 SUBJECT_EXAMPLES = {"ci": 300, "deep": 3000, "dev": 30}  # examples per profile in judge mode
@@ -140,5 +140,3 @@ def machine_for(factory: Callable[[SubjectConfig], Subject], progress: Progress,
     SubjectMachine.__name__ = "SubjectMachine"
     return SubjectMachine
 
-
-EXPECTED = SUBJECT_EVENTS

@@ -17,6 +17,7 @@ import pytest
 from kvledger.engine.cache_ops import InvalidOp
 from kvledger.engine.subject import Subject, SubjectConfig, SubjectUnavailable
 from kvledger.properties.subject_driver import Finding, SubjectDriver
+from kvledger.properties.subject_driver import drive as _drive
 from kvledger.subjects import nanovllm
 from kvledger.subjects.edits import SourceEdit, edited_function
 from kvledger.subjects.peers import peer_path
@@ -38,14 +39,6 @@ def _build(commit: str, config: SubjectConfig = CFG, edits: Sequence[SourceEdit]
     return nanovllm.build(config, _peer(commit), edits)
 
 
-def _drive(subject: Subject, config: SubjectConfig, ops: List[dict]) -> Tuple[Finding | None, SubjectDriver]:
-    driver = SubjectDriver(subject, config)
-    for op in ops:
-        try:
-            driver.apply(op)
-        except Finding as f:
-            return f, driver
-    return None, driver
 
 
 def _computed(s: Subject, uid: int, start: int, end: int, token: int | None) -> List[int]:

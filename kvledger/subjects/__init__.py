@@ -78,6 +78,11 @@ class SubjectSpec:
     def fixes(self) -> Dict[str, Tuple[SourceEdit, ...]]:
         return dict(getattr(self.adapter(), "FIXES", {})) if self.builtin else {}
 
+    def zoo_base(self) -> Tuple[SourceEdit, ...]:
+        """The fixes every zoo entry runs on top of (a known bug that would mask the entry's own)."""
+        fixes = self.fixes()
+        return tuple(e for name in getattr(self.adapter(), "ZOO_ON_FIXES", ()) for e in fixes[name]) if self.builtin else ()
+
 
 def _build(module: ModuleType, config: SubjectConfig, spec: SubjectSpec, edits: Sequence[SourceEdit]) -> Subject:
     if spec.name in ("fast", "reference"):

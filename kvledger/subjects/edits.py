@@ -14,7 +14,7 @@ import inspect
 import textwrap
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Sequence, Tuple
 
 
 class EditError(ValueError):
@@ -43,33 +43,47 @@ def _resolve(module: types.ModuleType, path: Tuple[str, ...]) -> Any:
     return obj
 
 
-def edited_function(edit: SourceEdit, module: types.ModuleType | None = None) -> Callable:
-    """The edited copy of the edit's target, compiled in its module's globals. `module` replaces
-    the import of the target's module (for a subject loaded under another name)."""
+def edited_function(edit: SourceEdit | Sequence[SourceEdit], module: types.ModuleType | None = None) -> Callable:
+    """The edited copy of the edit's target, compiled in its module's globals; several edits of one
+    target are applied in order to one copy (a zoo bug on top of a fix). `module` replaces the
+    import of the target's module (for a subject loaded under another name)."""
+    edits = [edit] if isinstance(edit, SourceEdit) else list(edit)
+    edit = edits[0]
+    if any(e.target != edit.target for e in edits):
+        raise EditError(f"{', '.join(e.name for e in edits)}: one copy takes edits of one target")
     module_name, path = edit.split()
     if module is None:
         module = importlib.import_module(module_name)
     original = _resolve(module, path)
     func = inspect.unwrap(original)
     source = textwrap.dedent(inspect.getsource(func))
-    found = source.count(edit.old)
-    if found != 1:
-        raise EditError(f"{edit.name}: the text to replace occurs {found} times in {edit.target}, not once")
-    source = source.replace(edit.old, edit.new)
+    for e in edits:
+        found = source.count(e.old)
+        if found != 1:
+            raise EditError(f"{e.name}: the text to replace occurs {found} times in {e.target}, not once")
+        source = source.replace(e.old, e.new)
+    names = "+".join(e.name for e in edits)
     namespace: Dict[str, Any] = {}
-    code = compile(source, f"<{edit.name}: edited {edit.target}>", "exec")
+    code = compile(source, f"<{names}: edited {edit.target}>", "exec")
     globals_ = dict(func.__globals__)
     if func.__closure__:  # zero-argument super() needs __class__ in scope
         for name, cell in zip(func.__code__.co_freevars, func.__closure__):
             globals_[name] = cell.cell_contents
     exec(code, globals_, namespace)
     edited = namespace[path[-1]]
-    edited.__kvledger_edit__ = edit.name
+    edited.__kvledger_edit__ = names
     return edited
 
 
 def bind(obj: Any, edits: Iterable[SourceEdit], module: types.ModuleType | None = None) -> None:
-    """Put the edited methods on `obj` alone (instance attributes shadow the class's)."""
-    for edit in edits:
-        func = edited_function(edit, module)
-        setattr(obj, edit.split()[1][-1], types.MethodType(func, obj))
+    """Put the edited methods on `obj` alone (instance attributes shadow the class's); edits of
+    the same method go into one copy, in order."""
+    bound: Dict[str, List[SourceEdit]] = obj.__dict__.setdefault("__kvledger_edits__", {})
+    touched = []
+    for edit in edits:  # an earlier bind's edits of the same method stay in the new copy
+        bound.setdefault(edit.target, []).append(edit)
+        touched.append(edit.target)
+    for target in dict.fromkeys(touched):
+        group = bound[target]
+        func = edited_function(group, module)
+        setattr(obj, group[0].split()[1][-1], types.MethodType(func, obj))

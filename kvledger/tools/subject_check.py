@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, Phase, settings
 from kvledger.engine import trace
 from kvledger.engine.subject import SubjectConfig
 from kvledger.properties.profiles import register_profiles
-from kvledger.properties.subject_driver import SUBJECT_EVENTS
+from kvledger.properties.subject_driver import expected_events
 from kvledger.properties.subject_machine import SUBJECT_EXAMPLES, SUBJECT_STEPS, Progress, machine_for
 from kvledger.subjects import parse_spec
 from kvledger.subjects.edits import SourceEdit
@@ -38,7 +38,8 @@ def run_subject_check(text: str, profile: str = "ci", examples: int | None = Non
     spec = parse_spec(text)
     factory = spec.factory(edits)
     page_sizes = spec.page_sizes()
-    version = factory(SubjectConfig(num_pages=8, page_size=page_sizes[0], max_seq_len=16)).version
+    sample = factory(SubjectConfig(num_pages=8, page_size=page_sizes[0], max_seq_len=16))
+    version, expected = sample.version, expected_events(sample.capabilities)
     register_profiles(profile)
     chosen = settings(settings.default, max_examples=examples or SUBJECT_EXAMPLES[profile],
                       stateful_step_count=SUBJECT_STEPS[profile], deadline=None,
@@ -75,9 +76,9 @@ def run_subject_check(text: str, profile: str = "ci", examples: int | None = Non
     elapsed = time.perf_counter() - start
     if not quiet:
         print(f"{text} ({version}): passed in {elapsed:.1f}s, {progress.sequences} sequences; rare states reached "
-              f"({len(set(progress.reached) & SUBJECT_EVENTS)}/{len(SUBJECT_EVENTS)}), with the first sequence "
+              f"({len(set(progress.reached) & expected)}/{len(expected)}), with the first sequence "
               "that reached each:")
-        for name in sorted(SUBJECT_EVENTS):
+        for name in sorted(expected):
             first = progress.reached.get(name)
             print(f"  [{'x' if first else ' '}] {name}" + (f"  (sequence {first})" if first else ""))
     return 0, progress, None

@@ -70,7 +70,8 @@ def run_subject_zoo(text: str, bugs: Sequence[str] | None = None, max_cases: int
 
         entries = [(name, BUGS[name].description, lambda name=name: patched(name), ()) for name in sorted(BUGS)]
     else:
-        entries = [(e.name, e.why, _nothing, (e,)) for e in spec.zoo()]
+        base = spec.zoo_base()
+        entries = [(e.name, e.why, _nothing, base + (e,)) for e in spec.zoo()]
     for name, why, context, edits in entries:
         if bugs and name not in bugs:
             continue
