@@ -20,6 +20,11 @@ CORPUS = Path(__file__).parent / "regressions" / "subjects"
 
 # trace -> [(spec, fix or None, the finding's kind, or None for a clean replay)]
 EXPECTED = {
+    "minisgl-20fcd7f-cache-req-keeps-freed-pages": [
+        ("minisgl", None, "1-2-partition"),
+        ("minisgl", "pr142", None),
+        ("fast", None, None),
+    ],
     "nanovllm-f64d821-hit-on-free-block-loses-hash": [
         ("nanovllm@f64d821", None, "7-kv-provenance"),
         ("nanovllm@f64d821", "nanovllm-f64d821-hit-resets-free-block", None),
