@@ -80,8 +80,10 @@ class SubjectDriver:
         self.live: Set[int] = set()  # admitted (running or mid-prefill)
         self.known: Set[int] = set()
         self.arrival: Dict[int, int] = {}
-        self.admitted: Dict[int, int] = {}  # uid -> order of its first admission
+        self.admitted: Dict[int, int] = {}  # uid -> the order number of its latest admission
+        self.admissions = 0
         self.preempted: Set[int] = set()
+        self.preempted_this_step = False
         self.on_event = on_event or (lambda name: None)
         self.ops = 0
 
@@ -165,11 +167,14 @@ class SubjectDriver:
             raise InvalidOp(f"prefill: stop {list(stop)} must name waiting uids, each once")
         batch: List[tuple[int, int, int]] = []  # (uid, start, end)
         left, refused = budget, None
+        self.preempted_this_step = False
         for uid in list(self.waiting):
             if left <= 0:
                 break
             if uid not in self.live:
-                if self.caps.chunk_only_first and batch and self._needs(uid) > left:
+                if self.preempted_this_step:  # a step that preempted admits nobody (vLLM's schedule)
+                    break
+                if (not self.caps.chunked_prefill or self.caps.chunk_only_first and batch) and self._needs(uid) > left:
                     break
                 hit = self._admit(uid, left)
                 if hit is None:
@@ -249,7 +254,8 @@ class SubjectDriver:
         if hit and before is not None:
             self._note_hit(uid, hit, before)
         self.live.add(uid)
-        self.admitted.setdefault(uid, len(self.admitted))
+        self.admitted[uid] = self.admissions  # the newest admission is the first victim, as running[-1] is
+        self.admissions += 1
         self.ledger.computed[uid] = hit
         return hit
 
@@ -311,8 +317,14 @@ class SubjectDriver:
             self.running.remove(uid)
         if uid in self.waiting:
             self.waiting.remove(uid)
-        self.waiting.insert(0, uid)
+        # at the head, behind requests mid-prefill (running in vLLM's terms, scheduled first there;
+        # kvledger's own scheduler keeps them ahead too)
+        head = 0
+        while head < len(self.waiting) and self.waiting[head] in self.live:
+            head += 1
+        self.waiting.insert(head, uid)
         self.preempted.add(uid)
+        self.preempted_this_step = True
 
     def _complete(self, batch: List[tuple[int, int, int]], sample: Sequence[int], stop: Sequence[int],
                   prefill: bool) -> None:

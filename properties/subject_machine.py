@@ -20,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from kvledger.engine.cache_ops import InvalidOp
 from kvledger.engine.subject import Subject, SubjectConfig
 from kvledger.properties.subject_driver import Finding, SubjectDriver
-from kvledger.properties.subject_workload import ALPHABET
+from kvledger.properties.subject_workload import ALPHABET, drain_op
 
 SUBJECT_EXAMPLES = {"ci": 300, "deep": 3000, "dev": 30}  # examples per profile in judge mode
 SUBJECT_STEPS = {"ci": 40, "deep": 80, "dev": 30}
@@ -128,11 +128,8 @@ def machine_for(factory: Callable[[SubjectConfig], Subject], progress: Progress,
                 return
             stalled = 0
             for _ in range(400):
-                if self.driver.running and (stalled or not self.driver.waiting):
-                    op = {"op": "decode", "sample": [1]}
-                elif self.driver.waiting and stalled <= 2:
-                    op = {"op": "prefill", "budget": 64, "sample": [1]}
-                else:
+                op = drain_op(self.driver, stalled)
+                if op is None:
                     break
                 out = self._apply(op)
                 stalled = stalled + 1 if op["op"] == "prefill" and not out.get("batch") else 0

@@ -81,10 +81,12 @@ def next_op(rng: random.Random, shape: Shape, driver: Any, next_uid: int,
     return {"op": "evict", "tokens": rng.choice([1, ps, 4 * ps])}
 
 
-def drain_op(driver: Any) -> Dict[str, Any] | None:
-    """The next operation that moves every request towards its end (None when all ended)."""
-    if driver.waiting:
-        return {"op": "prefill", "budget": 64, "sample": [1]}
-    if driver.running:
+def drain_op(driver: Any, stalled: int) -> Dict[str, Any] | None:
+    """The next operation that moves every request towards its end: a prefill while one can admit,
+    else a decode; None when all ended, or when nothing runs and the waiting head never fits
+    (`stalled`: the prefills in a row that ran nothing)."""
+    if driver.running and (stalled or not driver.waiting):
         return {"op": "decode", "sample": [1]}
+    if driver.waiting and stalled <= 2:
+        return {"op": "prefill", "budget": 64, "sample": [1]}
     return None

@@ -86,4 +86,9 @@ def bind(obj: Any, edits: Iterable[SourceEdit], module: types.ModuleType | None 
     for target in dict.fromkeys(touched):
         group = bound[target]
         func = edited_function(group, module)
-        setattr(obj, group[0].split()[1][-1], types.MethodType(func, obj))
+        if isinstance(func, classmethod):
+            setattr(obj, group[0].split()[1][-1], types.MethodType(func.__func__, type(obj)))
+        elif isinstance(func, staticmethod):
+            setattr(obj, group[0].split()[1][-1], func.__func__)
+        else:
+            setattr(obj, group[0].split()[1][-1], types.MethodType(func, obj))

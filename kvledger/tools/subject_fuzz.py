@@ -57,7 +57,7 @@ def run_case(factory: Callable[[SubjectConfig], Subject], seed: int, page_sizes:
     uid = 0
     stalled = 0
     for step in range(max_ops + DRAIN_LIMIT):
-        op = next_op(rng, shape, driver, uid, history) if step < max_ops else _drain(driver, stalled)
+        op = next_op(rng, shape, driver, uid, history) if step < max_ops else drain_op(driver, stalled)
         if op is None:
             if step >= max_ops:
                 break
@@ -75,14 +75,6 @@ def run_case(factory: Callable[[SubjectConfig], Subject], seed: int, page_sizes:
             uid += 1
         stalled = stalled + 1 if op["op"] == "prefill" and not out.get("batch") else 0
     return result
-
-
-def _drain(driver: SubjectDriver, stalled: int) -> Dict[str, Any] | None:
-    if driver.running and (stalled or not driver.waiting):
-        return {"op": "decode", "sample": [1]}
-    if driver.waiting and stalled > 2:  # nothing fits and nothing runs: the subject is stuck
-        return None
-    return drain_op(driver)
 
 
 def header_for(spec: SubjectSpec, version: str, config: SubjectConfig, seed: int | None) -> trace.Header:
