@@ -7,8 +7,9 @@ export OMP_WAIT_POLICY ?= PASSIVE
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+SUBJECTS_STAMP := $(VENV)/.subjects-installed
 
-.PHONY: run test mutation install clean
+.PHONY: run test mutation install subjects clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,10 +21,19 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# the third-party cache managers kvledger checks (docs/checking-your-cache-manager.md): vLLM 0.33 and
+# SGLang 0.5.23 with --no-deps (both pin a CUDA torch; torch stays the CPU build), their pure-Python
+# extras, and what the mini-sglang and nano-vllm snapshots import; every version in subjects-constraints.txt
+$(SUBJECTS_STAMP): $(STAMP) subjects-constraints.txt
+	$(BIN)/pip install -q --no-deps -r subjects-constraints.txt
+	touch $(SUBJECTS_STAMP)
+
+subjects: $(SUBJECTS_STAMP)
+
 run: $(STAMP)
 	$(BIN)/kvledger generate --chat --max-tokens 96 --verify "Explain in two sentences why a KV cache speeds up text generation."
 
-test: $(STAMP)
+test: $(STAMP) $(SUBJECTS_STAMP)
 	$(BIN)/python -m pytest -n auto -p no:cacheprovider tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
