@@ -21,9 +21,12 @@ found broken, or `subject-raised:X`, an exception out of the subject, with its t
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 import traceback
-from typing import Any, Callable, Dict, List, Sequence, Set, Union
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Set, Union
 
 from kvledger.reference.pages import div_ceil
 
@@ -61,6 +64,35 @@ SUBJECT_EVENTS = frozenset({
 })
 
 
+# A call into the subject takes microseconds; one still running after this long never returns (a
+# zoo edit of a radix walk that loops, growing memory, was seen). The limit is a safety net, not a
+# decision: no sound run comes within four orders of magnitude of it.
+CALL_LIMIT_S = 30.0
+
+
+class _Hung(BaseException):
+    pass
+
+
+@contextlib.contextmanager
+def _watchdog(seconds: float) -> Iterator[None]:
+    """Raise _Hung in this thread after `seconds` (the main thread only, where signals arrive)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getitimer(signal.ITIMER_REAL)[0]:
+        yield
+        return
+
+    def hung(signum: int, frame: Any) -> None:
+        raise _Hung()
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def expected_events(caps: Capabilities) -> frozenset:
     """The rare states a subject with these capabilities can reach."""
     return frozenset(e for e in SUBJECT_EVENTS if caps.preempts or not e.startswith("preempt"))
@@ -90,9 +122,13 @@ class SubjectDriver:
     # -- calling the subject ---------------------------------------------------------------------
     def _call(self, what: str, fn: Callable, *args: Any) -> Any:
         try:
-            return fn(*args)
+            with _watchdog(CALL_LIMIT_S):
+                return fn(*args)
         except (Finding, InvalidOp):
             raise
+        except _Hung:
+            raise Finding("subject-hung", f"{what}{args!r:.120} did not return within {CALL_LIMIT_S:.0f} s "
+                                          "(a loop that never ends)", traceback.format_exc()) from None
         except Exception as e:  # the subject failed inside its own code: a finding, not our crash
             raise Finding(f"subject-raised:{type(e).__name__}", f"{what}{args!r:.120}: {e}",
                           traceback.format_exc()) from e
