@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tarfile
+import tempfile
 from pathlib import Path
 from typing import List
 
 from kvledger.engine.subject import SubjectUnavailable
 
 REPO = Path(__file__).resolve().parents[2]
+SPEC_NAMES = {"mini-sglang": "minisgl", "nano-vllm": "nanovllm"}
 
 
 def search_dirs() -> List[Path]:
@@ -24,7 +27,7 @@ def search_dirs() -> List[Path]:
     if os.environ.get("KVLEDGER_PEERS"):
         dirs.append(Path(os.environ["KVLEDGER_PEERS"]))
     dirs += [REPO.parent / "shared" / "peers", Path.cwd().parent / "shared" / "peers"]
-    return dirs
+    return list(dict.fromkeys(d.resolve() for d in dirs))
 
 
 def cache_dir() -> Path:
@@ -40,12 +43,15 @@ def unpack(path: Path) -> Path:
         raise SubjectUnavailable(f"{path}: not a checkout directory or a .tar.gz snapshot")
     digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     target = cache_dir() / digest
-    done = target / ".unpacked"
-    if not done.exists():
-        target.mkdir(parents=True, exist_ok=True)
+    if not target.exists():  # unpacked aside, then renamed: a parallel worker sees all of it or none
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=f".{digest}-"))
         with tarfile.open(path) as tar:
-            tar.extractall(target, filter="data")
-        done.touch()
+            tar.extractall(staging, filter="data")
+        try:
+            staging.rename(target)
+        except OSError:  # another worker renamed its copy first
+            shutil.rmtree(staging, ignore_errors=True)
     tops = [p for p in target.iterdir() if p.is_dir()]
     return tops[0] if len(tops) == 1 else target
 
@@ -65,11 +71,17 @@ def peer_path(name: str, commit: str | None = None) -> Path | None:
 def checkout(name: str, path: str | None, commit: str | None = None) -> Path:
     """The checkout root for a spec's path (or the shipped peer), unpacked; SubjectUnavailable
     naming where it looked when there is none."""
-    found = Path(path).expanduser() if path else peer_path(name, commit)
-    if found is None or not found.exists():
+    spec = SPEC_NAMES.get(name, name)
+    if path:
+        found = Path(path).expanduser()
+        if not found.exists():
+            raise SubjectUnavailable(f"{spec}:{path}: no such checkout or snapshot")
+        return unpack(found)
+    found = peer_path(name, commit)
+    if found is None:
         where = ", ".join(str(d) for d in search_dirs())
-        raise SubjectUnavailable(f"{name}: no checkout given and none found (looked for {name}-"
-                                 f"{commit or '*'} in {where}); pass {name.split('-')[0]}:PATH or set KVLEDGER_PEERS")
+        raise SubjectUnavailable(f"{name}: no checkout given and none found (looked for {name}-{commit or '*'} "
+                                 f"in {where}); pass {spec}:PATH or set KVLEDGER_PEERS")
     return unpack(found)
 
 
