@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from kvledger.engine.subject import SubjectUnavailable
@@ -9,6 +10,8 @@ from kvledger.engine.trace import TraceError, read
 from kvledger.properties.subject_driver import replay
 from kvledger.subjects import SpecError, parse_spec
 from kvledger.tools.subject_fuzz import config_of
+
+log = logging.getLogger(__name__)
 
 
 def replay_subject_file(path: str, subject: str | None, fix: str | None = None, bug: str | None = None) -> int:
@@ -22,7 +25,12 @@ def replay_subject_file(path: str, subject: str | None, fix: str | None = None, 
     try:
         spec = parse_spec(text)
         edits = edits_for(spec, fix=fix, bug=bug)
-        finding, applied = replay(spec.factory(edits), config_of(header), ops)
+        factory = spec.factory(edits)
+        config = config_of(header)
+        version = factory(config).version
+        if header.subject_version and spec.text == header.subject and version != header.subject_version:
+            log.warning("%s was recorded on %s %s; replaying on %s", path, spec.text, header.subject_version, version)
+        finding, applied = replay(factory, config, ops)
     except (SpecError, SubjectUnavailable, KeyError) as e:
         print(f"kvledger replay: {e}", file=sys.stderr)
         return 2
