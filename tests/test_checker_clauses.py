@@ -425,7 +425,8 @@ FIELD_CASES = {
                                                    lambda s: type(s)(s.evictable_size, s.protected_size + PS)),
                   "state:size_info"),
     "table_free": ("base", lambda d: d.tm._free_slots.reverse(), "state:table_free"),
-    "waiting": ("base", lambda d: d.waiting.reverse(), "state:waiting"),
+    # a reversed queue breaks first come, first served: the queue-order invariant names it first
+    "waiting": ("base", lambda d: d.waiting.reverse(), "invariant:10-queue-order"),
     "running": ("base", _move_to_back, "state:running"),
     "inflight_tokens": ("base", _max_tokens(0, 6), "state:inflight_tokens"),  # one page less to reserve
     "preemptions": ("preempted", lambda d: setattr(d, "preemptions", d.preemptions + 1), "state:preemptions"),
