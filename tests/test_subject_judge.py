@@ -15,7 +15,7 @@ import pytest
 from kvledger.engine.invariants import InvariantViolation
 from kvledger.engine.subject import Capabilities, CachedEntry, SubjectConfig, View
 from kvledger.engine.subject_judge import Ledger, check_queue_order, judge
-from kvledger.properties.subject_driver import Finding, SubjectDriver, replay
+from kvledger.properties.subject_driver import SubjectDriver, replay
 
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 from toy_block_subject import ToyBlockCache  # noqa: E402

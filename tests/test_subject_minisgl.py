@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
-from typing import List, Sequence, Tuple
+from typing import List, Sequence
 
 import pytest
 import torch
 
 from kvledger.engine.cache_ops import InvalidOp
 from kvledger.engine.subject import Subject, SubjectConfig, SubjectUnavailable
-from kvledger.properties.subject_driver import Finding, SubjectDriver
+from kvledger.properties.subject_driver import SubjectDriver
 from kvledger.properties.subject_driver import drive as _drive
 from kvledger.properties.subject_workload import draw_shape, next_op
 from kvledger.subjects import minisgl, seed_fast

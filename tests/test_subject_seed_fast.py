@@ -4,13 +4,13 @@ mini-sglang: judge mode, fast against reference view for view, and edits bound i
 from __future__ import annotations
 
 import random
-from typing import List, Tuple
+from typing import List
 
 import pytest
 
 from kvledger.engine.cache_ops import InvalidOp
 from kvledger.engine.subject import Subject, SubjectConfig, SubjectUnavailable
-from kvledger.properties.subject_driver import Finding, SubjectDriver
+from kvledger.properties.subject_driver import SubjectDriver
 from kvledger.properties.subject_driver import drive as _drive
 from kvledger.properties.subject_workload import draw_shape, next_op
 from kvledger.subjects import parse_spec, seed_fast

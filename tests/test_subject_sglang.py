@@ -16,7 +16,6 @@ from typing import Dict, List, Sequence, Tuple
 import pytest
 
 from kvledger.engine.subject import Subject, SubjectConfig, SubjectUnavailable
-from kvledger.properties.subject_driver import Finding, SubjectDriver
 from kvledger.properties.subject_driver import drive as _drive
 from kvledger.subjects import sglang
 from kvledger.subjects.edits import SourceEdit, edited_function

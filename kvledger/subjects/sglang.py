@@ -46,14 +46,14 @@ import logging
 import os
 import sys
 import tempfile
-import threading
 import types
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Hashable, Iterator, List, Sequence, Tuple
 
-from kvledger.engine.subject import CachedEntry, Capabilities, SubjectConfig, SubjectUnavailable, View
+from kvledger.engine.subject import CachedEntry, Capabilities, SubjectConfig, View
+from kvledger.subjects.installed import InstalledPackage
 from kvledger.subjects.edits import EditError, SourceEdit, bind, edited_function
 
 log = logging.getLogger(__name__)
@@ -211,8 +211,11 @@ class _Sglang:
             publish(ServerArgs(model_path="dummy", device="cpu"), role="scheduler")
 
 
-_sglang: _Sglang | None = None
-_lock = threading.Lock()
+PACKAGE = InstalledPackage("sglang", VERSION, _MODULES, INSTALL, _Sglang)
+
+
+def _import() -> _Sglang:
+    return PACKAGE.load()
 
 
 def load() -> None:
@@ -222,35 +225,12 @@ def load() -> None:
     _import()
 
 
-def _import() -> _Sglang:
-    global _sglang
-    with _lock:
-        if _sglang is None:
-            try:
-                _sglang = _Sglang()
-            except ImportError as e:
-                raise SubjectUnavailable(f"sglang: cannot import {e.name or e}: {INSTALL}") from None
-        return _sglang
-
-
 def probe(path: str | None = None) -> Tuple[bool, str, str]:
-    """(installed, version, detail), from package metadata and module specs: nothing imported."""
-    try:
-        version = importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return False, "", f"sglang is not installed: {INSTALL}"
-    missing = [m for m in _MODULES if importlib.util.find_spec(m) is None]
-    if missing:
-        return False, version, f"sglang {version} lacks modules {', '.join(missing)}: {INSTALL}"
-    detail = f"sglang {version}"
-    if version != VERSION:
-        detail += f" (the zoo is written against {VERSION}; its edits may not apply)"
-    return True, version, detail
+    return PACKAGE.probe()
 
 
 def build(config: SubjectConfig, path: str | None = None, edits: Sequence[SourceEdit] = ()) -> "SglangSubject":
-    if path is not None:
-        raise SubjectUnavailable(f"sglang takes no path (it is the installed package): got {path!r}")
+    PACKAGE.no_path(path)
     return SglangSubject(config, _import(), edits)
 
 

@@ -28,10 +28,10 @@ import importlib
 import importlib.metadata
 import importlib.util
 import logging
-import threading
 from typing import Any, Dict, Hashable, List, Sequence, Tuple
 
-from kvledger.engine.subject import CachedEntry, Capabilities, SubjectConfig, SubjectUnavailable, View
+from kvledger.engine.subject import CachedEntry, Capabilities, SubjectConfig, View
+from kvledger.subjects.installed import InstalledPackage
 from kvledger.subjects.edits import EditError, SourceEdit, bind
 
 log = logging.getLogger(__name__)
@@ -95,39 +95,19 @@ class _Vllm:
         kv_cache_utils.init_none_hash(sha256)
 
 
-_vllm: _Vllm | None = None
-_lock = threading.Lock()
+PACKAGE = InstalledPackage("vllm", VERSION, _MODULES, INSTALL, _Vllm)
 
 
 def _import() -> _Vllm:
-    global _vllm
-    with _lock:
-        if _vllm is None:
-            try:
-                _vllm = _Vllm()
-            except ImportError as e:
-                raise SubjectUnavailable(f"vllm: cannot import {e.name or e}: {INSTALL}") from None
-        return _vllm
+    return PACKAGE.load()
 
 
 def probe(path: str | None = None) -> Tuple[bool, str, str]:
-    """(installed, version, detail), from package metadata and module specs: nothing imported."""
-    try:
-        version = importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return False, "", f"vllm is not installed: {INSTALL}"
-    missing = [m for m in _MODULES if importlib.util.find_spec(m) is None]
-    if missing:
-        return False, version, f"vllm {version} lacks modules {', '.join(missing)}: {INSTALL}"
-    detail = f"vllm {version}"
-    if version != VERSION:
-        detail += f" (the zoo is written against {VERSION}; its edits may not apply)"
-    return True, version, detail
+    return PACKAGE.probe()
 
 
 def build(config: SubjectConfig, path: str | None = None, edits: Sequence[SourceEdit] = ()) -> "VllmSubject":
-    if path is not None:
-        raise SubjectUnavailable(f"vllm takes no path (it is the installed package): got {path!r}")
+    PACKAGE.no_path(path)
     return VllmSubject(config, _import(), edits)
 
 

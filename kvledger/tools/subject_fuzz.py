@@ -22,7 +22,7 @@ from kvledger.engine import trace
 from kvledger.engine.cache_ops import InvalidOp
 from kvledger.engine.subject import Subject, SubjectConfig
 from kvledger.properties.subject_driver import Finding, SubjectDriver
-from kvledger.properties.subject_workload import Shape, draw_shape, drain_op, next_op
+from kvledger.properties.subject_workload import draw_shape, drain_op, next_op
 from kvledger.subjects import SubjectSpec, parse_spec
 from kvledger.subjects.edits import SourceEdit
 
