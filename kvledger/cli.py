@@ -191,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_logging_options(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("check", help="run the lockstep Hypothesis property run (reference vs fast)")
+    p = sub.add_parser("check", help="run the lockstep Hypothesis property run (reference vs fast), or judge mode "
+                                     "on another cache manager (--subject)")
     p.add_argument("--profile", default="ci", choices=["ci", "deep", "dev"],
                    help="Hypothesis profile: ci (1500 sequences of up to 60 operations), deep (5000 of up to 120), "
                         "dev (40 of up to 30)")
@@ -245,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-cases", type=int, default=2000, help="with --subject: cases per bug at most")
     p.set_defaults(func=_zoo)
 
-    p = sub.add_parser("fuzz", help="random-walk differential fuzzing of reference vs fast")
+    p = sub.add_parser("fuzz", help="random-walk differential fuzzing of reference vs fast, or of one subject "
+                                    "in judge mode (--subject)")
     p.add_argument("--seconds", type=float, required=True, help="how long to fuzz")
     p.add_argument("--workers", type=int, default=1, help="worker processes")
     p.add_argument("--seed", type=int, default=0, help="same seed and workers give the same cases")
