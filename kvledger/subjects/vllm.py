@@ -344,49 +344,45 @@ class VllmSubject:
         return utils.make_block_hash_with_group_id(parent, GROUP_ID)
 
 
-def _edit(name: str, target: str, old: str, new: str, why: str) -> SourceEdit:
-    return SourceEdit(name, target, old, new, why)
-
-
 # Single edits to vllm 0.33.0 (texts as in the method's dedented source), each bound on the one
 # object of a KVCacheManager that runs it: the manager, its BlockPool, the FullAttentionManager,
 # the FreeKVCacheBlockQueue.
 ZOO: Tuple[SourceEdit, ...] = (
-    _edit("vllm-free-blocks-frees-shared", f"{BLOCK_POOL}:BlockPool.free_blocks",
+    SourceEdit("vllm-free-blocks-frees-shared", f"{BLOCK_POOL}:BlockPool.free_blocks",
           "if block.ref_cnt == 0:", "if block.ref_cnt <= 1:",
           "testing the count against 1 as if before the decrement: a prefix block two requests share "
           "goes back to the free queue when the first of them finishes, under the other"),
-    _edit("vllm-free-blocks-drops-uncached", f"{BLOCK_POOL}:BlockPool.free_blocks",
+    SourceEdit("vllm-free-blocks-drops-uncached", f"{BLOCK_POOL}:BlockPool.free_blocks",
           "self.free_block_queue.prepend_n(blocks_to_evict_first)", "pass",
           "losing the prepend of the blocks that carry no hash when splitting a free into the LRU "
           "tail and the reuse-first head: every partial (unhashed) block leaks"),
-    _edit("vllm-touch-increments-first", f"{BLOCK_POOL}:BlockPool.touch",
+    SourceEdit("vllm-touch-increments-first", f"{BLOCK_POOL}:BlockPool.touch",
           "if block.ref_cnt == 0:\n            self.free_block_queue.remove(block)\n        block.ref_cnt += 1",
           "block.ref_cnt += 1\n        if block.ref_cnt == 0:\n            self.free_block_queue.remove(block)",
           "taking the reference before testing whether the block is free: a hit on a cached block in "
           "the free queue leaves it there, and get_new_blocks can hand it to another request"),
-    _edit("vllm-reuse-keeps-stale-hash", f"{BLOCK_POOL}:BlockPool.get_new_blocks",
+    SourceEdit("vllm-reuse-keeps-stale-hash", f"{BLOCK_POOL}:BlockPool.get_new_blocks",
           "self._maybe_evict_cached_block(block)", "pass",
           "handing a cached block out again without unfiling its hash: the map keeps pointing at a "
           "block whose KV is overwritten by another prefix, and a later prompt hits the wrong KV"),
-    _edit("vllm-cache-full-blocks-hash-offset", f"{BLOCK_POOL}:BlockPool.cache_full_blocks",
+    SourceEdit("vllm-cache-full-blocks-hash-offset", f"{BLOCK_POOL}:BlockPool.cache_full_blocks",
           "block_hash = new_block_hashes[i]", "block_hash = block_hashes[i]",
           "indexing the request's hashes from its first block instead of the first newly full one: "
           "after a prefix hit or an earlier chunk, a block is filed under an earlier block's hash"),
-    _edit("vllm-hit-covers-last-token", f"{KV_CACHE_MANAGER}:KVCacheManager.get_computed_blocks",
+    SourceEdit("vllm-hit-covers-last-token", f"{KV_CACHE_MANAGER}:KVCacheManager.get_computed_blocks",
           "max_cache_hit_length = request.num_tokens - 1", "max_cache_hit_length = request.num_tokens",
           "letting the hit run to the end of the prompt: a fully cached prompt of whole blocks is "
           "admitted with nothing to compute, so no forward pass yields its next token"),
-    _edit("vllm-allocate-new-blocks-floor", f"{SINGLE_TYPE}:SingleTypeKVCacheManager.allocate_new_blocks",
+    SourceEdit("vllm-allocate-new-blocks-floor", f"{SINGLE_TYPE}:SingleTypeKVCacheManager.allocate_new_blocks",
           "num_required_blocks = cdiv(num_tokens, self.block_size)",
           "num_required_blocks = num_tokens // self.block_size",
           "rounding the block count down: the tokens past the last full block get no slot"),
-    _edit("vllm-admission-ignores-evictable-hits",
+    SourceEdit("vllm-admission-ignores-evictable-hits",
           f"{SINGLE_TYPE}:SingleTypeKVCacheManager.get_num_blocks_to_allocate",
           "return num_new_blocks + num_evictable_blocks", "return num_new_blocks",
           "not counting hit blocks that sit in the free queue, which touching them takes out of it: "
           "the room check passes and get_new_blocks then lacks blocks"),
-    _edit("vllm-free-queue-remove-keeps-count", f"{KV_CACHE_UTILS}:FreeKVCacheBlockQueue.remove",
+    SourceEdit("vllm-free-queue-remove-keeps-count", f"{KV_CACHE_UTILS}:FreeKVCacheBlockQueue.remove",
           "self.num_free_blocks -= 1", "pass",
           "unlinking a block from the middle of the free queue without counting it out: the pool "
           "reports a free block that is not there"),
