@@ -33,7 +33,7 @@ def add_generate_parser(sub) -> None:
 
 
 def generate_command(args: argparse.Namespace) -> int:
-    from kvledger.engine.llm import LLM
+    from kvledger.engine.runtime.llm import LLM
     from kvledger.fast import SamplingParams
 
     try:

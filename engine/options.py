@@ -9,7 +9,7 @@ import numbers
 import os
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from kvledger.engine.config import BUILTIN_CONFIG_DIR, ModelConfig
+from kvledger.engine.model.config import BUILTIN_CONFIG_DIR, ModelConfig
 from kvledger.reference.admission_policy import POLICIES
 
 if TYPE_CHECKING:  # engine_config imports this module
@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # engine_config imports this module
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 CACHE_TYPES = ("radix", "naive")
-KV_CACHE_DTYPE_NAMES = ("auto", "fp8_e4m3")  # engine/kv_pool.py: KV_CACHE_DTYPES
+KV_CACHE_DTYPE_NAMES = ("auto", "fp8_e4m3")  # engine/model/kv_pool.py: KV_CACHE_DTYPES
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 ADMISSION_POLICIES = POLICIES
 # the sampler seeds request uid with seed * 1_000_003 + uid, which torch needs to fit in 64 bits

@@ -20,7 +20,7 @@ def _subject_error(command: str, e: Exception) -> int:
 def _check(args: argparse.Namespace) -> int:
     os.environ["HYPOTHESIS_PROFILE"] = args.profile
     if args.subject:
-        from kvledger.engine.subject import SubjectUnavailable
+        from kvledger.engine.ledger.subject import SubjectUnavailable
         from kvledger.subjects import SpecError, parse_spec
         from kvledger.tools.subject_check import run_subject_check
         from kvledger.tools.subject_replay import edits_for
@@ -36,7 +36,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from kvledger.engine.trace import TraceError, read
+    from kvledger.engine.ledger.trace import TraceError, read
     from kvledger.tools.replay import replay_file
 
     try:
@@ -86,7 +86,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _zoo(args: argparse.Namespace) -> int:
     if args.subject:
-        from kvledger.engine.subject import SubjectUnavailable
+        from kvledger.engine.ledger.subject import SubjectUnavailable
         from kvledger.subjects import SpecError
         from kvledger.tools.subject_zoo import print_subject_zoo, run_subject_zoo
 
@@ -104,7 +104,7 @@ def _zoo(args: argparse.Namespace) -> int:
 
 def _fuzz(args: argparse.Namespace) -> int:
     if args.subject:
-        from kvledger.engine.subject import SubjectUnavailable
+        from kvledger.engine.ledger.subject import SubjectUnavailable
         from kvledger.subjects import SpecError, parse_spec
         from kvledger.tools.subject_fuzz import fuzz_subject, print_report
         from kvledger.tools.subject_replay import edits_for
@@ -131,14 +131,14 @@ def _fuzz(args: argparse.Namespace) -> int:
 
 
 def _minimize(args: argparse.Namespace) -> int:
-    from kvledger.engine.trace import TraceError, read
+    from kvledger.engine.ledger.trace import TraceError, read
 
     try:
         named = read(args.trace)[0].subject
     except (OSError, TraceError) as e:
         return _subject_error("minimize", e)
     if args.subject or named:
-        from kvledger.engine.subject import SubjectUnavailable
+        from kvledger.engine.ledger.subject import SubjectUnavailable
         from kvledger.subjects import SpecError
         from kvledger.tools.subject_minimize import main_minimize_subject
 

@@ -2,8 +2,8 @@
 
 After each operation: the operation's result (batch, admission decision, evicted pages, match),
 then the full observable state (page -> owner, free-list order, live rows, lengths,
-available_size, cache sizes, table slots, queues), then the invariants on each side (`engine/invariants.py`)
-(`kvledger.engine.divergence.compare`). The first difference raises `Divergence` with the step,
+available_size, cache sizes, table slots, queues), then the invariants on each side (`engine/ledger/invariants.py`)
+(`kvledger.engine.ledger.divergence.compare`). The first difference raises `Divergence` with the step,
 the operation and what differed.
 """
 
@@ -14,9 +14,9 @@ from typing import Any, Dict, List
 from kvledger import fast
 from kvledger import reference
 
-from kvledger.engine.cache_scheduler import CacheScheduler, InvalidOp, InvariantViolation
-from kvledger.engine.divergence import Divergence, compare
-from kvledger.engine.trace import Header
+from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvalidOp, InvariantViolation
+from kvledger.engine.ledger.divergence import Divergence, compare
+from kvledger.engine.ledger.trace import Header
 
 
 class Lockstep:

@@ -41,9 +41,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvledger.reference import events
 from kvledger.reference.pages import div_ceil, tokens_to_finish
 
-from kvledger.engine import trace
-from kvledger.engine.cache_ops import InvalidOp
-from kvledger.engine.divergence import _state_diff
+from kvledger.engine.ledger import trace
+from kvledger.engine.ledger.ops import InvalidOp
+from kvledger.engine.ledger.divergence import _state_diff
 from kvledger.properties.lockstep import Divergence, Lockstep
 
 ALPHABET = st.integers(0, 3)

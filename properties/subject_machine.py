@@ -17,8 +17,8 @@ from typing import Any, Callable, Dict, List, Sequence
 from hypothesis import event, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from kvledger.engine.cache_ops import InvalidOp
-from kvledger.engine.subject import Subject, SubjectConfig
+from kvledger.engine.ledger.ops import InvalidOp
+from kvledger.engine.ledger.subject import Subject, SubjectConfig
 from kvledger.properties.subject_driver import Finding, SubjectDriver
 from kvledger.properties.subject_workload import ALPHABET, drain_op
 

@@ -43,5 +43,5 @@ def test_constructor_signatures_are_the_seeds():
 
 
 def test_reference_imports_no_torch():
-    code = "import sys, kvledger.reference, kvledger.engine.cache_scheduler; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, kvledger.reference, kvledger.engine.ledger.cache_scheduler; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -14,8 +14,8 @@ import torch
 from kvledger.bench.bandwidth_floor import decode_floor, kv_bytes_per_token, param_count, weight_bytes_per_step
 from kvledger.bench.nano import ENGINE_ROW, HF_ROW, make_cb_config, make_nano_workload, resolve_model_config
 from kvledger.bench.decode_profile import classify_kernel, summarize_profile
-from kvledger.engine.config import ModelConfig
-from kvledger.engine.weights import random_state_dict
+from kvledger.engine.model.config import ModelConfig
+from kvledger.engine.model.weights import random_state_dict
 from kvledger.cli import build_parser, main
 
 TINY = str(Path(__file__).parent / "data" / "nano_tiny_config.json")

@@ -3,8 +3,8 @@ and turns back into the same line."""
 
 import pytest
 
-from kvledger.engine.cache_ops import Decode, InvalidOp, Prefill, Submit, parse, to_json
-from kvledger.engine.cache_scheduler import CacheScheduler
+from kvledger.engine.ledger.ops import Decode, InvalidOp, Prefill, Submit, parse, to_json
+from kvledger.engine.ledger.cache_scheduler import CacheScheduler
 from kvledger import reference
 
 

@@ -5,7 +5,7 @@ one violation by a direct state edit, and asserts the clause meant to catch it r
 clause's own message text). Checkers: CacheManager.check_integrity and
 RadixPrefixCache.check_integrity (reference and fast; the naive caches' check_integrity has no
 clause), CacheScheduler.check (the invariants after every operation: the judge of
-engine/invariants.py, then the implementation's own check), and the lockstep comparison
+engine/ledger/invariants.py, then the implementation's own check), and the lockstep comparison
 (`divergence.compare`): each side's invariants, then every field of CacheScheduler.snapshot(); a
 field added to the snapshot without a planting case here fails `test_every_snapshot_field_has_a_case`.
 
@@ -27,9 +27,9 @@ import pytest
 import torch
 
 from kvledger import fast, reference
-from kvledger.engine.cache_scheduler import CacheScheduler, InvariantViolation
-from kvledger.engine.divergence import Divergence, compare
-from kvledger.engine.trace import Header
+from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvariantViolation
+from kvledger.engine.ledger.divergence import Divergence, compare
+from kvledger.engine.ledger.trace import Header
 from kvledger.properties.lockstep import Lockstep
 
 PS = 2
@@ -274,7 +274,7 @@ def test_fast_radix_cache_clause(case):
     _check_radix_clause(fast, *FAST_RADIX_CASES[case])
 
 
-# -- CacheScheduler.check: the judge (engine/invariants.py), then the implementation's own check ---
+# -- CacheScheduler.check: the judge (engine/ledger/invariants.py), then the implementation's own check ---
 def _set_max_tokens(d, uid, max_tokens):
     """As if live `uid` had been submitted with `max_tokens`: the judge's record of the submission
     and the request's lengths agree (it was admitted with as many tokens as before)."""

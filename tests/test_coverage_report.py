@@ -13,19 +13,19 @@ def test_coverage_of_the_cache_logic_by_a_short_property_run():
     totals = report["totals"]
     assert totals["num_statements"] > 500 and totals["num_branches"] > 100
     assert 0 < totals["covered_lines"] <= totals["num_statements"]
-    assert {"fast/cache_manager.py", "fast/radix_cache.py", "engine/cache_scheduler.py",
-            "engine/divergence.py"} <= set(report["files"])
-    assert all(name.startswith("fast/") or name in ("engine/cache_scheduler.py", "engine/divergence.py")
+    assert {"fast/cache_manager.py", "fast/radix_cache.py", "engine/ledger/cache_scheduler.py",
+            "engine/ledger/divergence.py"} <= set(report["files"])
+    assert all(name.startswith("fast/") or name in ("engine/ledger/cache_scheduler.py", "engine/ledger/divergence.py")
                for name in report["files"])
-    assert "engine/cache_scheduler.py" in report["_table"]
+    assert "engine/ledger/cache_scheduler.py" in report["_table"]
     assert "branch coverage" in format_totals(report)
-    assert "engine/cache_scheduler.py" in format_files(against_exclusions(report, read_exclusions()))
+    assert "engine/ledger/cache_scheduler.py" in format_files(against_exclusions(report, read_exclusions()))
 
 
 def test_every_exclusion_has_a_reason_and_names_a_measured_file():
     entries = read_exclusions()
     assert entries and all(e.reason for e in entries)
-    assert {e.path for e in entries} <= {"engine/cache_scheduler.py", "engine/divergence.py"} | {
+    assert {e.path for e in entries} <= {"engine/ledger/cache_scheduler.py", "engine/ledger/divergence.py"} | {
         f"fast/{p.name}" for p in (EXCLUSIONS.parents[1] / "fast").glob("*.py")}
 
 

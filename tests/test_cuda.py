@@ -8,7 +8,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 
 def test_fast_on_cuda_matches_reference_through_a_mixed_workload():
     from kvledger.properties.lockstep import Lockstep
-    from kvledger.engine.trace import Header
+    from kvledger.engine.ledger.trace import Header
 
     for page_size, cache in [(1, "radix"), (4, "radix"), (16, "naive")]:
         lock = Lockstep(Header(num_pages=48, page_size=page_size, cache_type=cache, table_slots=6, max_seq_len=256),
@@ -43,7 +43,7 @@ def test_engine_on_cuda_matches_transformers_greedy_float32(tmp_path, attention)
     and 16, chunked prefill, shadow-verified) against transformers' greedy generate."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvledger.engine.llm import LLM
+    from kvledger.engine.runtime.llm import LLM
     from kvledger.fast import SamplingParams
 
     torch.manual_seed(0)
@@ -74,7 +74,7 @@ def test_engine_on_cuda_matches_transformers_greedy_float32(tmp_path, attention)
 
 
 def _qwen_tiny():
-    from kvledger.engine.config import ModelConfig
+    from kvledger.engine.model.config import ModelConfig
 
     return ModelConfig(arch="qwen3", vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=3,
                        num_heads=8, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6,
@@ -96,9 +96,9 @@ def _nano_like(n=40, seed=0):
 def test_cuda_graphs_and_overlap_match_the_eager_serial_engine(dtype, tmp_path):
     """Decode steps replayed from CUDA graphs, scheduled one step ahead, give the tokens of eager
     serial steps; batch sizes cross several captured sizes (40 requests, 6 slots .. 40)."""
-    from kvledger.engine.llm import LLM
+    from kvledger.engine.runtime.llm import LLM
     from kvledger.properties.lockstep import replay
-    from kvledger.engine.trace import read
+    from kvledger.engine.ledger.trace import read
 
     prompts, params = _nano_like()
     kw = dict(dummy_weights=True, device="cuda", dtype=dtype, page_size=16, kv_cache_tokens=20000,
@@ -117,7 +117,7 @@ def test_cuda_graphs_and_overlap_match_the_eager_serial_engine(dtype, tmp_path):
 
 
 def test_overlap_with_graphs_under_shadow_verification():
-    from kvledger.engine.llm import LLM
+    from kvledger.engine.runtime.llm import LLM
     from kvledger.fast import SamplingParams
 
     prompts, params = _nano_like(n=24, seed=1)
@@ -133,7 +133,7 @@ def test_overlap_with_graphs_under_shadow_verification():
 
 def test_a_graph_decode_launch_never_waits_for_the_gpu():
     """Scheduling and launching a decode step (allocation included) makes no synchronizing call."""
-    from kvledger.engine.llm import LLM
+    from kvledger.engine.runtime.llm import LLM
 
     prompts, params = _nano_like(n=16, seed=2)
     llm = LLM(_qwen_tiny(), dummy_weights=True, device="cuda", dtype="bfloat16", page_size=16, kv_cache_tokens=20000,
@@ -169,7 +169,7 @@ def test_heavy_preemption_on_cuda_changes_no_greedy_token(dtype):
     """Optimistic admission in a pool barely larger than the longest request, with graphs and
     overlap, shadow-verified: requests are preempted over and over, and every greedy token equals
     that of a pool big enough for all of them at once."""
-    from kvledger.engine.llm import LLM
+    from kvledger.engine.runtime.llm import LLM
 
     prompts, params = _nano_like(n=24, seed=2)
     kw = dict(dummy_weights=True, device="cuda", dtype=dtype, page_size=16, max_running_reqs=24, max_seq_len=512,

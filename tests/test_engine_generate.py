@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
-from kvledger.engine.default_model import default_model_path
-from kvledger.engine.llm import LLM
+from kvledger.engine.model.default_model import default_model_path
+from kvledger.engine.runtime.llm import LLM
 from kvledger.fast import SamplingParams
 from kvledger.properties.lockstep import replay
-from kvledger.engine.trace import read
+from kvledger.engine.ledger.trace import read
 
 try:
     MODEL = default_model_path()

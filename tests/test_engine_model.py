@@ -9,13 +9,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from kvledger.engine import tokenizer as tokenizer_mod
-from kvledger.engine import weights as weights_mod
+from kvledger.engine.model import tokenizer as tokenizer_mod
+from kvledger.engine.model import weights as weights_mod
 from kvledger.engine.attention import AttentionBatch
-from kvledger.engine.config import ModelConfig, builtin_config
-from kvledger.engine.kv_pool import KVPool
-from kvledger.engine.model import CausalLM
-from kvledger.engine.weights import convert_hf_state_dict, load_weights
+from kvledger.engine.model.config import ModelConfig, builtin_config
+from kvledger.engine.model.kv_pool import KVPool
+from kvledger.engine.model.model import CausalLM
+from kvledger.engine.model.weights import convert_hf_state_dict, load_weights
 
 ATOL = 1e-4
 
@@ -206,8 +206,8 @@ needs_smollm = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def smollm(tmp_path_factory):
     """First (uncached) load of the default model into a private cache dir."""
-    from kvledger.engine.default_model import default_model_path
-    from kvledger.engine.tokenizer import Tokenizer
+    from kvledger.engine.model.default_model import default_model_path
+    from kvledger.engine.model.tokenizer import Tokenizer
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVLEDGER_CACHE", str(tmp_path_factory.mktemp("kvledger-cache")))

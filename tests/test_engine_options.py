@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-import kvledger.engine.build
+import kvledger.engine.runtime.build
 from kvledger.engine.engine_config import EngineConfig
-from kvledger.engine.config import ModelConfig
-from kvledger.engine.llm import LLM
+from kvledger.engine.model.config import ModelConfig
+from kvledger.engine.runtime.llm import LLM
 from kvledger.engine.options import EngineOptionError
 from kvledger.fast import SamplingParams
 from kvledger.cli import main
@@ -46,7 +46,7 @@ def no_loading(monkeypatch):
     def load_weights(*args, **kwargs):
         raise AssertionError("the model was loaded before the options were checked")
 
-    monkeypatch.setattr(kvledger.engine.build, "load_weights", load_weights)
+    monkeypatch.setattr(kvledger.engine.runtime.build, "load_weights", load_weights)
 
 
 @pytest.mark.parametrize("option,value", BAD, ids=[f"{o}={v!r}"[:40] for o, v in BAD])

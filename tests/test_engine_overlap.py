@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-from kvledger.engine.config import ModelConfig
-from kvledger.engine.llm import LLM
+from kvledger.engine.model.config import ModelConfig
+from kvledger.engine.runtime.llm import LLM
 from kvledger.fast import SamplingParams
 from kvledger.properties.lockstep import replay
-from kvledger.engine.trace import read
+from kvledger.engine.ledger.trace import read
 
 TINY = ModelConfig(arch="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,

@@ -6,9 +6,9 @@ in the reference model; the recorded trace replays on both implementations."""
 import pytest
 import torch
 
-from kvledger.engine.default_model import default_model_path
-from kvledger.engine.llm import LLM
-from kvledger.engine.trace import read
+from kvledger.engine.model.default_model import default_model_path
+from kvledger.engine.runtime.llm import LLM
+from kvledger.engine.ledger.trace import read
 from kvledger.fast import SamplingParams
 from kvledger.properties.lockstep import replay
 

@@ -41,8 +41,8 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvledger.engine.config import ModelConfig
-from kvledger.engine.llm import LLM
+from kvledger.engine.model.config import ModelConfig
+from kvledger.engine.runtime.llm import LLM
 from kvledger.fast import SamplingParams
 from kvledger.reference import events as ref_events
 from kvledger.reference.pages import tokens_to_finish

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvledger.engine.config import ModelConfig
-from kvledger.engine.kv_pool import FP8, FP8_MAX, KVPool
-from kvledger.engine.kv_scales import HEADROOM, calibrate_kv_scales, calibration_ids
-from kvledger.engine.llm import LLM
+from kvledger.engine.model.config import ModelConfig
+from kvledger.engine.model.kv_pool import FP8, FP8_MAX, KVPool
+from kvledger.engine.model.kv_scales import HEADROOM, calibrate_kv_scales, calibration_ids
+from kvledger.engine.runtime.llm import LLM
 from kvledger.engine.options import EngineOptionError
 from kvledger.fast import SamplingParams
 

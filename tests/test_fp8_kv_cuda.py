@@ -11,7 +11,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 from kvledger.engine.attention.base import AttentionBatch  # noqa: E402
-from kvledger.engine.kv_pool import FP8, KVPool  # noqa: E402
+from kvledger.engine.model.kv_pool import FP8, KVPool  # noqa: E402
 
 DEVICE = "cuda"
 
@@ -92,7 +92,7 @@ def test_fp8_prefill_kernel_stores_quantized_kv_and_attends_over_it():
 
 
 def test_the_fused_store_kernel_writes_what_the_pool_quantizer_writes():
-    from kvledger.engine import fused_ops
+    from kvledger.engine.model import fused_ops
 
     g = torch.Generator().manual_seed(5)
     heads, kv_heads, head_dim, t = 8, 2, 64, 33
@@ -113,8 +113,8 @@ def test_the_fused_store_kernel_writes_what_the_pool_quantizer_writes():
 
 @pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_fp8_engine_with_graphs_and_overlap_matches_its_eager_serial_self(dtype):
-    from kvledger.engine.config import ModelConfig
-    from kvledger.engine.llm import LLM
+    from kvledger.engine.model.config import ModelConfig
+    from kvledger.engine.runtime.llm import LLM
     from kvledger.fast import SamplingParams
     import random
 

@@ -8,9 +8,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kvledger.engine import fused_ops  # noqa: E402
-from kvledger.engine.layers import RMSNorm, RotaryEmbedding  # noqa: E402
-from kvledger.engine.kv_pool import KVPool  # noqa: E402
+from kvledger.engine.model import fused_ops  # noqa: E402
+from kvledger.engine.model.layers import RMSNorm, RotaryEmbedding  # noqa: E402
+from kvledger.engine.model.kv_pool import KVPool  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])

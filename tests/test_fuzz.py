@@ -8,7 +8,7 @@ import pytest
 from kvledger.reference.pages import tokens_to_finish
 from kvledger.tools.fuzz import PAGE_SIZES, RESERVE_RATIOS, case_seed, case_trace, format_summary, fuzz, make_case
 from kvledger.properties.lockstep import Divergence, replay
-from kvledger.engine.trace import read
+from kvledger.engine.ledger.trace import read
 from kvledger.tools.zoo import patched
 
 BUG = "no-remap-on-duplicate"

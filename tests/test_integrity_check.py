@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvledger.engine.cache_scheduler import CacheScheduler
+from kvledger.engine.ledger.cache_scheduler import CacheScheduler
 
 
 def _running(impl, cache="radix", page_size=2):

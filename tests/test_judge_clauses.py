@@ -1,4 +1,4 @@
-"""Every clause of the judge (engine/invariants.py) reports exactly the violation planted for it.
+"""Every clause of the judge (engine/ledger/invariants.py) reports exactly the violation planted for it.
 
 Each test builds a valid state with real operations (two live requests sharing a cached prefix,
 one running, one mid-chunk), checks that it passes, plants one violation by a direct edit of raw
@@ -8,9 +8,9 @@ state, and expects that clause's invariant and message: weakening or deleting a 
 import pytest
 import torch
 
-from kvledger.engine import trace
-from kvledger.engine.cache_scheduler import CacheScheduler
-from kvledger.engine.invariants import InvariantViolation, prefix_hashes, tolist
+from kvledger.engine.ledger import trace
+from kvledger.engine.ledger.cache_scheduler import CacheScheduler
+from kvledger.engine.ledger.invariants import InvariantViolation, prefix_hashes, tolist
 
 PS = 2
 OPS = [

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kvledger import fast, reference
-from kvledger.engine import trace
-from kvledger.engine.divergence import Divergence
-from kvledger.engine.invariants import InvariantViolation, KVProvenance, prefix_hashes
+from kvledger.engine.ledger import trace
+from kvledger.engine.ledger.divergence import Divergence
+from kvledger.engine.ledger.invariants import InvariantViolation, KVProvenance, prefix_hashes
 from kvledger.properties.lockstep import Lockstep
 from kvledger.tools.invariant_catches import TRUSTS_WHOLE_EDGE, shared
 
@@ -47,7 +47,7 @@ def test_without_provenance_both_sides_agree_on_the_wrong_reuse():
 
 @pytest.mark.parametrize("impl", [reference, fast], ids=["reference", "fast"])
 def test_the_prefix_cache_is_judged_too(impl):
-    from kvledger.engine.cache_scheduler import CacheScheduler
+    from kvledger.engine.ledger.cache_scheduler import CacheScheduler
 
     d = CacheScheduler(impl, **HEADER.driver_args())
     for op in WRONG_REUSE[:2]:
@@ -77,8 +77,8 @@ def test_provenance_records_what_a_forward_pass_wrote():
 def test_a_shared_wrong_reuse_stops_the_engine_under_verify():
     """`--verify` mirrors the engine's operations into the reference model, whose judge tracks
     provenance (the engine's own driver cannot: its sampled tokens are still on the device)."""
-    from kvledger.engine.config import ModelConfig
-    from kvledger.engine.llm import LLM
+    from kvledger.engine.model.config import ModelConfig
+    from kvledger.engine.runtime.llm import LLM
     from kvledger.fast import SamplingParams
 
     torch.set_num_threads(1)

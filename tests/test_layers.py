@@ -19,7 +19,7 @@ ALLOWED: Dict[str, Set[str]] = {
     "fast": {"reference"},
     "engine": {"reference", "fast"},
     "properties": {"reference", "fast", "engine"},
-    # the adapters of cache managers under test: on the protocol (engine/subject.py), beside the harness
+    # the adapters of cache managers under test: on the protocol (engine/ledger/subject.py), beside the harness
     "subjects": {"reference", "fast", "engine"},
     "tools": {"reference", "fast", "engine", "properties", "subjects"},
     "bench": {"reference", "fast", "engine", "properties", "subjects", "tools"},

@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from kvledger.engine.cache_scheduler import InvalidOp
+from kvledger.engine.ledger.cache_scheduler import InvalidOp
 from kvledger.properties.lockstep import Divergence, Lockstep, replay
 from kvledger.tools.minimize import MinimizeError, main_minimize, minimize
-from kvledger.engine.trace import Header, read, write
+from kvledger.engine.ledger.trace import Header, read, write
 from kvledger.tools.zoo import patched
 
 BUG = "no-remap-on-duplicate"

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvledger import fast, reference
-from kvledger.engine.cache_scheduler import CacheScheduler, InvalidOp, InvariantViolation
+from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvalidOp, InvariantViolation
 from kvledger.reference.admission_policy import AdmissionPolicy
 from kvledger.reference.cache_manager import IntegrityError
 from tests.test_preemption_properties import NEWEST_PREEMPTED, noted  # noqa: F401 (noted: a fixture)
@@ -415,7 +415,7 @@ def test_seeded_fuzz_cases_with_page_sizes_that_are_not_powers_of_two(monkeypatc
 
 def test_prefix_matching_compares_token_ids_by_value():
     from kvledger.properties.lockstep import Lockstep
-    from kvledger.engine.trace import Header
+    from kvledger.engine.ledger.trace import Header
 
     lock = Lockstep(Header(num_pages=32, page_size=1, cache_type="radix", table_slots=4, max_seq_len=16))
     big = [int(str(t)) for t in (50000, 50001, 50002, 50003)]
@@ -519,7 +519,7 @@ def test_a_readmission_that_finds_everything_it_computed_recomputes_nothing():
 
 
 def test_a_one_token_prefix_hit_is_copied_into_the_new_row():
-    from kvledger.engine.trace import Header
+    from kvledger.engine.ledger.trace import Header
     from kvledger.properties.lockstep import Lockstep
 
     lock = Lockstep(Header(num_pages=32, page_size=1, cache_type="radix", table_slots=4, max_seq_len=16))
@@ -563,7 +563,7 @@ def test_rebuilding_the_radix_heap_keeps_every_evictable_leaf():
 
 
 def test_prefixes_longer_than_256_tokens_match_whole():
-    from kvledger.engine.trace import Header
+    from kvledger.engine.ledger.trace import Header
     from kvledger.properties.lockstep import Lockstep
 
     lock = Lockstep(Header(num_pages=1024, page_size=1, cache_type="radix", table_slots=4, max_seq_len=700))

@@ -4,7 +4,7 @@ zoo bug of that state diverges there."""
 
 import pytest
 
-from kvledger.engine.trace import Header
+from kvledger.engine.ledger.trace import Header
 from kvledger.properties.lockstep import Divergence, Lockstep
 from kvledger.properties.machine import EvictionOrderWatch
 from kvledger.reference import events

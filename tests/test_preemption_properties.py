@@ -10,10 +10,10 @@ import random
 import pytest
 
 from kvledger import fast, reference
-from kvledger.engine import trace
-from kvledger.engine.cache_ops import InvalidOp
-from kvledger.engine.cache_scheduler import CacheScheduler, InvariantViolation
-from kvledger.engine.trace import Header, TraceError
+from kvledger.engine.ledger import trace
+from kvledger.engine.ledger.ops import InvalidOp
+from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvariantViolation
+from kvledger.engine.ledger.trace import Header, TraceError
 from kvledger.properties.lockstep import Divergence, Lockstep, replay
 from kvledger.reference import events
 from kvledger.reference.admission_policy import RESERVE

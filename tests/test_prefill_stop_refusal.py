@@ -5,10 +5,10 @@ LRU stamps) desynchronised the two sides. A stop on an empty step is refused too
 
 import pytest
 
-from kvledger.engine import trace
-from kvledger.engine.cache_ops import InvalidOp
-from kvledger.engine.cache_scheduler import CacheScheduler
-from kvledger.engine.invariants import tolist
+from kvledger.engine.ledger import trace
+from kvledger.engine.ledger.ops import InvalidOp
+from kvledger.engine.ledger.cache_scheduler import CacheScheduler
+from kvledger.engine.ledger.invariants import tolist
 from kvledger.properties.lockstep import Lockstep, replay
 from kvledger.properties.machine import EvictionOrderWatch
 

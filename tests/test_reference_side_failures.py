@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvledger import fast, reference
-from kvledger.engine import trace
-from kvledger.engine.divergence import Divergence
+from kvledger.engine.ledger import trace
+from kvledger.engine.ledger.divergence import Divergence
 from kvledger.properties.lockstep import Lockstep, replay
 from kvledger.tools.minimize import minimize
 from kvledger.tools.invariant_catches import shared

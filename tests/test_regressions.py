@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvledger.properties.lockstep import Divergence, replay
-from kvledger.engine.trace import read
+from kvledger.engine.ledger.trace import read
 from kvledger.tools.zoo import BUGS, patched
 
 CORPUS = sorted((Path(__file__).parent / "regressions").glob("*.jsonl"))

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvledger.engine.sampling import Sampler, filter_logits, validate_sampling
+from kvledger.engine.runtime.sampling import Sampler, filter_logits, validate_sampling
 from kvledger.fast import SamplingParams
 
 VOCAB = 64

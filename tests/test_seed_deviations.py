@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvledger import fast
-from kvledger.engine.cache_scheduler import CacheScheduler, InvariantViolation
+from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvariantViolation
 from kvledger.tools.zoo import patched
 from tests.conftest import as_list
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvledger.engine.cache_scheduler import CacheScheduler
+from kvledger.engine.ledger.cache_scheduler import CacheScheduler
 from tests.conftest import as_list, make_manager, row
 
 

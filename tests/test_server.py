@@ -36,7 +36,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def llm():
-    from kvledger.engine.llm import LLM
+    from kvledger.engine.runtime.llm import LLM
 
     return LLM(max_seq_len=MAX_SEQ_LEN, kv_cache_tokens=4096)
 

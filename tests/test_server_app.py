@@ -46,7 +46,7 @@ class CountingTokenizer:
 
 @pytest.fixture(scope="module")
 def llm():
-    from kvledger.engine.llm import LLM
+    from kvledger.engine.runtime.llm import LLM
 
     return LLM(max_seq_len=256, kv_cache_tokens=1024)
 

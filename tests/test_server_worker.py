@@ -19,7 +19,7 @@ PAGES = 32
 
 @pytest.fixture(scope="module")
 def llm():
-    from kvledger.engine.llm import LLM
+    from kvledger.engine.runtime.llm import LLM
 
     return LLM(dummy_weights=True, kv_cache_tokens=PAGES * 16, max_seq_len=128, verify=True)
 

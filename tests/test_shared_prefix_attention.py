@@ -160,7 +160,7 @@ def test_cascade_decode_matches_gathered_sdpa(seed):
 
 
 def _tiny_qwen():
-    from kvledger.engine.config import ModelConfig
+    from kvledger.engine.model.config import ModelConfig
 
     return ModelConfig(arch="qwen3", vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=3,
                        num_heads=8, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6,
@@ -182,7 +182,7 @@ def _prefix_prompts(groups, n, seed=0):
 def test_the_scheduler_knows_when_running_requests_may_share_pages():
     """Decode takes the plain (graph) path unless a live request came with a cached prefix: on
     while prefix hits run, off once they end, never on for prompts with nothing in common."""
-    from kvledger.engine.llm import LLM
+    from kvledger.engine.runtime.llm import LLM
 
     seen = []
     llm = LLM(_tiny_qwen(), dummy_weights=True, page_size=4, kv_cache_tokens=4096, max_running_reqs=8,
@@ -203,7 +203,7 @@ def test_the_scheduler_knows_when_running_requests_may_share_pages():
 
 
 def test_prefix_sharing_needs_a_hit_and_a_second_request_with_the_same_start():
-    from kvledger.engine.prefix_sharing import PrefixSharing
+    from kvledger.engine.runtime.prefix_sharing import PrefixSharing
 
     s = PrefixSharing(min_shared=4)
     a, b = [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 9, 9]  # the same first four tokens
@@ -233,7 +233,7 @@ def test_engine_with_cascade_attention_gives_the_tokens_of_flat_decode(monkeypat
     """Groups of prompts behind a shared prefix, float32: cascade decode (eager, then CUDA graphs
     with overlap) generates exactly the greedy tokens of flat decode, and the eager run did group."""
     from kvledger.engine.attention import triton_paged
-    from kvledger.engine.llm import LLM
+    from kvledger.engine.runtime.llm import LLM
 
     config = _tiny_qwen()
     prompts, params = _prefix_prompts(4, 28)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from kvledger.cli import main
 from kvledger.tools.show import CACHED, FIRST_UID, FREE, LOCKED, main_show, ownership_matrix, render
-from kvledger.engine.trace import Header, read, write
+from kvledger.engine.ledger.trace import Header, read, write
 
 REGRESSIONS = Path(__file__).parent / "regressions"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.engine.invariants import InvariantViolation
-from kvledger.engine.subject import Capabilities, CachedEntry, SubjectConfig, View
-from kvledger.engine.subject_judge import Ledger, check_queue_order, judge
+from kvledger.engine.ledger.invariants import InvariantViolation
+from kvledger.engine.ledger.subject import Capabilities, CachedEntry, SubjectConfig, View
+from kvledger.engine.ledger.subject_judge import Ledger, check_queue_order, judge
 from kvledger.properties.subject_driver import SubjectDriver, replay
 
 sys.path.insert(0, str(Path(__file__).parent / "support"))
@@ -220,7 +220,7 @@ def test_fuzz_and_minimize_a_users_subject(tmp_path, monkeypatch, capsys):
     assert code == 1 and "FOUND [1-2-partition]" in out and "a leak" in out
     small = sorted(tmp_path.glob("*.min.jsonl"))
     assert small
-    from kvledger.engine import trace
+    from kvledger.engine.ledger import trace
 
     header, ops = trace.read(small[0])
     assert header.subject == "toy_block_subject:leaky" and len(ops) <= 4

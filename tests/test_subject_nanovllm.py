@@ -14,8 +14,8 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import pytest
 
-from kvledger.engine.cache_ops import InvalidOp
-from kvledger.engine.subject import Subject, SubjectConfig, SubjectUnavailable
+from kvledger.engine.ledger.ops import InvalidOp
+from kvledger.engine.ledger.subject import Subject, SubjectConfig, SubjectUnavailable
 from kvledger.properties.subject_driver import Finding, SubjectDriver
 from kvledger.properties.subject_driver import drive as _drive
 from kvledger.subjects import nanovllm

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.engine.subject import SubjectUnavailable
-from kvledger.engine.trace import read
+from kvledger.engine.ledger.subject import SubjectUnavailable
+from kvledger.engine.ledger.trace import read
 from kvledger.properties.subject_driver import replay
 from kvledger.subjects import parse_spec
 from kvledger.tools.subject_fuzz import config_of

@@ -8,8 +8,8 @@ from typing import List
 
 import pytest
 
-from kvledger.engine.cache_ops import InvalidOp
-from kvledger.engine.subject import Subject, SubjectConfig, SubjectUnavailable
+from kvledger.engine.ledger.ops import InvalidOp
+from kvledger.engine.ledger.subject import Subject, SubjectConfig, SubjectUnavailable
 from kvledger.properties.subject_driver import SubjectDriver
 from kvledger.properties.subject_driver import drive as _drive
 from kvledger.properties.subject_workload import draw_shape, next_op

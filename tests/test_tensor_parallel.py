@@ -12,14 +12,14 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from kvledger.engine.config import ModelConfig, builtin_config
+from kvledger.engine.model.config import ModelConfig, builtin_config
 from kvledger.engine.distributed.ledger import LedgerDivergence
 from kvledger.engine.distributed.partition import FusedRows, PartitionError, TensorParallelShard
 from kvledger.engine.distributed.ranks import RankFailed
 from kvledger.engine.engine_config import EngineConfig
-from kvledger.engine.llm import LLM
+from kvledger.engine.runtime.llm import LLM
 from kvledger.engine.options import EngineOptionError
-from kvledger.engine.weights import load_weights, random_state_dict
+from kvledger.engine.model.weights import load_weights, random_state_dict
 from kvledger.fast import SamplingParams
 
 TINY = ModelConfig(arch="qwen3", vocab_size=307, hidden_size=64, intermediate_size=99, num_layers=2, num_heads=6,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvledger.engine.config import ModelConfig
+from kvledger.engine.model.config import ModelConfig
 from kvledger.fast import SamplingParams
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
@@ -32,7 +32,7 @@ def _workload(n=40, seed=0):
 
 @pytest.mark.parametrize("verify", [False, True])
 def test_two_gpus_generate_the_tokens_of_one_with_graphs_and_overlap(verify):
-    from kvledger.engine.llm import LLM
+    from kvledger.engine.runtime.llm import LLM
 
     prompts, params = _workload()
     kw = dict(dummy_weights=True, device="cuda", dtype="float32", page_size=16, kv_cache_tokens=20000,
@@ -55,7 +55,7 @@ def fail_on_rank_1(rank, step, scheduler):
 
 def test_a_failing_gpu_rank_ends_the_run_with_its_error():
     from kvledger.engine.distributed.ranks import RankFailed
-    from kvledger.engine.llm import LLM
+    from kvledger.engine.runtime.llm import LLM
 
     prompts, params = _workload(n=8)
     llm = LLM(TINY, dummy_weights=True, device="cuda", dtype="bfloat16", tensor_parallel_size=2,

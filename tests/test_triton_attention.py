@@ -10,7 +10,7 @@ triton = pytest.importorskip("triton")
 
 from kvledger.engine.attention.base import AttentionBatch  # noqa: E402
 from kvledger.engine.attention.triton_paged import TritonPagedBackend  # noqa: E402
-from kvledger.engine.kv_pool import KVPool  # noqa: E402
+from kvledger.engine.model.kv_pool import KVPool  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvledger import fast
-from kvledger.engine import trace
+from kvledger.engine.ledger import trace
 from kvledger.properties.lockstep import Divergence, replay
 from kvledger.tools.zoo import BUGS, Bug, ZooEditError, patched
 from kvledger.tools.zoo_run import ZooRow, format_table

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvledger import fast
-from kvledger.engine import trace
+from kvledger.engine.ledger import trace
 from kvledger.properties.lockstep import Lockstep
 from kvledger.tools.zoo import BUGS, patched
 

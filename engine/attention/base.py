@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvledger.engine.kv_pool import KVPool
+from kvledger.engine.model.kv_pool import KVPool
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kvledger.engine.attention.base import AttentionBackend, AttentionBatch
-from kvledger.engine.kv_pool import KVPool
+from kvledger.engine.model.kv_pool import KVPool
 
 _WS_ALIGN = 64  # decode workspace length grows in these steps, so appends rarely force a rebuild
 

@@ -25,7 +25,7 @@ from kvledger.engine.attention.base import AttentionBackend, AttentionBatch
 from kvledger.engine.attention import triton_decode
 from kvledger.engine.attention.shared_prefix import PrefixGroups, find_prefix_groups, members_per_group
 from kvledger.engine.attention.triton_decode import DecodeWorkspace, decode_attention, num_splits_for
-from kvledger.engine.kv_pool import KVPool
+from kvledger.engine.model.kv_pool import KVPool
 
 if triton is not None:
 

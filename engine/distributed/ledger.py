@@ -29,7 +29,7 @@ def state_hash(snapshot: Dict) -> str:
 class LedgerCheck:
     """A scheduler observer: hashes the state after each operation; `compare` after each step."""
 
-    needs_state = True  # with overlap, the state right after the operation (see engine/scheduler.py)
+    needs_state = True  # with overlap, the state right after the operation (see engine/runtime/scheduler.py)
 
     def __init__(self, group: TensorParallelGroup) -> None:
         self.group = group

@@ -10,7 +10,7 @@
   LM head's logits gather into one tensor; the last shard may be shorter.
 - Norms: replicated.
 
-`take` cuts one of our parameters (engine/weights.py names) from anything indexable like a tensor,
+`take` cuts one of our parameters (engine/model/weights.py names) from anything indexable like a tensor,
 so a safetensors slice is read for this rank's part only, never whole.
 """
 
@@ -21,7 +21,7 @@ from typing import Any, Callable, List
 
 import torch
 
-from kvledger.engine.config import ModelConfig
+from kvledger.engine.model.config import ModelConfig
 
 
 class PartitionError(ValueError):

@@ -95,7 +95,7 @@ class RankProcesses:
 
     @classmethod
     def _join_torchrun(cls, options: Any, size: int, hook: Optional[RankHook]) -> RankProcesses:
-        from kvledger.engine.build import build_rank, rank_device
+        from kvledger.engine.runtime.build import build_rank, rank_device
 
         world, rank, local = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
         if world != size:
@@ -148,7 +148,7 @@ class RankProcesses:
 
 
 def _spawned_rank(rank: int, size: int, options: Any, init: str, reports: Any, hook: Optional[RankHook]) -> None:
-    from kvledger.engine.build import build_rank, rank_device
+    from kvledger.engine.runtime.build import build_rank, rank_device
 
     reports.put(("started", rank, ""))
     try:

@@ -18,7 +18,7 @@ from kvledger import fast
 from kvledger.engine.distributed.calls import AbortCall, EngineCall, ShutdownCall, StepCall, SubmitCall
 from kvledger.engine.distributed.group import TensorParallelGroup
 from kvledger.engine.distributed.ledger import LedgerCheck
-from kvledger.engine.scheduler import Scheduler, TokenEvent
+from kvledger.engine.runtime.scheduler import Scheduler, TokenEvent
 
 log = logging.getLogger(__name__)
 

@@ -112,7 +112,7 @@ def serve_command(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace, config: EngineConfig, sock: socket.socket) -> int:
     import uvicorn
 
-    from kvledger.engine.llm import LLM
+    from kvledger.engine.runtime.llm import LLM
     from kvledger.engine.server.app import create_app, model_name_for
     from kvledger.engine.server.draining import DrainingServer
     from kvledger.engine.server.header_timeout import with_header_timeout

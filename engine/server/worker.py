@@ -27,8 +27,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
-from kvledger.engine.cache_scheduler import InvalidOp
-from kvledger.engine.request_error import RequestError
+from kvledger.engine.ledger.cache_scheduler import InvalidOp
+from kvledger.engine.runtime.request_error import RequestError
 from kvledger.fast import SamplingParams
 
 log = logging.getLogger("kvledger.serve")

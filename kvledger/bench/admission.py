@@ -393,13 +393,13 @@ def _model_source(opts: EarlyStopOptions) -> Tuple[str, bool, str]:
         return opts.model, False, opts.model
     if opts.model_config is not None:
         return str(resolve_model_config(opts.model_config)[2]), True, f"{opts.model_config} (random weights)"
-    from kvledger.engine.default_model import default_model_path
+    from kvledger.engine.model.default_model import default_model_path
 
     return default_model_path(), False, "the embedded SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)"
 
 
 def run_early_stop_bench(opts: EarlyStopOptions, print_fn: Callable[[str], None] = print) -> Dict[str, Any]:
-    from kvledger.engine.llm import LLM
+    from kvledger.engine.runtime.llm import LLM
 
     opts.resolve()
     if opts.threads:

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from kvledger.engine.config import ModelConfig
+from kvledger.engine.model.config import ModelConfig
 
 
 def param_count(c: ModelConfig) -> int:

@@ -15,9 +15,9 @@ from typing import Callable, List
 from kvledger import fast
 from kvledger import reference
 
-from kvledger.engine.cache_scheduler import CacheScheduler
+from kvledger.engine.ledger.cache_scheduler import CacheScheduler
 from kvledger.properties.lockstep import Lockstep
-from kvledger.engine.trace import Header
+from kvledger.engine.ledger.trace import Header
 
 
 def _timeit(fn: Callable[[], None], repeat: int) -> float:

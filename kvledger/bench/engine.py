@@ -88,7 +88,7 @@ def make_workload(
 
 
 def run_engine(workload: Workload, dtype: str, model_path: Optional[str] = None) -> SystemResult:
-    from kvledger.engine.llm import LLM
+    from kvledger.engine.runtime.llm import LLM
     from kvledger.fast import SamplingParams
 
     page = 16
@@ -123,8 +123,8 @@ def load_hf_model(dtype: str, model_path: Optional[str] = None, attn_implementat
     """
     from transformers import AutoModelForCausalLM
 
-    from kvledger.engine.default_model import default_model_path
-    from kvledger.engine.weights import cache_dir_for
+    from kvledger.engine.model.default_model import default_model_path
+    from kvledger.engine.model.weights import cache_dir_for
 
     path = Path(model_path or default_model_path())
     kwargs = dict(dtype=DTYPES[dtype], attn_implementation=attn_implementation)

@@ -2,7 +2,7 @@
 
 `python -m kvledger.bench.kv_accuracy --text README.md --text ARCHITECTURE.md` runs real text
 through the embedded SmolLM2 (or `--model`) twice, teacher-forced in chunks: once over a KV pool
-that stores bf16 and once over an FP8 pool with calibrated scales (engine/kv_scales.py); the
+that stores bf16 and once over an FP8 pool with calibrated scales (engine/model/kv_scales.py); the
 weights and activations are float32 both times, so the difference is the cache's alone (and the
 CPU, without AVX-512 BF16, runs float32 matmuls several times faster than bf16 ones). Every
 position attends over the KV as the pool returns it, so each of the FP8 run's positions reads
@@ -21,8 +21,8 @@ from typing import List, Sequence
 import torch
 
 from kvledger.engine.attention.base import AttentionBatch
-from kvledger.engine.kv_pool import KVPool
-from kvledger.engine.llm import LLM
+from kvledger.engine.model.kv_pool import KVPool
+from kvledger.engine.runtime.llm import LLM
 
 
 def chunks(ids: Sequence[int], size: int) -> List[List[int]]:

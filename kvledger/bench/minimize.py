@@ -26,12 +26,12 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from kvledger.engine import trace
+from kvledger.engine.ledger import trace
 from kvledger.engine.cli_parser import configure_logging
 from kvledger.tools.fuzz import Case, Walker, case_seed, make_case, walk
 from kvledger.properties.lockstep import Divergence, Lockstep
 from kvledger.tools.minimize import _copy, fingerprint_of, minimize
-from kvledger.engine.trace import Header
+from kvledger.engine.ledger.trace import Header
 from kvledger.tools.zoo import BUGS, patched
 
 _log = logging.getLogger(__name__)  # `log` is the minimizer's callback

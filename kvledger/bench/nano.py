@@ -41,7 +41,7 @@ from kvledger.bench.arguments import NANO_MAX_LEN, NANO_MIN_LEN, NANO_NUM_REQUES
 from kvledger.bench.engine import quiet_transformers
 from kvledger.bench.bandwidth_floor import decode_floor, format_floor, measure_bandwidth, param_count
 from kvledger.bench.decode_profile import format_breakdown, profile_decode, sync
-from kvledger.engine.config import BUILTIN_CONFIG_DIR, ModelConfig
+from kvledger.engine.model.config import BUILTIN_CONFIG_DIR, ModelConfig
 from kvledger.engine.engine_config import EngineConfig
 
 ENGINE_ROW = "kvledger"
@@ -179,7 +179,7 @@ def kv_tokens_for(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], p
 def build_engine(opts: "NanoOptions", kv_tokens_needed: int, max_seq_len: int):
     """This engine's LLM. The KV pool: as asked, else sized from free memory on CUDA, else just
     what the workload needs with every request running at once."""
-    from kvledger.engine.llm import LLM
+    from kvledger.engine.runtime.llm import LLM
 
     cuda = torch.device(opts.device).type == "cuda"
     kv_tokens = opts.kv_cache_tokens if opts.kv_cache_tokens is not None else (None if cuda else kv_tokens_needed)

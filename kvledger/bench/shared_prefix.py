@@ -191,14 +191,14 @@ class SharedPrefixOptions:
 
 
 def run_shared_prefix_bench(opts: SharedPrefixOptions, print_fn: Callable[[str], None] = print) -> Dict[str, Any]:
-    from kvledger.engine.llm import LLM
+    from kvledger.engine.runtime.llm import LLM
 
     opts.resolve()
     if opts.model is not None:
         source, dummy, desc = opts.model, False, opts.model
     else:
         source, dummy, desc = str(resolve_model_config(opts.model_config)[2]), True, f"{opts.model_config} (random weights)"
-    from kvledger.engine.weights import model_config
+    from kvledger.engine.model.weights import model_config
 
     vocab = model_config(source).vocab_size
     w = make_workload(opts.groups, opts.group_size, opts.prefix_len, opts.question_len, opts.answer_len, vocab,

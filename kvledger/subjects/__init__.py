@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable, Dict, List, Sequence, Tuple
 
-from kvledger.engine.subject import Subject, SubjectConfig, SubjectUnavailable
+from kvledger.engine.ledger.subject import Subject, SubjectConfig, SubjectUnavailable
 from kvledger.subjects.edits import SourceEdit
 
 BUILTINS: Dict[str, str] = {

@@ -21,7 +21,7 @@ from typing import Any, List, Sequence, Tuple
 import torch
 from torch.overrides import TorchFunctionMode
 
-from kvledger.engine.subject import Capabilities, SubjectConfig, SubjectUnavailable
+from kvledger.engine.ledger.subject import Capabilities, SubjectConfig, SubjectUnavailable
 from kvledger.subjects.edits import SourceEdit
 from kvledger.subjects.peers import cache_dir, checkout, commit_of, peer_path
 from kvledger.subjects.seed_api import SeedApiSubject, SeedModules, radix_entries

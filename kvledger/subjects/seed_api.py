@@ -39,7 +39,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Dict, Hashable, Iterable, List, Sequence, Tuple
 
-from kvledger.engine.subject import CachedEntry, Capabilities, SubjectConfig, View
+from kvledger.engine.ledger.subject import CachedEntry, Capabilities, SubjectConfig, View
 from kvledger.subjects.edits import EditError, SourceEdit, bind
 
 

@@ -1,6 +1,6 @@
 """kvledger's own cache managers as subjects: `kvledger.fast` (tensors) and `kvledger.reference` (the
 pure-Python model), through the same seed-API adapter as mini-sglang (`seed_api.py`), built the way
-`engine/cache_scheduler.py` builds them, under the seed's `reserve` admission policy.
+`engine/ledger/cache_scheduler.py` builds them, under the seed's `reserve` admission policy.
 
 Two subjects from one module (`NAMES`): where another adapter takes a checkout path, `probe` and
 `build` take the name (`NAME` when None), as the registry calls them.
@@ -14,7 +14,7 @@ import importlib.metadata
 from types import ModuleType
 from typing import Any, List, Sequence, Tuple
 
-from kvledger.engine.subject import Capabilities, SubjectConfig, SubjectUnavailable
+from kvledger.engine.ledger.subject import Capabilities, SubjectConfig, SubjectUnavailable
 from kvledger.reference.admission_policy import RESERVE
 from kvledger.reference.pages import div_ceil
 from kvledger.subjects.edits import SourceEdit

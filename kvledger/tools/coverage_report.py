@@ -1,7 +1,7 @@
 """`kvledger coverage`: line and branch coverage of the cache logic by the Hypothesis property run alone.
 
-Measured: every file of `fast/` and the scheduler-side cache logic (`engine/cache_scheduler.py`,
-`engine/divergence.py`). The property run (the ci profile, `LockstepMachine`) runs in a fresh
+Measured: every file of `fast/` and the scheduler-side cache logic (`engine/ledger/cache_scheduler.py`,
+`engine/ledger/divergence.py`). The property run (the ci profile, `LockstepMachine`) runs in a fresh
 interpreter under coverage.py with branch coverage, so module-level lines count as they are
 imported; the report is read back from the data file.
 
@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Tuple
 ROOT = Path(__file__).resolve().parents[2]
 EXCLUSIONS = ROOT / "properties" / "coverage-exclusions.txt"
 # measured: the cache manager and everything under it, and the scheduler-side cache logic
-MEASURED = ("fast/*", "engine/cache_scheduler.py", "engine/divergence.py")
+MEASURED = ("fast/*", "engine/ledger/cache_scheduler.py", "engine/ledger/divergence.py")
 log = logging.getLogger(__name__)
 
 

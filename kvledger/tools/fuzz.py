@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
-from kvledger.engine.cache_scheduler import CacheScheduler
-from kvledger.engine.trace import Header
+from kvledger.engine.ledger.cache_scheduler import CacheScheduler
+from kvledger.engine.ledger.trace import Header
 
 log = logging.getLogger(__name__)
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -533,7 +533,7 @@ def _drain_and_join(procs: List[Any], messages: Any, ops: int, cases: int, reach
 
 def _handle_failure(msg: WorkerFailure, out_dir: Path, seed: int, bug: Optional[str], budget: float,
                     progress: bool, max_replays: Optional[int] = None) -> FuzzFailure:
-    from kvledger.engine import trace
+    from kvledger.engine.ledger import trace
     from kvledger.tools.minimize import MinimizeError, minimize
     from kvledger.tools.zoo import patched
 

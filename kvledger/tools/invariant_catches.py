@@ -23,8 +23,8 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from kvledger import fast, reference
-from kvledger.engine.cache_scheduler import CacheScheduler, InvalidOp, InvariantViolation
-from kvledger.engine.trace import Header
+from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvalidOp, InvariantViolation
+from kvledger.engine.ledger.trace import Header
 from kvledger.tools.fuzz import case_trace
 from kvledger.tools.zoo import BUGS, Bug, patched
 
@@ -61,7 +61,7 @@ def property_catch(bugs: Tuple[Bug, ...], provenance: bool, examples: int = 1500
     from hypothesis import Phase, settings
     from hypothesis.stateful import run_state_machine_as_test
 
-    from kvledger.engine import cache_scheduler
+    from kvledger.engine.ledger import cache_scheduler
     from kvledger.properties import lockstep
     from kvledger.properties.lockstep import Divergence
     from kvledger.properties.machine import LockstepMachine

@@ -36,9 +36,9 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 from kvledger import fast
 from kvledger import reference
 
-from kvledger.engine.cache_scheduler import InvalidOp
+from kvledger.engine.ledger.cache_scheduler import InvalidOp
 from kvledger.properties.lockstep import Divergence, Lockstep, replay
-from kvledger.engine.trace import Header, dumps
+from kvledger.engine.ledger.trace import Header, dumps
 
 _log = logging.getLogger(__name__)  # `log` is the minimizer's callback
 
@@ -524,7 +524,7 @@ def minimize(header: Header, ops: Ops, budget: float = 60.0,
 def main_minimize(path: str, output: str, budget: float = 60.0, bug: str | None = None,
                   max_replays: Optional[int] = None) -> int:
     """`kvledger minimize TRACE -o OUT`: exit 0 with the minimized trace written, 2 on an error."""
-    from kvledger.engine.trace import TraceError, read, write
+    from kvledger.engine.ledger.trace import TraceError, read, write
     from kvledger.tools.zoo import patched
 
     try:

@@ -1,5 +1,5 @@
 """`kvledger mutation` (`make mutation`): the mutation score of the cache logic, measured with
-cosmic-ray over fast/, reference/ and engine/cache_scheduler.py (properties/mutation.toml).
+cosmic-ray over fast/, reference/ and engine/ledger/cache_scheduler.py (properties/mutation.toml).
 
 Why cosmic-ray, not mutmut: mutmut 3 copies the project into mutants/ and finds the mutated code
 through sys.path, but kvledger's folders install as kvledger.fast, kvledger.reference, ... through

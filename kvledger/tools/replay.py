@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from kvledger.engine.cache_scheduler import InvalidOp
+from kvledger.engine.ledger.cache_scheduler import InvalidOp
 from kvledger.properties.lockstep import Divergence, replay
-from kvledger.engine.trace import TraceError, read
+from kvledger.engine.ledger.trace import TraceError, read
 
 
 def replay_file(path: str, device: str = "cpu", bug: str | None = None) -> int:

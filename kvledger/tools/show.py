@@ -15,9 +15,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from kvledger.engine.cache_scheduler import CacheScheduler, InvalidOp, InvariantViolation
+from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvalidOp, InvariantViolation
 from kvledger.properties.lockstep import Divergence, Lockstep
-from kvledger.engine.trace import Header
+from kvledger.engine.ledger.trace import Header
 
 FREE, CACHED, LOCKED, CONFLICT = 0, 1, 2, 3  # request uids take codes from FIRST_UID on
 FIRST_UID = 4
@@ -128,7 +128,7 @@ def render(header: Header, ops: List[Dict], out: str | Path, title: str | None =
 
 def main_show(path: str, output: str, bug: str | None = None) -> int:
     """`kvledger show TRACE -o FILE.png`: exit 0 when drawn, 2 on an error."""
-    from kvledger.engine.trace import TraceError, read
+    from kvledger.engine.ledger.trace import TraceError, read
     from kvledger.tools.zoo import patched
 
     try:

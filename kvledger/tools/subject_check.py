@@ -17,8 +17,8 @@ from typing import Sequence
 
 from hypothesis import HealthCheck, Phase, settings
 
-from kvledger.engine import trace
-from kvledger.engine.subject import SubjectConfig
+from kvledger.engine.ledger import trace
+from kvledger.engine.ledger.subject import SubjectConfig
 from kvledger.properties.profiles import register_profiles
 from kvledger.properties.subject_driver import expected_events
 from kvledger.properties.subject_machine import SUBJECT_EXAMPLES, SUBJECT_STEPS, Progress, machine_for

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
-from kvledger.engine import trace
-from kvledger.engine.cache_ops import InvalidOp
-from kvledger.engine.subject import Subject, SubjectConfig
+from kvledger.engine.ledger import trace
+from kvledger.engine.ledger.ops import InvalidOp
+from kvledger.engine.ledger.subject import Subject, SubjectConfig
 from kvledger.properties.subject_driver import Finding, SubjectDriver
 from kvledger.properties.subject_workload import draw_shape, drain_op, next_op
 from kvledger.subjects import SubjectSpec, parse_spec

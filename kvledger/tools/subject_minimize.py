@@ -15,8 +15,8 @@ import logging
 import time
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
-from kvledger.engine import trace
-from kvledger.engine.subject import Subject, SubjectConfig
+from kvledger.engine.ledger import trace
+from kvledger.engine.ledger.subject import Subject, SubjectConfig
 from kvledger.properties.subject_driver import Finding, replay
 
 log = logging.getLogger(__name__)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import sys
 
-from kvledger.engine.subject import SubjectUnavailable
-from kvledger.engine.trace import TraceError, read
+from kvledger.engine.ledger.subject import SubjectUnavailable
+from kvledger.engine.ledger.trace import TraceError, read
 from kvledger.properties.subject_driver import replay
 from kvledger.subjects import SpecError, parse_spec
 from kvledger.tools.subject_fuzz import config_of

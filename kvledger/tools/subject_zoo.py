@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Sequence
 
-from kvledger.engine.subject import Subject, SubjectConfig
+from kvledger.engine.ledger.subject import Subject, SubjectConfig
 from kvledger.subjects import parse_spec
 from kvledger.tools.subject_fuzz import run_case
 from kvledger.tools.subject_minimize import minimize_ops, shortest_failure

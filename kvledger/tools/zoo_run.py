@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from kvledger.engine import trace
+from kvledger.engine.ledger import trace
 from kvledger.tools.zoo import BUGS, patched
 
 _log = logging.getLogger(__name__)  # `log` is run_zoo's callback

@@ -10,7 +10,7 @@ FAULT_PROMPT = [4242, 4242, 4242]
 
 
 def plant_fault() -> None:
-    from kvledger.engine.scheduler import Scheduler
+    from kvledger.engine.runtime.scheduler import Scheduler
 
     submit, step = Scheduler.submit, Scheduler.step
     armed = []

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Dict, List, Sequence
 
-from kvledger.engine.subject import Capabilities, CachedEntry, SubjectConfig, View
+from kvledger.engine.ledger.subject import Capabilities, CachedEntry, SubjectConfig, View
 
 
 class ToyBlockCache:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from kvledger.engine.cache_scheduler import CacheScheduler, InvariantViolation
+from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvariantViolation
 
 
 class Divergence(AssertionError):

@@ -2,7 +2,7 @@
 
 With an FP8 cache (`kv_dtype=torch.float8_e4m3fn`) each row is stored as x / scale in e4m3 and
 read back as fp8 * scale, with one scale for K and one for V per layer (vLLM's and SGLang's
-per-tensor scales, calibrated by `kvledger.engine.kv_scales`). The pool then holds half
+per-tensor scales, calibrated by `kvledger.engine.model.kv_scales`). The pool then holds half
 the bytes of bf16 per token; attention reads fp8 and applies the scales itself.
 """
 
@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from kvledger.engine.config import ModelConfig
+from kvledger.engine.model.config import ModelConfig
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3fn's largest finite value; a cast past it would be NaN, so stores clamp

@@ -15,7 +15,7 @@ from typing import List, Tuple
 import torch
 
 from kvledger.engine.attention.base import AttentionBatch
-from kvledger.engine.kv_pool import FP8_MAX, KVPool
+from kvledger.engine.model.kv_pool import FP8_MAX, KVPool
 
 CALIBRATION_TOKENS = 512
 HEADROOM = 2.0

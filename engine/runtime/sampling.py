@@ -17,7 +17,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from kvledger.engine.request_error import RequestError
+from kvledger.engine.runtime.request_error import RequestError
 from kvledger.fast import SamplingParams
 
 MIN_TEMPERATURE = 1e-5  # below this the logits' scale overflows; it samples the argmax anyway

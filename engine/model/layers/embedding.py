@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvledger.engine.layers.linear import PackedWeight, linear
+from kvledger.engine.model.layers.linear import PackedWeight, linear
 
 if TYPE_CHECKING:
     from kvledger.engine.distributed.group import TensorParallelGroup
@@ -44,7 +44,7 @@ class LMHead(nn.Module):
         self._tied = [tie_to] if tie_to is not None else []
         if tie_to is None:
             self.weight = nn.Parameter(torch.empty(len(rows) if rows is not None else vocab_size, hidden_size))
-        self._packed = PackedWeight()  # oneDNN layout on the CPU (engine/layers/linear.py)
+        self._packed = PackedWeight()  # oneDNN layout on the CPU (engine/model/layers/linear.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = linear(x, self._tied[0].weight if self._tied else self.weight, self._packed)

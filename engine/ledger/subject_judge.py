@@ -34,8 +34,8 @@ from typing import Any, Dict, List, Sequence, Set, Tuple
 
 import numpy as np
 
-from kvledger.engine.invariants import InvariantViolation, prefix_hashes
-from kvledger.engine.subject import Capabilities, CachedEntry, View
+from kvledger.engine.ledger.invariants import InvariantViolation, prefix_hashes
+from kvledger.engine.ledger.subject import Capabilities, CachedEntry, View
 
 __all__ = ["InvariantViolation", "Ledger", "judge", "check_queue_order"]
 

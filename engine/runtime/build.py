@@ -13,16 +13,16 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvledger.engine.config import ModelConfig
+from kvledger.engine.model.config import ModelConfig
 from kvledger.engine.distributed.group import TensorParallelGroup
 from kvledger.engine.distributed.replicated_scheduler import RankCoordination, RankHook, ReplicatedScheduler
 from kvledger.engine.engine_config import EngineConfig
-from kvledger.engine.kv_pool import KV_CACHE_DTYPES, KVPool
-from kvledger.engine.kv_scales import calibrate_kv_scales, calibration_ids
-from kvledger.engine.model import CausalLM
+from kvledger.engine.model.kv_pool import KV_CACHE_DTYPES, KVPool
+from kvledger.engine.model.kv_scales import calibrate_kv_scales, calibration_ids
+from kvledger.engine.model.model import CausalLM
 from kvledger.engine.options import DTYPE_NAMES, validate_for_model
-from kvledger.engine.scheduler import Scheduler, SchedulerConfig
-from kvledger.engine.weights import load_weights
+from kvledger.engine.runtime.scheduler import Scheduler, SchedulerConfig
+from kvledger.engine.model.weights import load_weights
 from kvledger.fast import AdmissionPolicy
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}

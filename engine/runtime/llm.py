@@ -7,16 +7,16 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
-from kvledger.engine.build import build_rank, rank_device
-from kvledger.engine.default_model import default_model_path
+from kvledger.engine.runtime.build import build_rank, rank_device
+from kvledger.engine.model.default_model import default_model_path
 from kvledger.engine.distributed.group import TensorParallelGroup
 from kvledger.engine.distributed.ranks import RankProcesses
 from kvledger.engine.distributed.replicated_scheduler import RankHook, ReplicatedScheduler
 from kvledger.engine.engine_config import EngineConfig
-from kvledger.engine.observers import ShadowVerifier, TraceRecorder
+from kvledger.engine.ledger.observers import ShadowVerifier, TraceRecorder
 from kvledger.engine.options import validate_for_model
-from kvledger.engine.tokenizer import Tokenizer
-from kvledger.engine.weights import ensure_gguf_cache, model_config
+from kvledger.engine.model.tokenizer import Tokenizer
+from kvledger.engine.model.weights import ensure_gguf_cache, model_config
 from kvledger.fast import SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]  # SamplingParams: the seed's, what users pass to generate

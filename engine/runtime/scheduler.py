@@ -4,7 +4,7 @@ Each step admits from the queue within a token budget (worst-case reservation, c
 radix prefix reuse) or, if nothing was admitted, decodes every running request; allocates pages,
 runs the model over the page table, samples, and completes the step (finishes in one lazy-free
 region, `cache_req` after prefill and at finish). The cache-side steps are those of
-`kvledger.engine.cache_scheduler.CacheScheduler`, so every step is one trace operation that replays on both
+`kvledger.engine.ledger.cache_scheduler.CacheScheduler`, so every step is one trace operation that replays on both
 implementations; observers (trace recorder, shadow verifier) see each operation.
 
 Overlap: sampled tokens stay on the device (`next_tokens`, one entry per table row, feeds the next
@@ -34,15 +34,15 @@ from torch.profiler import record_function
 
 from kvledger import fast
 from kvledger.engine.attention.base import AttentionBatch
-from kvledger.engine.cuda_graphs import DecodeGraphs
-from kvledger.engine.model import CausalLM
-from kvledger.engine.observers import FrozenState
-from kvledger.engine.prefix_sharing import PrefixSharing
-from kvledger.engine.request_error import RequestError
-from kvledger.engine.sampling import Sampler, validate_sampling
-from kvledger.engine.cache_ops import Abort, CacheOp, Finish, Submit, to_json
-from kvledger.engine.cache_scheduler import CacheScheduler
-from kvledger.engine.trace import Header
+from kvledger.engine.runtime.cuda_graphs import DecodeGraphs
+from kvledger.engine.model.model import CausalLM
+from kvledger.engine.ledger.observers import FrozenState
+from kvledger.engine.runtime.prefix_sharing import PrefixSharing
+from kvledger.engine.runtime.request_error import RequestError
+from kvledger.engine.runtime.sampling import Sampler, validate_sampling
+from kvledger.engine.ledger.ops import Abort, CacheOp, Finish, Submit, to_json
+from kvledger.engine.ledger.cache_scheduler import CacheScheduler
+from kvledger.engine.ledger.trace import Header
 from kvledger.reference.pages import tokens_to_finish
 
 Observer = Callable[[int, Dict, CacheScheduler], None]

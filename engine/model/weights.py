@@ -4,7 +4,7 @@ Sources: a GGUF file (dequantized with the `gguf` package, then cached as float3
 safetensors), a Hugging Face directory (config.json + *.safetensors), or random
 weights from a config (`dummy=True`, for speed benchmarks).
 
-Our names (see engine/model.py): q/k/v are fused into `qkv_proj` and gate/up into
+Our names (see engine/model/model.py): q/k/v are fused into `qkv_proj` and gate/up into
 `gate_up_proj`, so each layer runs two fewer matmuls.
 
 Under tensor parallelism (`shard=`), a rank reads only its part of each weight: safetensors
@@ -28,8 +28,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from kvledger.engine.config import BUILTIN_CONFIG_DIR, ModelConfig
-from kvledger.engine.default_model import default_model_path
+from kvledger.engine.model.config import BUILTIN_CONFIG_DIR, ModelConfig
+from kvledger.engine.model.default_model import default_model_path
 from kvledger.engine.distributed.partition import FusedRows, TensorParallelShard
 
 StateDict = dict[str, torch.Tensor]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvledger.engine.layers.linear import Linear
+from kvledger.engine.model.layers.linear import Linear
 
 if TYPE_CHECKING:
     from kvledger.engine.distributed.group import TensorParallelGroup

@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvledger.engine import fused_ops
+from kvledger.engine.model import fused_ops
 from kvledger.engine.attention.base import AttentionBackend, AttentionBatch
 from kvledger.engine.attention.torch_native import TorchNativeBackend
-from kvledger.engine.config import ModelConfig
+from kvledger.engine.model.config import ModelConfig
 from kvledger.engine.distributed.group import TensorParallelGroup
-from kvledger.engine.kv_pool import KVPool
-from kvledger.engine.layers import Embedding, GatedMLP, Linear, LMHead, RMSNorm, RotaryEmbedding
+from kvledger.engine.model.kv_pool import KVPool
+from kvledger.engine.model.layers import Embedding, GatedMLP, Linear, LMHead, RMSNorm, RotaryEmbedding
 
 
 class Attention(nn.Module):

@@ -1,6 +1,6 @@
 """Watchers of the engine's cache operations: a trace recorder and the shadow verifier.
 
-Both see the same stream of driver operations (see `engine/cache_scheduler.py`) the engine performs on
+Both see the same stream of driver operations (see `engine/ledger/cache_scheduler.py`) the engine performs on
 `fast`: the recorder writes them as a trace, the shadow applies each to the `reference` model and
 compares the full ownership state after each one.
 """
@@ -11,9 +11,9 @@ import json
 from typing import IO, Dict
 
 from kvledger import reference
-from kvledger.engine.cache_scheduler import CacheScheduler, InvalidOp, InvariantViolation
-from kvledger.engine.divergence import Divergence, compare
-from kvledger.engine.trace import Header, dumps
+from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvalidOp, InvariantViolation
+from kvledger.engine.ledger.divergence import Divergence, compare
+from kvledger.engine.ledger.trace import Header, dumps
 
 
 class TraceRecorder:
@@ -61,7 +61,7 @@ class ShadowVerifier:
     """Mirrors every cache operation into the reference model and compares after each."""
 
     # compares the engine's state right after each operation: the scheduler freezes that state
-    # (FrozenState) when the operation's tokens are still on the GPU (see engine/scheduler.py)
+    # (FrozenState) when the operation's tokens are still on the GPU (see engine/runtime/scheduler.py)
     needs_state = True
 
     def __init__(self, header: Header) -> None:

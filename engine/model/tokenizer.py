@@ -11,8 +11,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from kvledger.engine.default_model import default_model_path
-from kvledger.engine.weights import cache_dir_for
+from kvledger.engine.model.default_model import default_model_path
+from kvledger.engine.model.weights import cache_dir_for
 
 _CACHE_SUBDIR = "tokenizer"
 
