@@ -8,8 +8,10 @@ import argparse
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Dict, Optional, Sequence
 
+from kvledger.engine.ledger.trace import Header
 from kvledger.engine.options import ADMISSION_POLICIES, ATTENTION_BACKENDS, CACHE_TYPES, DTYPE_NAMES, \
     KV_CACHE_DTYPE_NAMES, EngineOptionError, validate_engine_options
+from kvledger.fast import AdmissionPolicy
 
 
 def option(default: Any, help: str, *, flag: Optional[str] = None, choices: Optional[Sequence[str]] = None,
@@ -109,6 +111,42 @@ class EngineConfig:
             group.add_argument(*flags, dest=f.name, type=kind, default=default, choices=meta["choices"],
                                metavar=meta["metavar"], help=shown)
 
+    def resolve(self, num_pages: int, max_seq_len: int) -> ResolvedConfig:
+        """This configuration for one engine whose pool holds `num_pages` pages and whose requests
+        may span `max_seq_len` positions (see `engine/runtime/build.py`)."""
+        return ResolvedConfig(num_pages=num_pages, page_size=self.page_size, cache_type=self.cache_type,
+                              max_running_reqs=self.max_running_reqs, max_seq_len=max_seq_len,
+                              max_prefill_tokens=self.max_prefill_tokens, seed=self.seed,
+                              admission=AdmissionPolicy(self.admission, self.reserve_ratio))
+
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """An EngineConfig resolved for one built engine: the pool in pages (from free memory when
+    `kv_cache_tokens` is not given) and max_seq_len (from the model's context when not given).
+    The engine, its cache scheduler and the trace header are all built from this one object."""
+
+    num_pages: int
+    page_size: int
+    cache_type: str
+    max_running_reqs: int
+    max_seq_len: int
+    max_prefill_tokens: int
+    seed: int
+    admission: AdmissionPolicy
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    def trace_header(self, producer: str = "engine") -> Header:
+        """The header of a trace this engine records; `Header.cache_scheduler_args` builds the
+        cache scheduler from it, so the engine and a replay of its trace start alike."""
+        return Header(num_pages=self.num_pages, page_size=self.page_size, cache_type=self.cache_type,
+                      table_slots=self.max_running_reqs, max_seq_len=self.max_seq_len,
+                      admission=self.admission.kind, reserve_ratio=self.admission.reserve_ratio,
+                      seed=self.seed, producer=producer)

@@ -22,8 +22,8 @@ from kvledger.engine.ledger.trace import Header
 class Lockstep:
     def __init__(self, header: Header, device: str = "cpu", fast_impl: Any = fast) -> None:
         self.header = header
-        self.ref = CacheScheduler(reference, **header.driver_args())
-        self.fast = CacheScheduler(fast_impl, device=device, **header.driver_args())
+        self.ref = CacheScheduler(reference, **header.cache_scheduler_args())
+        self.fast = CacheScheduler(fast_impl, device=device, **header.cache_scheduler_args())
         self.ops: List[Dict] = []
         self.step = 0
 

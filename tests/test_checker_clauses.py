@@ -59,7 +59,7 @@ SCENARIOS = {"base": (BASE, BASE_OPS), "preempted": (PREEMPTED, PREEMPTED_OPS)}
 # -- building and editing states ------------------------------------------------------------------
 def _driver(impl, scenario="base"):
     header, ops = SCENARIOS[scenario]
-    d = CacheScheduler(impl, **header.driver_args())
+    d = CacheScheduler(impl, **header.cache_scheduler_args())
     for op in ops:
         d.apply(op)
     d.check()

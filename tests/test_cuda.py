@@ -104,11 +104,11 @@ def test_cuda_graphs_and_overlap_match_the_eager_serial_engine(dtype, tmp_path):
     kw = dict(dummy_weights=True, device="cuda", dtype=dtype, page_size=16, kv_cache_tokens=20000,
               max_running_reqs=40, max_seq_len=512, max_prefill_tokens=512)
     eager = LLM(_qwen_tiny(), cuda_graphs=False, overlap=False, **kw)
-    assert eager.scheduler.graphs is None and eager.model.uses_fused_path()
+    assert eager.engine.graphs is None and eager.model.uses_fused_path()
     expected = [o.token_ids for o in eager.generate(prompts, params)]
     trace = tmp_path / "overlap.jsonl"
     fast_llm = LLM(_qwen_tiny(), cuda_graphs=True, overlap=True, trace=str(trace), **kw)
-    assert fast_llm.scheduler.graphs is not None and fast_llm.scheduler.graphs.graphs
+    assert fast_llm.engine.graphs is not None and fast_llm.engine.graphs.graphs
     got = [o.token_ids for o in fast_llm.generate(prompts, params)]
     fast_llm.close()
     assert got == expected
@@ -128,7 +128,7 @@ def test_overlap_with_graphs_under_shadow_verification():
     outs = llm.generate(prompts, params)
     assert all(o.finish_reason in ("length", "stop") for o in outs)
     assert llm.shadow.steps > 50
-    llm.scheduler.check_idle()
+    llm.engine.check_idle()
 
 
 def test_a_graph_decode_launch_never_waits_for_the_gpu():
@@ -138,26 +138,26 @@ def test_a_graph_decode_launch_never_waits_for_the_gpu():
     prompts, params = _nano_like(n=16, seed=2)
     llm = LLM(_qwen_tiny(), dummy_weights=True, device="cuda", dtype="bfloat16", page_size=16, kv_cache_tokens=20000,
               max_running_reqs=16, max_seq_len=512, max_prefill_tokens=4096)
-    s = llm.scheduler
+    s = llm.engine
     for p, sp in zip(prompts, params):
         llm._submit(p, sp)
-    while s.driver.waiting:
+    while s.ledger.waiting:
         s.step()
     s.step()
     s.step()
     launched = 0
     for _ in range(20):
-        if s._inflight is None or not s.driver.dm.runnable:
+        if s.overlap.inflight is None or not s.ledger.has_runnable():
             break
         torch.cuda.set_sync_debug_mode("error")
         try:
             step = s._launch()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert step is not None and step.phase == "decode"
-        s._land(s._inflight)
+        assert step is not None and step.batch.phase == "decode"
+        s._land(s.overlap.inflight)
         s._complete(step)
-        s._inflight = step
+        s.overlap.inflight = step
         launched += 1
     assert launched >= 5
     while s.has_work:
@@ -176,8 +176,8 @@ def test_heavy_preemption_on_cuda_changes_no_greedy_token(dtype):
               max_prefill_tokens=256)
     expected = [o.token_ids for o in LLM(_qwen_tiny(), kv_cache_tokens=20000, **kw).generate(prompts, params)]
     small = LLM(_qwen_tiny(), kv_cache_tokens=320, admission="optimistic", reserve_ratio=0.0, verify=True, **kw)
-    assert small.scheduler.overlap and small.scheduler.graphs is not None
+    assert small.engine.overlap.enabled and small.engine.graphs is not None
     got = [o.token_ids for o in small.generate(prompts, params)]
     assert got == expected
-    assert small.scheduler.driver.preemptions >= 3
-    small.scheduler.check_idle()
+    assert small.engine.ledger.preemptions >= 3
+    small.engine.check_idle()

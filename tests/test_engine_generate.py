@@ -63,7 +63,7 @@ def test_greedy_matches_transformers(transformers_greedy, page_size, cache_type,
     assert [o.token_ids for o in outs] == transformers_greedy
     if budget < 40:
         assert max(len(o.prompt_token_ids) for o in outs) > budget  # prompts were split into chunks
-    llm.scheduler.check_idle()
+    llm.engine.check_idle()
 
 
 def test_duplicate_prompts_and_prefix_cache_hit(small_llm):
@@ -75,7 +75,7 @@ def test_duplicate_prompts_and_prefix_cache_hit(small_llm):
     again = small_llm.generate([p], params)[0]
     assert again.token_ids == single
     assert again.cached_tokens >= len(again.prompt_token_ids) - 16  # hit all but a partial page
-    assert not small_llm.scheduler.requests  # every request's record is dropped when it ends
+    assert not small_llm.engine.requests  # every request's record is dropped when it ends
 
 
 def test_pool_too_small_gives_the_same_tokens(small_llm):
@@ -83,11 +83,11 @@ def test_pool_too_small_gives_the_same_tokens(small_llm):
     big = small_llm.generate(PROMPTS, params)
     tiny = LLM(page_size=4, kv_cache_tokens=160, max_running_reqs=16, max_seq_len=128, verify=True)
     waits = []
-    tiny.scheduler.driver.after_forward = lambda phase, batch: waits.append(len(tiny.scheduler.driver.waiting))
+    tiny.engine.ledger.after_forward = lambda phase, batch: waits.append(len(tiny.engine.ledger.waiting))
     small = tiny.generate(PROMPTS, params)
     assert [o.token_ids for o in small] == [o.token_ids for o in big]
     assert max(waits) > 0  # some requests had to wait for others
-    cm = tiny.scheduler.driver.cm
+    cm = tiny.engine.ledger.cm
     cm.check_integrity()
     assert len(cm.free_slots) * 4 + cm.prefix_cache.size_info.total_size == 160  # every page back
 
@@ -96,7 +96,7 @@ def test_the_seeds_64_page_example_with_the_real_model(capsys):
     llm = LLM(page_size=1, kv_cache_tokens=64, cache_type="naive", max_running_reqs=8, max_seq_len=128)
     prompts = ["The capital of France is", "List three prime numbers:", "def fibonacci(n):",
                "Once upon a time, in a small village by the sea, there lived", "1 + 1 ="]
-    d = llm.scheduler.driver
+    d = llm.engine.ledger
     rows = []
 
     def trace(phase, batch):
@@ -128,7 +128,7 @@ def test_bad_requests_get_a_clear_error_and_the_rest_run(small_llm):
     assert isinstance(zero.error, ValueError) and "max_tokens" in str(zero.error)
     assert isinstance(long.error, ValueError) and "max_seq_len" in str(long.error)
     with pytest.raises(ValueError, match="temperature"):
-        small_llm.scheduler.validate([1, 2], SamplingParams(temperature=-1.0))
+        small_llm.engine.limits.validate([1, 2], SamplingParams(temperature=-1.0))
 
 
 def test_seeded_sampling_replays_and_top_k_1_is_greedy(small_llm):

@@ -48,9 +48,9 @@ def test_overlap_defers_bookkeeping_and_gives_the_same_tokens():
     deferred = []  # per step: were its tokens still "on the device" when step() returned?
     for p, sp in zip(prompts, params):
         llm._submit(p, sp)
-    while llm.scheduler.has_work:
-        llm.scheduler.step()
-        deferred.append(llm.scheduler._inflight is not None)
+    while llm.engine.has_work:
+        llm.engine.step()
+        deferred.append(llm.engine.overlap.inflight is not None)
     assert sum(deferred) > 10, "overlap never left a step in flight"
     assert _run(_llm(True), prompts, params) == serial
     assert all(reason == "length" for _, reason in serial)
@@ -61,8 +61,8 @@ def test_small_pool_with_waiting_and_eviction_matches_serial():
     big = _run(_llm(False, kv_cache_tokens=2048), prompts, params)
     small = _llm(True, kv_cache_tokens=160)
     assert _run(small, prompts, params) == big
-    d = small.scheduler.driver
-    assert not d.live and small.scheduler._inflight is None
+    d = small.engine.ledger
+    assert not d.live and small.engine.overlap.inflight is None
     d.cm.check_integrity()
     cached = d.cm.prefix_cache.size_info
     assert d.cm.available_size == d.cm.num_pages * d.cm.page_size  # every page free or evictable
@@ -104,9 +104,9 @@ def test_verify_with_overlap_on_stops_and_sampling():
 
 def test_abort_of_a_request_whose_last_step_is_in_flight():
     llm = _llm(True)
-    s = llm.scheduler
-    s.submit(100, [1, 2, 3], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=2))
-    s.submit(101, [4, 5, 6], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6))
+    s = llm.engine
+    s.add_request([1, 2, 3], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=2), 100)
+    s.add_request([4, 5, 6], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6), 101)
     events = []
     while s.requests[100].finishing is None:
         events += s.step()
@@ -123,7 +123,7 @@ def test_abort_of_a_request_whose_last_step_is_in_flight():
 @pytest.mark.parametrize("overlap", [False, True])
 def test_graphs_and_fused_path_are_cuda_only(overlap):
     llm = _llm(overlap)
-    assert llm.scheduler.graphs is None
+    assert llm.engine.graphs is None
     assert not llm.model.uses_fused_path()
 
 
@@ -148,10 +148,10 @@ def test_late_stops_give_the_serial_tokens_and_replay(tmp_path):
     llm = _llm(True, trace=str(path))
     assert _run(llm, prompts, params) == serial  # tokens up to and including the stop token
     llm.close()
-    assert llm.scheduler.late_stops >= 3
+    assert llm.engine.late_stops >= 3
     header, ops = read(str(path))
     replay(header, ops)  # the overlapped schedule, wasted tokens included, is a valid one
-    d = llm.scheduler.driver
+    d = llm.engine.ledger
     assert not d.live
     d.cm.check_integrity()
 
@@ -168,7 +168,7 @@ def test_shadow_verification_checks_the_overlapped_schedule(tmp_path):
         llm.close()
         traces.append(read(str(path))[1])
         if verify:
-            assert llm.scheduler.late_stops >= 3 and llm.shadow.steps == len(traces[-1])
+            assert llm.engine.late_stops >= 3 and llm.shadow.steps == len(traces[-1])
     assert traces[0] == traces[1]
 
 
@@ -191,8 +191,8 @@ def test_the_engine_remembers_no_uid_but_the_last():
     llm = _llm(True)
     prompts, params = _workload(n=5)
     _run(llm, prompts, params)
-    d = llm.scheduler.driver
+    d = llm.engine.ledger
     assert d.known == set() and d.last_uid == 4
     with pytest.raises(ValueError, match="uids must increase"):
-        llm.scheduler.submit(3, [1, 2], SamplingParams(max_tokens=1))
+        llm.engine.add_request([1, 2], SamplingParams(max_tokens=1), 3)
     assert [o.uid for o in llm.generate([[1, 2]], SamplingParams(max_tokens=1), use_tqdm=False)] == [5]

@@ -47,7 +47,7 @@ def test_heavy_preemption_changes_no_token(unconstrained, kind, overlap, tmp_pat
     got = [(o.token_ids, o.finish_reason) for o in llm.generate(PROMPTS, _params(kind))]
     llm.close()
     assert got == unconstrained[kind]
-    driver = llm.scheduler.driver
+    driver = llm.engine.ledger
     assert driver.preemptions >= 5
     assert llm.shadow.steps > 100  # every operation was mirrored and compared
     header, ops = read(path)
@@ -66,10 +66,10 @@ def test_reserve_never_preempts_and_optimistic_runs_more_at_once():
         llm = LLM(kv_cache_tokens=128, admission=admission, **ENGINE)
         peak = 0
         for p, sp in zip(PROMPTS, params):
-            llm.scheduler.submit(len(peaks) * 100 + PROMPTS.index(p), llm.encode(p), sp)
-        while llm.scheduler.has_work:
-            llm.scheduler.step()
-            peak = max(peak, len(llm.scheduler.driver.dm.running_reqs))
-        peaks[admission] = (peak, llm.scheduler.driver.preemptions)
+            llm.engine.add_request(llm.encode(p), sp, len(peaks) * 100 + PROMPTS.index(p))
+        while llm.engine.has_work:
+            llm.engine.step()
+            peak = max(peak, len(llm.engine.ledger.dm.running_reqs))
+        peaks[admission] = (peak, llm.engine.ledger.preemptions)
     assert peaks["reserve"][1] == 0
     assert peaks["optimistic"][0] > peaks["reserve"][0]

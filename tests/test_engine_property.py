@@ -241,8 +241,8 @@ def run_case(data) -> None:
     ref_events.set_listener(seen.add)
     try:
         llm = make_engine(**options)
-        s = llm.scheduler
-        d = s.driver
+        s = llm.engine
+        d = s.ledger
         tokens: Dict[int, List[int]] = {}
         reasons: Dict[int, Optional[str]] = {}
         aborted: set = set()
@@ -254,7 +254,7 @@ def run_case(data) -> None:
                 uid, (_, prompt, params, _) = next_req, requests[next_req]
                 if s.has_work:
                     seen.add("arrival mid-run")
-                s.submit(uid, list(prompt), params)
+                s.add_request(list(prompt), params, uid)
                 by_uid[uid] = requests[next_req]
                 tokens[uid], reasons[uid] = [], None
                 next_req += 1
@@ -271,7 +271,7 @@ def run_case(data) -> None:
                     s.abort(uid)
                     aborted.add(uid)
             if s.has_work:
-                preempted, in_flight = d.preemptions, s._inflight is not None
+                preempted, in_flight = d.preemptions, s.overlap.inflight is not None
                 step_events = s.step()
                 if d.preemptions > preempted and in_flight:
                     seen.add("preempted under overlap")  # a victim's last token may still be in flight
@@ -303,13 +303,13 @@ def run_case(data) -> None:
                 seen.add("early stop")
 
     # idle: nothing live, every page free or evictable, no lock, every row free, shadow complete
-    assert not d.live and not d.waiting and not s.requests and s._inflight is None
+    assert not d.live and not d.waiting and not s.requests and s.overlap.inflight is None
     s.check_idle()
     cm = d.cm
     assert cm.available_size == cm.num_pages * cm.page_size
     assert cm.prefix_cache.size_info.protected_size == 0
     assert len(d.tm.free_slots()) == options["max_running_reqs"]
-    assert not s._ops and llm.shadow.steps == s.step_no > 0
+    assert not s.ops._queue and llm.shadow.steps == s.operations > 0
     assert not llm.shadow.model.live and not llm.shadow.model.waiting
     assert llm.shadow.model.snapshot() == d.snapshot()
 

@@ -24,7 +24,7 @@ OPS = [
 def _state(impl, admission="reserve"):
     header = trace.Header(num_pages=16, page_size=PS, cache_type="radix", table_slots=4, max_seq_len=32,
                           admission=admission)
-    d = CacheScheduler(impl, **header.driver_args())
+    d = CacheScheduler(impl, **header.cache_scheduler_args())
     for op in OPS:
         d.apply(op)
     assert sorted(d.live) == [0, 1] and d.is_chunked(d.live[1]) and d.live[1].cache_handle.cached_len == 4
@@ -48,7 +48,7 @@ def _node(d):
 
 def test_quiescence_is_judged_first(impl):
     header = trace.Header(num_pages=8, page_size=PS, cache_type="radix", table_slots=2, max_seq_len=16)
-    d = CacheScheduler(impl, **header.driver_args())
+    d = CacheScheduler(impl, **header.cache_scheduler_args())
     for op in OPS[:2] + [{"op": "finish", "uid": 0}]:
         d.apply(op)
     d.check()

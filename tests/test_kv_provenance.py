@@ -49,7 +49,7 @@ def test_without_provenance_both_sides_agree_on_the_wrong_reuse():
 def test_the_prefix_cache_is_judged_too(impl):
     from kvledger.engine.ledger.cache_scheduler import CacheScheduler
 
-    d = CacheScheduler(impl, **HEADER.driver_args())
+    d = CacheScheduler(impl, **HEADER.cache_scheduler_args())
     for op in WRONG_REUSE[:2]:
         d.apply(op)
     d.check()

@@ -150,7 +150,7 @@ def test_a_step_that_cannot_fit_is_an_oom_violation(impl, admission):
     """With the pool taken from under it (a broken promise), a decode has nowhere to go: under
     reserve that is invariant 3; under optimistic too, since the one live request is the oldest
     and is never preempted."""
-    d = CacheScheduler(impl, **header(8, admission=admission).driver_args())
+    d = CacheScheduler(impl, **header(8, admission=admission).cache_scheduler_args())
     d.submit(0, [1, 1], 4)
     d.prefill(64, [0])
     d.cm.free_slots = d.cm.free_slots[:0]  # every free page gone

@@ -142,7 +142,7 @@ def test_fault_in_a_step_fails_open_requests_and_stops_service(llm, monkeypatch)
         def broken_step():
             raise RuntimeError("injected fault")
 
-        monkeypatch.setattr(w.scheduler, "step", broken_step)
+        monkeypatch.setattr(w.engine, "step", broken_step)
         events = a.until_finished()
         assert isinstance(events[-1], Failed) and events[-1].status == 500 and "injected fault" in events[-1].message
         assert not w.alive and "injected fault" in w.fatal
@@ -153,8 +153,8 @@ def test_fault_in_a_step_fails_open_requests_and_stops_service(llm, monkeypatch)
     finally:
         w.stop()
         monkeypatch.undo()
-        for uid in list(w.scheduler.requests):  # leave the shared engine clean for other tests
-            w.scheduler.abort(uid)
+        for uid in list(w.engine.requests):  # leave the shared engine clean for other tests
+            w.engine.abort(uid)
 
 
 def test_text_stream_holds_partial_stop_strings_and_characters():
@@ -181,10 +181,10 @@ def test_fault_while_submitting_fails_that_request_too(llm, monkeypatch):
     w = EngineWorker(llm)
     w.start()
     try:
-        def broken_submit(uid, ids, params):
+        def broken_submit(ids, params, uid=None):
             raise RuntimeError("injected submit fault")
 
-        monkeypatch.setattr(w.scheduler, "submit", broken_submit)
+        monkeypatch.setattr(w.engine, "add_request", broken_submit)
         s = Inbox()
         w.submit(list(range(10, 30)), greedy(2), s)
         failed = s.get()
@@ -200,18 +200,18 @@ def test_a_request_whose_sampling_fails_fails_alone(llm, monkeypatch):
     """Non-finite logits for one request: that client gets a 500, the batch-mate finishes, the
     engine stays up and goes idle with every page accounted for."""
     w = EngineWorker(llm)
-    forward = w.scheduler._forward
+    forward = w.engine.runner.forward
     victim = {}
 
-    def poisoned(batch, phase, sampled):
-        logits, tokens = forward(batch, phase, sampled)
+    def poisoned(batch, may_share):
+        logits, tokens = forward(batch, may_share)
         logits = logits.clone()
-        for row, i in enumerate(sampled):
-            if batch[i].uid == victim.get("uid"):
+        for row, i in enumerate(batch.sampled):
+            if batch.requests[i].uid == victim.get("uid"):
                 logits[row, 7] = float("nan")
         return logits, tokens
 
-    monkeypatch.setattr(w.scheduler, "_forward", poisoned)
+    monkeypatch.setattr(w.engine.runner, "forward", poisoned)
     w.start()
     try:
         checks = w.integrity.checks

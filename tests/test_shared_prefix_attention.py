@@ -187,10 +187,10 @@ def test_the_scheduler_knows_when_running_requests_may_share_pages():
     seen = []
     llm = LLM(_tiny_qwen(), dummy_weights=True, page_size=4, kv_cache_tokens=4096, max_running_reqs=8,
               max_prefill_tokens=256)
-    llm.scheduler.observers.append(lambda step, op, state: seen.append(llm.scheduler.sharing_possible))
+    llm.engine.observers.append(lambda step, op, state: seen.append(llm.engine.sharing_possible))
     prompts, params = _prefix_prompts(2, 8)
     llm.generate(prompts, params)
-    assert any(seen) and not llm.scheduler.sharing_possible
+    assert any(seen) and not llm.engine.sharing_possible
     seen.clear()
     unrelated, params = _prefix_prompts(6, 6, seed=1)  # six different prefixes, one request each
     unrelated = [[7 + i] + p for i, p in enumerate(unrelated)]  # and nothing in the cache from before
@@ -259,6 +259,6 @@ def test_engine_with_cascade_attention_gives_the_tokens_of_flat_decode(monkeypat
     monkeypatch.undo()  # the spy syncs: no graph could capture it
     assert max(grouped_rows) >= 8, grouped_rows
     graphs = LLM(config, cuda_graphs=True, overlap=True, **kw)
-    assert graphs.scheduler.graphs is not None and graphs.scheduler.graphs.variants == (False, True)
+    assert graphs.engine.graphs is not None and graphs.engine.graphs.variants == (False, True)
     assert [o.token_ids for o in graphs.generate(prompts, params)] == expected
     graphs.close()

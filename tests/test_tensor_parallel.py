@@ -138,8 +138,8 @@ def test_the_embedded_model_loads_per_rank_from_its_cache_as_the_whole_state_cut
 def _run(model, size, prompts, params, **options):
     with LLM(model, tensor_parallel_size=size, threads=1, verify=True, **options) as llm:
         outs = llm.generate(prompts, params)
-        steps = llm.scheduler.step_no
-        ledger = llm.scheduler.coordination.ledger.operations if size > 1 else None
+        steps = llm.engine.operations
+        ledger = llm.engine.coordination.ledger.operations if size > 1 else None
     return [o.token_ids for o in outs], steps, ledger
 
 
@@ -170,19 +170,19 @@ def test_two_ranks_generate_the_embedded_models_tokens():
     assert two == one and all(len(t) > 0 for t in one)
 
 
-def fail_on_rank_1(rank, step, scheduler):
+def fail_on_rank_1(rank, step, engine):
     if rank == 1 and step == 3:
         raise RuntimeError("planted failure on rank 1")
 
 
-def fail_on_rank_0(rank, step, scheduler):
+def fail_on_rank_0(rank, step, engine):
     if rank == 0 and step == 3:
         raise ValueError("planted failure on rank 0")
 
 
-def reorder_free_pages_on_rank_1(rank, step, scheduler):
+def reorder_free_pages_on_rank_1(rank, step, engine):
     if rank == 1 and step == 2:  # the next allocation hands out other pages than rank 0's
-        cm = scheduler.driver.cm
+        cm = engine.ledger.cm
         cm.free_slots = cm.free_slots.flip(0)
 
 

@@ -41,14 +41,14 @@ def test_two_gpus_generate_the_tokens_of_one_with_graphs_and_overlap(verify):
     with LLM(TINY, **kw) as one:
         expected = [o.token_ids for o in one.generate(prompts, params)]
     with LLM(TINY, tensor_parallel_size=2, **kw) as two:
-        assert two.scheduler.graphs is not None and two.scheduler.graphs.graphs and two.scheduler.overlap
+        assert two.engine.graphs is not None and two.engine.graphs.graphs and two.engine.overlap.enabled
         got = [o.token_ids for o in two.generate(prompts, params)]
         if verify:
-            assert two.scheduler.coordination.ledger.operations == two.scheduler.step_no
+            assert two.engine.coordination.ledger.operations == two.engine.operations
     assert got == expected
 
 
-def fail_on_rank_1(rank, step, scheduler):
+def fail_on_rank_1(rank, step, engine):
     if rank == 1 and step == 4:
         raise RuntimeError("planted failure on rank 1")
 

@@ -12,6 +12,8 @@ import json
 from typing import Dict, List, Tuple
 
 from kvledger.engine.distributed.group import TensorParallelGroup
+from kvledger.engine.ledger.observer import LedgerState
+from kvledger.engine.ledger.ops import OpRecord
 
 
 class LedgerDivergence(RuntimeError):
@@ -29,15 +31,15 @@ def state_hash(snapshot: Dict) -> str:
 class LedgerCheck:
     """A scheduler observer: hashes the state after each operation; `compare` after each step."""
 
-    needs_state = True  # with overlap, the state right after the operation (see engine/runtime/scheduler.py)
+    needs_state = True  # with overlap, the state right after the operation (see engine/ledger/observer.py)
 
     def __init__(self, group: TensorParallelGroup) -> None:
         self.group = group
-        self._pending: List[Tuple[int, Dict, str]] = []
+        self._pending: List[Tuple[int, OpRecord, str]] = []
         self.operations = 0  # how many were compared across ranks
 
-    def __call__(self, step: int, op: Dict, state) -> None:
-        self._pending.append((step, op, state_hash(state.snapshot())))
+    def __call__(self, step: int, record: OpRecord, state: LedgerState) -> None:
+        self._pending.append((step, record, state_hash(state.snapshot())))
 
     def compare(self) -> None:
         """All-gather every rank's hashes since the last call; raise LedgerDivergence at the first
@@ -48,6 +50,6 @@ class LedgerCheck:
             at = [ops[i] if i < len(ops) else (None, "missing") for ops in everyone]
             differ = [r for r, entry in enumerate(at) if entry != at[0]]
             if differ:
-                step, op = (mine[i][0], mine[i][1]) if i < len(mine) else (at[0][0], {})
+                step, op = (mine[i][0], mine[i][1].to_json()) if i < len(mine) else (at[0][0], {})
                 raise LedgerDivergence(step, op, differ, [h for _, h in at])
         self.operations += len(mine)

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 from kvledger.engine.distributed.group import TensorParallelGroup
 from kvledger.engine.distributed.ledger import LedgerDivergence
-from kvledger.engine.distributed.replicated_scheduler import RankHook, serve_rank
+from kvledger.engine.distributed.replicated_engine import RankHook, serve_rank
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class RankProcesses:
         if rank == 0:
             return cls(group, [], None, None)
         engine = build_rank(options, group, device, hook=hook)
-        serve_rank(engine.scheduler, engine.coordination)
+        serve_rank(engine.engine, engine.coordination)
         group.close()
         sys.exit(0)
 
@@ -155,7 +155,7 @@ def _spawned_rank(rank: int, size: int, options: Any, init: str, reports: Any, h
         device = rank_device(options.device, rank, size)
         group = TensorParallelGroup.connect(rank, size, torch.device(device), init)
         engine = build_rank(options, group, device, hook=hook)
-        serve_rank(engine.scheduler, engine.coordination)
+        serve_rank(engine.engine, engine.coordination)
         group.close()
     except BaseException:
         reports.put(("failed", rank, traceback.format_exc()))

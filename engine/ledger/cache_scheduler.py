@@ -24,6 +24,7 @@ of the queue, behind a request still mid-chunk, resuming from its prompt plus it
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Sequence, Union
 
@@ -36,7 +37,7 @@ from kvledger.reference.events import note
 from kvledger.reference.pages import div_ceil, tokens_to_finish
 
 
-__all__ = ["CacheScheduler", "InvalidOp", "InvariantViolation"]
+__all__ = ["CacheScheduler", "InvalidOp", "InvariantViolation", "PageStats"]
 
 
 class CacheScheduler:
@@ -413,3 +414,54 @@ class CacheScheduler:
             self.cm.check_integrity(list(self.live.values()))
         except RuntimeError as e:
             raise InvariantViolation("1-2-partition", str(e)) from e
+
+    # -- what the engine reads (it never reaches into the managers) ----------------------------
+    @property
+    def preempts(self) -> bool:
+        """Whether a step that does not fit preempts (optimistic or adaptive admission)."""
+        return self.policy.preempts
+
+    def running_requests(self) -> List[Any]:
+        """The requests that decode in the next decode step, in admission order."""
+        return list(self.dm.running_reqs)
+
+    def is_running(self, uid: int) -> bool:
+        return self.dm.running_reqs.get(uid) is not None
+
+    def has_runnable(self) -> bool:
+        """Whether a decode step has anything to run."""
+        return bool(self.dm.runnable)
+
+    def queue_length(self) -> int:
+        """Requests submitted and not admitted yet (preempted ones included)."""
+        return len(self.waiting)
+
+    def waiting_request(self, uid: int) -> Any | None:
+        return next((p for p in self.waiting if p.uid == uid), None)
+
+    def admission_hits(self) -> Dict[int, int]:
+        """The last admission's newly admitted uids -> prompt tokens found in the prefix cache."""
+        return dict(self.prefix_hits)
+
+    def next_uid(self) -> int:
+        """The smallest uid a submit may use next under increasing uids."""
+        return 0 if self.last_uid is None else self.last_uid + 1
+
+    def page_stats(self) -> PageStats:
+        ps = self.page_size
+        size = self.cm.prefix_cache.size_info
+        free = len(self.cm.free_slots)
+        cached = div_ceil(size.total_size, ps)
+        return PageStats(self.num_pages, free, cached, self.num_pages - free - cached, size.protected_size)
+
+
+@dataclass(frozen=True)
+class PageStats:
+    """The pool in pages: free, in the prefix cache, owned by live requests; and cached tokens
+    locked by live requests (zero whenever nothing runs)."""
+
+    total: int
+    free: int
+    cached: int
+    owned: int
+    locked_tokens: int

@@ -1,9 +1,12 @@
 """The cache operations, typed: one frozen dataclass per operation of the cache-side scheduler.
 
-A trace line is an operation as JSON (`{"op": "prefill", "budget": 64, ...}`, plus an optional
-`expect` the replay checks); `parse` turns one into its dataclass, checking every field, and
-`to_json` turns it back. The CacheScheduler dispatches on the dataclass, so a misspelt or mistyped field
-is an InvalidOp naming it, never a TypeError from deep inside.
+This module is the one list of operations; the docs link here. A trace line is an operation as
+JSON (`{"op": "prefill", "budget": 64, ...}`, plus an optional `expect` the replay checks);
+`parse` turns one into its dataclass, checking every field, and `to_json` turns it back. The
+CacheScheduler dispatches on the dataclass, so a misspelt or mistyped field is an InvalidOp naming
+it, never a TypeError from deep inside. The engine builds typed operations (`OpRecord`: the
+operation and what the engine saw it do) and hands them to its observers; only the trace recorder
+turns them into JSON.
 
   Submit(uid, tokens, max_tokens)  queue a request for admission
   Prefill(budget, sample, stop)    admit from the queue head within a token budget and run the batch
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import MISSING, dataclass, fields
-from typing import Any, Dict, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 
 class InvalidOp(ValueError):
@@ -70,6 +73,39 @@ KINDS: Dict[str, type] = {"submit": Submit, "prefill": Prefill, "decode": Decode
                           "abort": Abort, "evict": Evict, "probe": Probe}
 NAMES = {cls: name for name, cls in KINDS.items()}
 TRACE_ONLY = ("op", "expect")  # fields of a trace line that are not the operation's
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What the producer saw an operation do, checked on replay: the batch's uids in order and,
+    under a preempting admission policy, the uids preempted to make room (None: not recorded)."""
+
+    batch: Tuple[int, ...]
+    preempted: Optional[Tuple[int, ...]] = None
+
+    def as_dict(self) -> Dict[str, Any]:
+        seen: Dict[str, Any] = {"batch": list(self.batch)}
+        if self.preempted is not None:
+            seen["preempted"] = list(self.preempted)
+        return seen
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One operation as the engine performed it: what observers (recorder, shadow) are told."""
+
+    op: CacheOp
+    expect: Optional[Expect] = None
+
+    @property
+    def name(self) -> str:
+        return NAMES[type(self.op)]
+
+    def to_json(self) -> Dict[str, Any]:
+        line = to_json(self.op)
+        if self.expect is not None:
+            line["expect"] = self.expect.as_dict()
+        return line
 
 
 def parse(line: Dict[str, Any]) -> CacheOp:

@@ -67,7 +67,7 @@ class Header:
     def policy(self) -> AdmissionPolicy:
         return AdmissionPolicy(self.admission, self.reserve_ratio)
 
-    def driver_args(self) -> Dict:
+    def cache_scheduler_args(self) -> Dict:
         return {"num_pages": self.num_pages, "page_size": self.page_size, "cache_type": self.cache_type,
                 "table_slots": self.table_slots, "max_seq_len": self.max_seq_len, "admission": self.policy}
 

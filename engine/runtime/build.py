@@ -1,4 +1,4 @@
-"""Build one rank's engine from an EngineConfig: weights (this rank's share), model, KV pool, scheduler.
+"""Build one rank's engine from an EngineConfig: weights (this rank's share), model, KV pool, engine.
 
 `LLM` builds rank 0 (the only rank without tensor parallelism); the other ranks of a
 tensor-parallel engine build theirs with the same function, so every rank's pool, page table
@@ -15,15 +15,14 @@ import torch
 
 from kvledger.engine.model.config import ModelConfig
 from kvledger.engine.distributed.group import TensorParallelGroup
-from kvledger.engine.distributed.replicated_scheduler import RankCoordination, RankHook, ReplicatedScheduler
+from kvledger.engine.distributed.replicated_engine import RankCoordination, RankHook, ReplicatedEngine
 from kvledger.engine.engine_config import EngineConfig
 from kvledger.engine.model.kv_pool import KV_CACHE_DTYPES, KVPool
 from kvledger.engine.model.kv_scales import calibrate_kv_scales, calibration_ids
 from kvledger.engine.model.model import CausalLM
 from kvledger.engine.options import DTYPE_NAMES, validate_for_model
-from kvledger.engine.runtime.scheduler import Scheduler, SchedulerConfig
+from kvledger.engine.runtime.engine import Engine
 from kvledger.engine.model.weights import load_weights
-from kvledger.fast import AdmissionPolicy
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
@@ -32,7 +31,7 @@ DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 class RankEngine:
     model_config: ModelConfig
     model: CausalLM
-    scheduler: Scheduler
+    engine: Engine
     coordination: Optional[RankCoordination]  # None without tensor parallelism
 
 
@@ -75,19 +74,16 @@ def build_rank(o: EngineConfig, tp: TensorParallelGroup, device: str, eos: Optio
         eos = config.eos_token_ids
     if tp.distributed:
         eos = tp.broadcast(list(eos))
-    sched = SchedulerConfig(
-        num_pages=num_pages, page_size=o.page_size, cache_type=o.cache_type, max_running_reqs=o.max_running_reqs,
-        max_seq_len=min(config.max_position_embeddings, 4096) if o.max_seq_len is None else o.max_seq_len,
-        max_prefill_tokens=o.max_prefill_tokens, seed=o.seed, admission=AdmissionPolicy(o.admission, o.reserve_ratio))
+    resolved = o.resolve(num_pages, min(config.max_position_embeddings, 4096) if o.max_seq_len is None else o.max_seq_len)
     coordination = RankCoordination(tp, o.verify, hook) if tp.distributed else None
-    args = (model, sched, eos, device)
+    args = (model, resolved, eos, device)
     kwargs = dict(overlap=o.overlap, cuda_graphs=o.cuda_graphs)
     if coordination is not None and tp.rank == 0:
-        scheduler: Scheduler = ReplicatedScheduler(*args, coordination=coordination, **kwargs)
+        engine: Engine = ReplicatedEngine(*args, coordination=coordination, **kwargs)
     else:
-        scheduler = Scheduler(*args, **kwargs)
-    scheduler.capture_graphs()
-    return RankEngine(config, model, scheduler, coordination)
+        engine = Engine(*args, **kwargs)
+    engine.capture_graphs()
+    return RankEngine(config, model, engine, coordination)
 
 
 def _auto_kv_tokens(config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, device: str,

@@ -11,9 +11,10 @@ from kvledger.engine.runtime.build import build_rank, rank_device
 from kvledger.engine.model.default_model import default_model_path
 from kvledger.engine.distributed.group import TensorParallelGroup
 from kvledger.engine.distributed.ranks import RankProcesses
-from kvledger.engine.distributed.replicated_scheduler import RankHook, ReplicatedScheduler
+from kvledger.engine.distributed.replicated_engine import RankHook, ReplicatedEngine
 from kvledger.engine.engine_config import EngineConfig
-from kvledger.engine.ledger.observers import ShadowVerifier, TraceRecorder
+from kvledger.engine.ledger.recorder import TraceRecorder
+from kvledger.engine.ledger.shadow import ShadowVerifier
 from kvledger.engine.options import validate_for_model
 from kvledger.engine.model.tokenizer import Tokenizer
 from kvledger.engine.model.weights import ensure_gguf_cache, model_config
@@ -44,7 +45,7 @@ class LLM:
 
         With `tensor_parallel_size` N > 1 the other N-1 ranks run in processes of their own
         (engine/distributed/ranks.py); call `close()` (or use `with LLM(...) as llm`) to stop them.
-        `rank_hook(rank, step, scheduler)` runs on every rank before each step (fault-injection tests)."""
+        `rank_hook(rank, step, engine)` runs on every rank before each step (fault-injection tests)."""
         if config is None:
             config = EngineConfig.create(model=model, **options)
         elif model is not None or options:
@@ -70,15 +71,15 @@ class LLM:
             raise
         self.config = built.model_config  # the model's hyper-parameters (self.options: the engine's)
         self.model = built.model
-        self.scheduler = built.scheduler
+        self.engine = built.engine
         if self.ranks is not None:
             built.coordination.explain = self.ranks.explain
-        self.shadow = ShadowVerifier(self.scheduler.header) if o.verify else None
+        self.shadow = ShadowVerifier(self.engine.header) if o.verify else None
         if self.shadow:
-            self.scheduler.observers.append(self.shadow)
-        self.recorder = TraceRecorder(o.trace, self.scheduler.header) if o.trace else None
+            self.engine.observers.append(self.shadow)
+        self.recorder = TraceRecorder(o.trace, self.engine.header) if o.trace else None
         if self.recorder:
-            self.scheduler.observers.append(self.recorder)
+            self.engine.observers.append(self.recorder)
         self._next_uid = 0
 
     # -- prompts ------------------------------------------------------------------------------
@@ -95,12 +96,12 @@ class LLM:
         return self.tokenizer.apply_chat_template([{"role": "user", "content": message}])
 
     def _submit(self, prompt: Prompt, params: SamplingParams) -> RequestOutput:
-        last = self.scheduler.driver.last_uid  # a server worker may have submitted on this engine too
-        uid = max(self._next_uid, 0 if last is None else last + 1)
+        # a server worker may have submitted on this engine too: the engine knows the next free uid
+        uid = max(self._next_uid, self.engine.next_uid())
         self._next_uid = uid + 1
         try:
             out = RequestOutput(uid, self.encode(prompt))
-            self.scheduler.submit(uid, out.prompt_token_ids, params)
+            self.engine.add_request(out.prompt_token_ids, params, uid)
         except ValueError as e:
             out = RequestOutput(uid, [] if isinstance(prompt, str) else list(prompt), finish_reason="error", error=e)
         return out
@@ -131,7 +132,7 @@ class LLM:
         enough = self.options.max_running_reqs + 1
 
         def submit_more() -> None:
-            while len(outputs) < len(prompts) and self.scheduler.waiting_requests < enough:
+            while len(outputs) < len(prompts) and self.engine.waiting_requests < enough:
                 out = self._submit(*next(todo))
                 outputs.append(out)
                 if out.error is None:
@@ -140,8 +141,8 @@ class LLM:
                     bar.update(1)
 
         submit_more()
-        while self.scheduler.has_work:
-            for ev in self.scheduler.step():
+        while self.engine.has_work:
+            for ev in self.engine.step():
                 out = by_uid[ev.uid]
                 out.cached_tokens = ev.cached_tokens
                 if ev.error is not None:  # this request alone failed (the others go on)
@@ -164,8 +165,8 @@ class LLM:
         if out.error is not None:
             raise out.error
         shown = ""
-        while self.scheduler.has_work:
-            for ev in self.scheduler.step():
+        while self.engine.has_work:
+            for ev in self.engine.step():
                 if ev.uid != out.uid:
                     continue
                 if ev.error is not None:
@@ -182,10 +183,10 @@ class LLM:
             self.recorder.close()
         ranks, self.ranks = self.ranks, None
         if ranks is not None:
-            clean = isinstance(self.scheduler, ReplicatedScheduler) and self.scheduler.stopped is None
+            clean = isinstance(self.engine, ReplicatedEngine) and self.engine.stopped is None
             if clean:
                 try:
-                    self.scheduler.shutdown()
+                    self.engine.shutdown()
                 except Exception:  # a rank died since the last step: terminate them all
                     clean = False
             ranks.close(clean)

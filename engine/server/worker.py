@@ -133,26 +133,16 @@ class EngineStats:
     recomputed_tokens: int = 0  # KV positions computed again after a preemption
 
 
-@dataclass(frozen=True)
-class Limits:
-    max_seq_len: int
-    vocab_size: int
-    page_size: int
-    pool_tokens: int
-
-
 class EngineWorker:
     def __init__(self, llm, *, max_waiting: int = 1024,
                  on_fault: Optional[Callable[[str], None]] = None) -> None:
         self.llm = llm
-        self.scheduler = llm.scheduler
-        cfg = self.scheduler.config
-        self.limits = Limits(cfg.max_seq_len, self.scheduler.vocab_size, cfg.page_size, cfg.num_pages * cfg.page_size)
+        self.engine = llm.engine
+        self.limits = self.engine.limits
         self.max_waiting = max_waiting
         self._inbox: "queue.SimpleQueue[Command]" = queue.SimpleQueue()
-        # the LLM may have run requests before (a warm-up): uids must stay new to the scheduler
-        last = self.scheduler.driver.last_uid
-        self._uids = itertools.count(0 if last is None else last + 1)
+        # the LLM may have run requests before (a warm-up): uids must stay new to the engine
+        self._uids = itertools.count(self.engine.next_uid())
         self._open: Dict[int, OpenRequest] = {}  # accepted and not yet ended
         self._counts = {"finished": 0, "aborted": 0, "rejected": 0, "failed": 0, "prompt_tokens": 0,
                         "prefix_hit_tokens": 0, "generated_tokens": 0}
@@ -166,7 +156,8 @@ class EngineWorker:
         self.draining = False  # set at once by drain(), for /health
         self.drained = threading.Event()
         self.stats = EngineStats()
-        self.integrity = IntegrityReport(True, 0.0, 0, cfg.num_pages, cfg.num_pages, 0, 0, 0)
+        pages = self.engine.config.num_pages
+        self.integrity = IntegrityReport(True, 0.0, 0, pages, pages, 0, 0, 0)
         self._publish()
 
     # -- the HTTP side's API (any thread) ------------------------------------------------------
@@ -210,11 +201,11 @@ class EngineWorker:
         self._fail_all("the server is shutting down", 503, "shutting_down")
 
     def _iterate(self) -> None:
-        busy = self.fatal is None and self.scheduler.has_work
+        busy = self.fatal is None and self.engine.has_work
         self._drain(block=not busy)
-        if self.fatal is None and self.scheduler.has_work:
+        if self.fatal is None and self.engine.has_work:
             self._step()
-        if self._dirty and self.fatal is None and not self.scheduler.has_work and not self._open:
+        if self._dirty and self.fatal is None and not self.engine.has_work and not self._open:
             self._check_idle()
 
     def _drain(self, block: bool) -> None:
@@ -258,11 +249,11 @@ class EngineWorker:
                                              503))
         if self._drain_until is not None:
             return self._reject(sink, Failed("the server is shutting down", 503, code="shutting_down"))
-        if len(self.scheduler.driver.waiting) >= self.max_waiting:
+        if self.engine.waiting_requests >= self.max_waiting:
             return self._reject(sink, Failed(f"the server is overloaded ({self.max_waiting} requests waiting); "
                                              "retry later", 503))
         try:
-            self.scheduler.submit(uid, ids, params)
+            self.engine.add_request(ids, params, uid)
         except RequestError as e:  # the request can never run: e.param names the field
             return self._reject(sink, Failed(str(e), 400, e.param))
         except InvalidOp as e:  # e.g. a uid the scheduler has seen: this request only
@@ -281,14 +272,14 @@ class EngineWorker:
     def _abort(self, uid: int, counter: str = "aborted") -> None:
         if uid not in self._open or self.fatal is not None:
             return  # already ended: finished, failed, or never accepted
-        rec = self.scheduler.requests.get(uid)
-        self.scheduler.abort(uid)  # raises only if scheduler and worker disagree: a fault
+        rec = self.engine.requests.get(uid)
+        self.engine.abort(uid)  # raises only if engine and worker disagree: a fault
         prompt_len = self._open.pop(uid).prompt_len
         self._counts[counter] += 1
         self._ended(prompt_len, None if rec is None else rec.cached_tokens)
 
     def _step(self) -> None:
-        events = self.scheduler.step()
+        events = self.engine.step()
         for ev in events:
             open_ = self._open.get(ev.uid)
             sink = open_.sink if open_ is not None else None
@@ -332,43 +323,34 @@ class EngineWorker:
         self._dirty = False
         error = None
         try:
-            self.scheduler.check_idle()
+            self.engine.check_idle()
             if self.llm.shadow is not None:
                 self.llm.shadow.model.check()  # the reference model's own view of the same invariants
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
-        free, cached, locked = self._pages()
-        total = self.scheduler.config.num_pages
-        leaked = total - free - cached
-        ok = error is None and leaked == 0 and locked == 0
-        self.integrity = IntegrityReport(ok, time.time(), self.integrity.checks + 1, total, free, cached, leaked,
-                                         locked, error)
+        pages = self.engine.page_stats()
+        ok = error is None and pages.owned == 0 and pages.locked_tokens == 0
+        self.integrity = IntegrityReport(ok, time.time(), self.integrity.checks + 1, pages.total, pages.free,
+                                         pages.cached, pages.owned, pages.locked_tokens, error)
         if not ok:
             log.error("idle integrity check failed: %s", self.integrity)
 
-    def _pages(self) -> Tuple[int, int, int]:
-        cm = self.scheduler.driver.cm
-        ps = self.scheduler.config.page_size
-        size = cm.prefix_cache.size_info
-        return len(cm.free_slots), -(-size.total_size // ps), size.protected_size
-
     def _publish(self) -> None:
-        d = self.scheduler.driver
-        free, cached, locked = self._pages()
-        total = self.scheduler.config.num_pages
+        engine = self.engine
+        pages = engine.page_stats()
         now = time.monotonic()
         while self._rate and self._rate[0][0] < now - RATE_WINDOW_S:
             self._rate.popleft()
         span = max(1.0, now - self._rate[0][0]) if self._rate else RATE_WINDOW_S
         c = self._counts
         self.stats = EngineStats(
-            running=len(d.dm.running_reqs), waiting=len(d.waiting), total_pages=total, free_pages=free,
-            cached_pages=cached, owned_pages=total - free - cached, locked_tokens=locked,
+            running=engine.running_requests, waiting=engine.waiting_requests, total_pages=pages.total,
+            free_pages=pages.free, cached_pages=pages.cached, owned_pages=pages.owned, locked_tokens=pages.locked_tokens,
             prompt_tokens=c["prompt_tokens"], prefix_hit_tokens=c["prefix_hit_tokens"],
             generated_tokens=c["generated_tokens"], tokens_per_s=sum(n for _, n in self._rate) / span,
-            cache_ops=self.scheduler.step_no, finished=c["finished"], aborted=c["aborted"], rejected=c["rejected"],
+            cache_ops=engine.operations, finished=c["finished"], aborted=c["aborted"], rejected=c["rejected"],
             failed=c["failed"], verified_ops=self.llm.shadow.steps if self.llm.shadow is not None else None,
-            preemptions=d.preemptions, recomputed_tokens=d.recomputed_tokens)
+            preemptions=engine.preemptions, recomputed_tokens=engine.recomputed_tokens)
 
 
 def _send(sink: Sink, event: Event) -> None:

@@ -102,7 +102,7 @@ def property_catch(bugs: Tuple[Bug, ...], provenance: bool, examples: int = 1500
 def judged_alone(header: Header, ops: List[Dict], provenance: bool) -> Catch:
     """Replay on fast alone; the first invariant that fires, or "changed-results" when the walk
     stops being valid (the bug changed what the scheduler did, which only a comparison sees)."""
-    d = CacheScheduler(fast, track_provenance=provenance, **header.driver_args())
+    d = CacheScheduler(fast, track_provenance=provenance, **header.cache_scheduler_args())
     for step, op in enumerate(ops, 1):
         try:
             d.apply(op)

@@ -10,26 +10,27 @@ FAULT_PROMPT = [4242, 4242, 4242]
 
 
 def plant_fault() -> None:
-    from kvledger.engine.runtime.scheduler import Scheduler
+    from kvledger.engine.runtime.engine import Engine
 
-    submit, step = Scheduler.submit, Scheduler.step
+    add_request, step = Engine.add_request, Engine.step
     armed = []
 
-    def submit_watching(self, uid, token_ids, params):
+    def submit_watching(self, token_ids, params, uid=None):
+        uid = add_request(self, token_ids, params, uid)
         if list(token_ids[:3]) == FAULT_PROMPT:
             armed.append(uid)
-        return submit(self, uid, token_ids, params)
+        return uid
 
     def step_failing(self):
         if armed:
             raise RuntimeError("injected engine fault")
         return step(self)
 
-    Scheduler.submit, Scheduler.step = submit_watching, step_failing
+    Engine.add_request, Engine.step = submit_watching, step_failing
 
 
 if __name__ == "__main__":
-    from kvledger.engine.server.serve import main
+    from kvledger.cli import main
 
     plant_fault()
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(["serve", *sys.argv[1:]]))

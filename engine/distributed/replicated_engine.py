@@ -1,11 +1,11 @@
-"""Rank 0's scheduler under tensor parallelism, and the loop the other ranks run.
+"""Rank 0's engine under tensor parallelism, and the loop the other ranks run.
 
 Rank 0 takes submits and aborts as usual (validating them first, so a bad request is refused
 before any rank hears of it) and queues each call it accepted; each `step` sends the queue to the
-other ranks, which replay it on their own scheduler, and then every rank steps. The schedulers
+other ranks, which replay it on their own engine, and then every rank steps. The engines
 then agree call for call: they admit, preempt and allocate alike, and the model's collectives
-inside each step meet. The scheduler's decisions are thus made once per step by the same
-deterministic code on every rank (as SGLang's tensor-parallel schedulers do), not shipped as
+inside each step meet. The engine's decisions are thus made once per step by the same
+deterministic code on every rank (as SGLang's tensor-parallel engines do), not shipped as
 page numbers; `--verify` proves they agree (engine/distributed/ledger.py).
 """
 
@@ -18,16 +18,16 @@ from kvledger import fast
 from kvledger.engine.distributed.calls import AbortCall, EngineCall, ShutdownCall, StepCall, SubmitCall
 from kvledger.engine.distributed.group import TensorParallelGroup
 from kvledger.engine.distributed.ledger import LedgerCheck
-from kvledger.engine.runtime.scheduler import Scheduler, TokenEvent
+from kvledger.engine.runtime.engine import Engine, TokenEvent
 
 log = logging.getLogger(__name__)
 
-# called on every rank before each step as hook(rank, step_index, scheduler); for fault-injection tests
-RankHook = Callable[[int, int, Scheduler], None]
+# called on every rank before each step as hook(rank, step_index, engine); for fault-injection tests
+RankHook = Callable[[int, int, Engine], None]
 
 
 class RankCoordination:
-    """What every rank adds to its scheduler: the group, the optional ledger check, the hook."""
+    """What every rank adds to its engine: the group, the optional ledger check, the hook."""
 
     def __init__(self, group: TensorParallelGroup, verify: bool, hook: Optional[RankHook] = None) -> None:
         self.group = group
@@ -37,13 +37,13 @@ class RankCoordination:
         # rank 0: the error to raise for one that broke a step (the failed peer's, see ranks.py)
         self.explain: Callable[[BaseException], BaseException] = lambda error: error
 
-    def attach(self, scheduler: Scheduler) -> None:
+    def attach(self, engine: Engine) -> None:
         if self.ledger is not None:
-            scheduler.observers.append(self.ledger)
+            engine.observers.append(self.ledger)
 
-    def step(self, scheduler: Scheduler, run: Callable[[], List[TokenEvent]]) -> List[TokenEvent]:
+    def step(self, engine: Engine, run: Callable[[], List[TokenEvent]]) -> List[TokenEvent]:
         if self.hook is not None:
-            self.hook(self.group.rank, self.steps, scheduler)
+            self.hook(self.group.rank, self.steps, engine)
         self.steps += 1
         events = run()
         if self.ledger is not None:
@@ -51,8 +51,8 @@ class RankCoordination:
         return events
 
 
-class ReplicatedScheduler(Scheduler):
-    """Rank 0's Scheduler: every accepted call is queued for the other ranks."""
+class ReplicatedEngine(Engine):
+    """Rank 0's Engine: every accepted call is queued for the other ranks."""
 
     def __init__(self, *args, coordination: RankCoordination, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -61,10 +61,11 @@ class ReplicatedScheduler(Scheduler):
         self._outbox: List[EngineCall] = []
         self.stopped: Optional[str] = None  # why the ranks stopped, once they have
 
-    def submit(self, uid: int, token_ids: Sequence[int], params: fast.SamplingParams) -> None:
+    def add_request(self, token_ids: Sequence[int], params: fast.SamplingParams, uid: Optional[int] = None) -> int:
         self._check_running()
-        super().submit(uid, token_ids, params)  # raises RequestError before anything is queued
+        uid = super().add_request(token_ids, params, uid)  # raises RequestError before anything is queued
         self._outbox.append(SubmitCall(uid, tuple(int(t) for t in token_ids), params))
+        return uid
 
     def abort(self, uid: int) -> None:
         self._check_running()
@@ -96,18 +97,18 @@ class ReplicatedScheduler(Scheduler):
             raise RuntimeError(f"the tensor-parallel engine has stopped ({self.stopped})")
 
 
-def serve_rank(scheduler: Scheduler, coordination: RankCoordination) -> None:
+def serve_rank(engine: Engine, coordination: RankCoordination) -> None:
     """A rank other than 0: replay rank 0's calls until it shuts down."""
-    coordination.attach(scheduler)
+    coordination.attach(engine)
     group = coordination.group
     while True:
         for call in group.broadcast(None):
             if isinstance(call, SubmitCall):
-                scheduler.submit(call.uid, call.token_ids, call.params)
+                engine.add_request(call.token_ids, call.params, call.uid)
             elif isinstance(call, AbortCall):
-                scheduler.abort(call.uid)
+                engine.abort(call.uid)
             elif isinstance(call, StepCall):
-                coordination.step(scheduler, scheduler.step)
+                coordination.step(engine, engine.step)
             elif isinstance(call, ShutdownCall):
                 log.info("rank %d: shut down after %d steps", group.rank, coordination.steps)
                 return
