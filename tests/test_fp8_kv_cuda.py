@@ -82,6 +82,7 @@ def test_fp8_prefill_kernel_stores_quantized_kv_and_attends_over_it():
     k = (torch.randn(t, kv_heads, head_dim, generator=g) * 0.5).to(DEVICE, torch.bfloat16)
     v = (torch.randn(t, kv_heads, head_dim, generator=g) * 0.3).to(DEVICE, torch.bfloat16)
     backend = TritonPagedBackend()
+    backend.configure(heads, kv_heads, head_dim)
     backend.plan(batch)
     out = backend.forward(q, k, v, 0, pool)
     stored_k, _ = pool.gather(0, batch.out_loc)

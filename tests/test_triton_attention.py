@@ -60,6 +60,7 @@ def test_matches_gathered_sdpa(dtype, tol, seed):
     k = torch.randn(t, kv_heads, head_dim, generator=g).to(DEVICE, dtype)
     v = torch.randn(t, kv_heads, head_dim, generator=g).to(DEVICE, dtype)
     backend = TritonPagedBackend()
+    backend.configure(heads, kv_heads, head_dim)
     backend.plan(batch)
     out = backend.forward(q, k, v, 0, pool)
     expected = _oracle(pool, q, batch, heads, kv_heads)
@@ -110,6 +111,7 @@ def test_split_kv_decode_matches_gathered_sdpa(dtype, tol, seed):
         assert err < tol, f"{splits} splits: relative error {err:.2e}"
     # the backend picks the decode kernel for a pure-decode batch
     backend = TritonPagedBackend()
+    backend.configure(heads, kv_heads, head_dim)
     backend.plan(batch)
     assert backend._decode is not None
     k_new, v_new = pool.gather(0, batch.out_loc)

@@ -85,11 +85,16 @@ class AttentionBatch:
 
 
 class AttentionBackend(ABC):
-    """plan() once per step, then forward() once per layer."""
+    """configure() once for the model, plan() once per step, then forward() once per layer."""
 
     # True for a backend with forward_stored(q, layer, pool): attention once the layer's K/V are
     # already in the pool, which the fused norm/rope/KV-store kernels write themselves
     reads_stored_kv: bool = False
+
+    def configure(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        """The attention shape of the model this backend serves (this rank's heads); `CausalLM`
+        calls it when the backend is set, so per-step work (workspaces, split counts, groups) is
+        done in `plan`, never inside a layer."""
 
     @abstractmethod
     def plan(self, batch: AttentionBatch) -> None: ...

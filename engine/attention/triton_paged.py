@@ -107,21 +107,25 @@ class TritonPagedBackend(AttentionBackend):
         self.block_m, self.block_n = block_m, block_n
         self.max_batch, self.max_splits = max_batch, max_splits
         self.cascade, self.prefix_splits = cascade, prefix_splits
-        self._step_cascade = True  # plan_decode's caller may say a step has nothing shared
+        self._shape: tuple[int, int, int] | None = None  # (heads, kv_heads, head_dim), from configure
         self._decode: tuple | None = None  # (table, rows, seq_lens, num_splits) for a pure-decode step
-        self._groups: PrefixGroups | None = None  # this decode step's, found at its first layer
+        self._groups: PrefixGroups | None = None  # this decode step's shared prefixes (cascade)
         self._workspace: DecodeWorkspace | None = None
+
+    def configure(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        if self._shape != (num_heads, num_kv_heads, head_dim):
+            self._shape = (num_heads, num_kv_heads, head_dim)
+            self._workspace = None
 
     def plan(self, batch: AttentionBatch) -> None:
         device = batch.locs.device
         self._out_loc = batch.out_loc
         self._decode = None
         self._groups = None
-        self._step_cascade = True
         if batch.is_decode and batch.table is not None and batch.batch_size <= self.max_batch:
             seq = torch.tensor(batch.seq_lens, dtype=torch.int32).to(device)
-            self._decode = (batch.table, batch.rows, seq, None)  # split count: at the first layer
-            self._step_cascade = batch.may_share
+            splits = num_splits_for(batch.batch_size, self._configured()[1], max_splits=self.max_splits)
+            self.plan_decode(batch.table, batch.rows, seq, splits, cascade=batch.may_share)
             return
         q_lens = torch.tensor(batch.q_lens, dtype=torch.int32)
         self._q_len = q_lens.to(device)
@@ -136,10 +140,24 @@ class TritonPagedBackend(AttentionBackend):
     def plan_decode(self, table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, num_splits: int,
                     cascade: bool = True) -> None:
         """Decode metadata already on the device: rows [B] int64 into table, seq_lens [B] int32.
-        cascade=False: no row shares a prefix with another, so plain decode does."""
+        cascade=False: no row shares a prefix with another, so plain decode does. The CUDA graphs
+        call it inside the captured step, so the grouping below is replayed with it."""
+        heads, kv_heads, head_dim = self._configured()
         self._decode = (table, rows, seq_lens, num_splits)
+        prefix_splits = self.prefix_splits if self.cascade else 0
+        ws = self._workspace
+        if ws is None or ws.part_o.device != table.device:
+            self._workspace = DecodeWorkspace(self.max_batch, heads, head_dim, self.max_splits, table.device,
+                                              prefix_splits=prefix_splits)
         self._groups = None
-        self._step_cascade = cascade
+        if self.cascade and cascade:  # once per step, for every layer
+            self._groups = find_prefix_groups(table, rows, seq_lens, members_per_group(heads // kv_heads))
+
+    def _configured(self) -> tuple[int, int, int]:
+        if self._shape is None:
+            raise RuntimeError("TritonPagedBackend: call configure(num_heads, num_kv_heads, head_dim) first "
+                               "(CausalLM does when the backend is set)")
+        return self._shape
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, pool: KVPool) -> torch.Tensor:
         pool.store(layer, self._out_loc, k, v)
@@ -153,20 +171,10 @@ class TritonPagedBackend(AttentionBackend):
         k_scale, v_scale = pool.k_scale[layer], pool.v_scale[layer]
         if self._decode is not None:
             table, rows, seq, splits = self._decode
-            heads, head_dim = q.shape[1], q.shape[2]
+            head_dim = q.shape[2]
             kv_heads = kp.shape[1 - pool.token_dim]
-            if splits is None:
-                splits = num_splits_for(q.shape[0], kv_heads, max_splits=self.max_splits)
-            ws = self._workspace
-            prefix_splits = self.prefix_splits if self.cascade else 0
-            if ws is None or ws.part_o.shape[1] != heads or ws.part_o.device != q.device or \
-                    ws.prefix_splits != prefix_splits:
-                ws = self._workspace = DecodeWorkspace(self.max_batch, heads, head_dim, self.max_splits, q.device,
-                                                       prefix_splits=prefix_splits)
-            if self.cascade and self._step_cascade and self._groups is None:  # once per step, for every layer
-                self._groups = find_prefix_groups(table, rows, seq, members_per_group(heads // kv_heads))
             block_n, warps, stages = triton_decode.decode_launch_config(q.shape[0], kv_heads, kp.dtype, head_dim)
-            return decode_attention(q, kp, vp, pool.token_dim, table, rows, seq, ws, splits,
+            return decode_attention(q, kp, vp, pool.token_dim, table, rows, seq, self._workspace, splits,
                                     block_n=block_n, num_warps=warps, num_stages=stages,
                                     k_scale=k_scale, v_scale=v_scale,
                                     groups=self._groups, prefix_launch=triton_decode.PREFIX_LAUNCH)

@@ -1,19 +1,10 @@
-"""Drive one implementation (`reference` or `fast`) the way the engine's scheduler does.
+"""The cache-side scheduler: one implementation (`reference` or `fast`) driven the way the engine
+drives it, one typed operation at a time (the operations and their semantics: `ops.py`).
 
-Operations (typed in `cache_ops.py`; each is one line of a trace, see `trace.py`):
-  submit(uid, tokens, max_tokens)  queue a request for admission
-  prefill(budget, sample, stop)    admit from the queue head within a token budget, allocate,
-                                   "run" the batch, cache_req(finished=False) or free at finish
-  decode(sample, stop)             one decode step for every running request
-  finish(uid)                      a running request stops early (EOS)
-  abort(uid)                       drop a request wherever it is, freeing what it holds
-  evict(tokens)                    evict from the prefix cache directly, freeing the pages
-  probe(tokens)                    match, lock, read available_size, unlock
-`sample` gives the sampled tokens in batch order (cycled), so a trace replays identically;
-`stop` names requests whose sampled token ends them (EOS or a stop token); one that names a
-request sampling nothing in the step is refused (InvalidOp), like every refusal changing nothing.
-The engine runs the same steps with its model between `allocate` and `complete`.
-The driver checks the ownership invariants after every operation (`check`).
+It owns the waiting queue and the implementation's managers (cache, table, decode, preemptor);
+the engine runs its model between `allocate` and `complete`, and reads what it needs through the
+methods at the end of the class, never the managers. The invariants are judged after every
+operation by `check` (`invariants.py`, then the implementation's own integrity check).
 
 Under optimistic admission (`AdmissionPolicy("optimistic")`) a prefill or decode whose pages do
 not fit preempts the most recently admitted live requests first (`Preemptor.make_room`, in the

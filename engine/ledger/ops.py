@@ -9,12 +9,19 @@ operation and what the engine saw it do) and hands them to its observers; only t
 turns them into JSON.
 
   Submit(uid, tokens, max_tokens)  queue a request for admission
-  Prefill(budget, sample, stop)    admit from the queue head within a token budget and run the batch
+  Prefill(budget, sample, stop)    admit from the queue head within a token budget, allocate,
+                                   "run" the batch, cache_req(finished=False) or free at finish
   Decode(sample, stop)             one decode step for every running request
   Finish(uid)                      a running request stops early (EOS)
   Abort(uid)                       drop a request wherever it is, freeing what it holds
-  Evict(tokens)                    evict from the prefix cache directly
+  Evict(tokens)                    evict from the prefix cache directly, freeing the pages
   Probe(tokens)                    match, lock, read available_size, unlock
+
+`sample` gives the sampled tokens in batch order (cycled), so a trace replays identically; `stop`
+names requests whose sampled token ends them (EOS or a stop token); one that names a request
+sampling nothing in the step is refused (InvalidOp), and like every refusal it changes nothing.
+Under a preempting admission policy a prefill or decode whose pages do not fit first preempts the
+newest live requests (see `cache_scheduler.py`).
 """
 
 from __future__ import annotations

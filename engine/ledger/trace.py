@@ -1,8 +1,8 @@
 """The trace format: JSON lines, one header then one operation per line.
 
 Header: {"kvledger_trace": 2, "num_pages", "page_size", "cache_type", "table_slots",
-"max_seq_len", "admission", "reserve_ratio", "seed", "producer"}. Operations are the cache
-scheduler's (see `cache_scheduler.py`), e.g. {"op": "submit", "uid": 3, "tokens": [5, 1, 2],
+"max_seq_len", "admission", "reserve_ratio", "seed", "producer"}. Operations are those of
+`ops.py`, e.g. {"op": "submit", "uid": 3, "tokens": [5, 1, 2],
 "max_tokens": 4} or {"op": "prefill", "budget": 16, "sample": [7]}; an optional "expect" records
 what the producer saw (for example the batch's uids, and under optimistic admission the uids
 preempted) and is checked on replay.
@@ -22,11 +22,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Tuple
 
+from kvledger.engine.ledger.ops import KINDS
 from kvledger.reference.admission_policy import AdmissionPolicy
 
 VERSION = 2
 READABLE = (1, 2)
-OPS = ("submit", "prefill", "decode", "finish", "abort", "evict", "probe")
+OPS = tuple(KINDS)
 
 
 class TraceError(ValueError):

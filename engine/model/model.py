@@ -107,6 +107,17 @@ class CausalLM(nn.Module):
         self.attn_backend = attn_backend or TorchNativeBackend()
         self.kv_pool: KVPool | None = None
 
+    @property
+    def attn_backend(self) -> AttentionBackend:
+        return self._attn_backend
+
+    @attn_backend.setter
+    def attn_backend(self, backend: AttentionBackend) -> None:
+        attn = self.layers[0].attn if len(self.layers) else None
+        if attn is not None:
+            backend.configure(attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        self._attn_backend = backend
+
     @classmethod
     def from_state_dict(
         cls,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 from kvledger.engine.runtime.build import build_rank, rank_device
+from kvledger.engine.runtime.requests import TokenEvent
 from kvledger.engine.model.default_model import default_model_path
 from kvledger.engine.distributed.group import TensorParallelGroup
 from kvledger.engine.distributed.ranks import RankProcesses
@@ -141,20 +142,18 @@ class LLM:
                     bar.update(1)
 
         submit_more()
-        while self.engine.has_work:
-            for ev in self.engine.step():
-                out = by_uid[ev.uid]
-                out.cached_tokens = ev.cached_tokens
-                if ev.error is not None:  # this request alone failed (the others go on)
-                    out.error = RuntimeError(ev.error)
-                else:
-                    out.token_ids.append(ev.token)
-                if ev.finished:
-                    out.finish_reason = ev.finish_reason
-                    out.text = self._decode(out.token_ids)
-                    if bar is not None:
-                        bar.update(1)
-            submit_more()
+        for ev in self._events(between_steps=submit_more):
+            out = by_uid[ev.uid]
+            out.cached_tokens = ev.cached_tokens
+            if ev.error is not None:  # this request alone failed (the others go on)
+                out.error = RuntimeError(ev.error)
+            else:
+                out.token_ids.append(ev.token)
+            if ev.finished:
+                out.finish_reason = ev.finish_reason
+                out.text = self._decode(out.token_ids)
+                if bar is not None:
+                    bar.update(1)
         if bar is not None:
             bar.close()
         return outputs
@@ -165,17 +164,23 @@ class LLM:
         if out.error is not None:
             raise out.error
         shown = ""
+        for ev in self._events():
+            if ev.uid != out.uid:
+                continue
+            if ev.error is not None:
+                raise RuntimeError(f"request {out.uid} failed: {ev.error}")
+            out.token_ids.append(ev.token)
+            text = self._decode(out.token_ids)
+            if not text.endswith("\ufffd"):  # wait for a whole character
+                yield text[len(shown):]
+                shown = text
+
+    def _events(self, between_steps: Optional[Callable[[], None]] = None) -> Iterator[TokenEvent]:
+        """Step the engine until it has no work, yielding each delivered token."""
         while self.engine.has_work:
-            for ev in self.engine.step():
-                if ev.uid != out.uid:
-                    continue
-                if ev.error is not None:
-                    raise RuntimeError(f"request {out.uid} failed: {ev.error}")
-                out.token_ids.append(ev.token)
-                text = self._decode(out.token_ids)
-                if not text.endswith("\ufffd"):  # wait for a whole character
-                    yield text[len(shown):]
-                    shown = text
+            yield from self.engine.step()
+            if between_steps is not None:
+                between_steps()
 
     def close(self) -> None:
         """Close the trace; under tensor parallelism, stop the other ranks (idempotent)."""
