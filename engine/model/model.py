@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvledger.engine.model import fused_ops
 from kvledger.engine.attention.base import AttentionBackend, AttentionBatch
 from kvledger.engine.attention.torch_native import TorchNativeBackend
-from kvledger.engine.model.config import ModelConfig
 from kvledger.engine.distributed.group import TensorParallelGroup
+from kvledger.engine.model import fused_ops
+from kvledger.engine.model.config import ModelConfig
+from kvledger.engine.model.kernels import StepInputs
 from kvledger.engine.model.kv_pool import KVPool
 from kvledger.engine.model.layers import Embedding, GatedMLP, Linear, LMHead, RMSNorm, RotaryEmbedding
 
@@ -34,34 +35,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend, pool: KVPool
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
-        o = backend.forward(q, k, v, self.layer, pool)
-        return self.tp.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
-
-    def forward_fused(
-        self, x: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor, inv_freq: torch.Tensor,
-        backend: AttentionBackend, pool: KVPool,
-    ) -> torch.Tensor:
-        """The CUDA path: norms, rotary and the KV store in one kernel, then attention over the pool."""
-        qkv = self.qkv_proj(x)
-        k_cache, v_cache = pool.k[self.layer], pool.v[self.layer]
-        q = fused_ops.qk_norm_rope_store(
-            qkv, positions, inv_freq, self.q_norm.weight if self.q_norm is not None else None,
-            self.k_norm.weight if self.k_norm is not None else None,
-            self.q_norm.eps if self.q_norm is not None else 0.0,
-            self.num_heads, self.num_kv_heads, k_cache, v_cache, pool.token_dim, out_loc,
-            pool.k_scale[self.layer], pool.v_scale[self.layer])
-        o = backend.forward_stored(q, self.layer, pool)
+    def forward(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        o = step.kernels.attention(self, x, step)
         return self.tp.all_reduce(self.o_proj(o.reshape(x.shape[0], self.q_size)))
 
 
@@ -73,17 +48,14 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, len(tp.shard.intermediate(config)), tp)
 
-    def forward(self, x: torch.Tensor, cos, sin, backend: AttentionBackend, pool: KVPool) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin, backend, pool)
-        return x + self.mlp(self.post_attn_norm(x))
-
-    def forward_fused(self, x, residual, positions, out_loc, inv_freq, backend, pool):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it); their sum is the
-        layer's output, added by the next layer's fused norm."""
-        h, residual = fused_ops.add_rmsnorm(x, residual, self.input_norm.weight, self.input_norm.eps)
-        x = self.attn.forward_fused(h, positions, out_loc, inv_freq, backend, pool)
-        h, residual = fused_ops.add_rmsnorm(x, residual, self.post_attn_norm.weight, self.post_attn_norm.eps)
-        return self.mlp.tp.all_reduce(self.mlp.down_proj(fused_ops.silu_mul(self.mlp.gate_up_proj(h)))), residual
+        layer's output, which the next layer's norm (or the final one) adds."""
+        kernels = step.kernels
+        h, residual = kernels.add_norm(x, residual, self.input_norm)
+        h, residual = kernels.add_norm(self.attn(h, step), residual, self.post_attn_norm)
+        return self.mlp.tp.all_reduce(self.mlp.down_proj(kernels.silu_mul(self.mlp.gate_up_proj(h)))), residual
 
 
 class CausalLM(nn.Module):
@@ -161,21 +133,11 @@ class CausalLM(nn.Module):
         Logits [T, vocab] float32, or [B, vocab] for the rows in last_token_idx.
         """
         x = self.embed_tokens(input_ids)
-        if self.uses_fused_path():
-            inv_freq = self.rotary.inv_freq
-            if inv_freq.device != x.device:
-                inv_freq = self.rotary.inv_freq = inv_freq.to(x.device)
-            residual = None
-            for layer in self.layers:
-                x, residual = layer.forward_fused(x, residual, positions, out_loc, inv_freq,
-                                                  self.attn_backend, self.kv_pool)
-            if last_token_idx is not None:
-                x, residual = x[last_token_idx], residual[last_token_idx]
-            x, _ = fused_ops.add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)
-            return self.lm_head(x).float()
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        step = StepInputs.build(self, positions, out_loc, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, self.attn_backend, self.kv_pool)
+            x, residual = layer(x, residual, step)
         if last_token_idx is not None:
-            x = x[last_token_idx]
-        return self.lm_head(self.norm(x)).float()
+            x, residual = x[last_token_idx], residual[last_token_idx]
+        x, _ = step.kernels.add_norm(x, residual, self.norm)
+        return self.lm_head(x).float()
