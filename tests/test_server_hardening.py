@@ -161,6 +161,40 @@ def test_a_body_shorter_than_its_content_length_gets_408(server):
     assert b"did not arrive within" in body
 
 
+HEAD_LIMIT = 16384  # uvicorn's h11_max_incomplete_event_size (h11's default): request line and headers
+
+
+def _head(size: int) -> bytes:
+    """A /health request whose line and headers are exactly `size` bytes."""
+    start, end = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ", b"\r\n\r\n"
+    return start + b"a" * (size - len(start) - len(end)) + end
+
+
+def test_a_one_mib_header_gets_a_clean_431(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(_head(1 << 20))
+        reply = _read_until_closed(s)  # no reset: the answer arrives
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 Request Header Fields Too Large"), reply[:300]
+    assert f"larger than {HEAD_LIMIT} bytes" in json.loads(body)["error"]["message"]
+    r = httpx.get(f"{server.url}/health", headers={"X-Big": "a" * (1 << 20)}, timeout=30)
+    assert r.status_code == 431, r.text  # an HTTP client reads it too
+    time.sleep(0.2)
+    log = server.log(tail=None)
+    assert "Traceback" not in log and "LocalProtocolError" not in log, log[-3000:]
+    assert healthy(server)
+
+
+def test_a_header_just_under_the_limit_is_served(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(_head(HEAD_LIMIT - 100))
+        reply = b""
+        while not reply.endswith(b'{"status":"ok"}'):
+            reply += s.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
+    assert httpx.get(f"{server.url}/health", headers={"X-Big": "a" * 16000}, timeout=30).status_code == 200
+
+
 def test_connection_limit_flag_is_enforced():
     with ServerProcess(["--dummy-weights", "--max-seq-len", "64", "--kv-cache-tokens", "256",
                         "--max-connections", "3"]) as srv:
@@ -216,7 +250,7 @@ def test_special_token_text_in_chat_content_stays_text(server):
 
 # -- 7. SIGTERM drains -----------------------------------------------------------------------------
 @contextlib.contextmanager
-def long_stream(*flags: str, entry: Sequence[str] = ("-m", "kvledger.engine.server")) -> Iterator[tuple]:
+def long_stream(*flags: str, entry: Sequence[str] = ("-m", "kvledger", "serve")) -> Iterator[tuple]:
     """A server with `flags`, and a long streaming request on it that has sent its first event:
     yields (server, the first event, an iterator over the events still to come)."""
     srv = ServerProcess(["--api-key", KEY, "--max-seq-len", "512", "--kv-cache-tokens", "4096", *flags],
@@ -289,7 +323,7 @@ def test_an_engine_fault_answers_open_requests_then_exits_1():
 
 # -- 8. start-up validation ------------------------------------------------------------------------
 def _serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvledger.engine.server", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvledger", "serve", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE",
                                                        "PATH": "/usr/bin:/bin"})
 

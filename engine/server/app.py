@@ -19,7 +19,8 @@ import os
 import time
 from collections import Counter
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Union
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -28,7 +29,7 @@ from starlette.requests import ClientDisconnect
 
 from kvledger.engine.server import metrics, protocol
 from kvledger.engine.server.generation import ClientGone, Generation
-from kvledger.engine.server.protocol import APIError, SamplingOptions
+from kvledger.engine.server.protocol import APIError, ChatRequest, CompletionRequest, SamplingOptions
 from kvledger.engine.server.worker import EngineWorker
 from kvledger.fast import SamplingParams
 
@@ -37,6 +38,9 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MAX_BODY_BYTES = 4 << 20  # far above any prompt that fits a context; stops a client from filling memory
 BODY_TIMEOUT_S = 20.0
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+CheckSize = Callable[[List[str], str], None]
+# (rid, model, a text piece or None for the final and usage chunks, finish_reason, usage, created)
+ChunkFn = Callable[[str, str, Optional[str], Optional[str], Optional[Dict[str, Any]], int], Dict[str, Any]]
 
 
 def model_name_for(path: Optional[str]) -> str:
@@ -147,29 +151,25 @@ def create_app(worker: EngineWorker, *, model_name: str, api_key: Optional[str] 
         protocol.check_content_type(request.headers.get("content-type"))
         return protocol.parse_json_body(await _read_body(request, body_timeout))
 
+    async def generate(request: Request, endpoint: _Endpoint) -> Response:
+        """The flow both generation routes share; `endpoint` holds what differs."""
+        req = endpoint.parse(await body_json(request))
+        _check_model(req.model, model_name)
+        ids = await asyncio.to_thread(endpoint.encode, req, tokenizer, check_size)
+        rid = protocol.new_id(endpoint.id_prefix)
+        gen = await start(rid, ids, req.sampling, endpoint.prompt_param)
+        if req.stream:
+            return _EngineStream(gen, _events(endpoint, gen, rid, model_name, req.include_usage))
+        text = await _collect(gen, request)
+        return JSONResponse(endpoint.response(rid, model_name, text, gen.finish_reason, _usage(gen)))
+
     @v1.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = protocol.parse_completion_request(await body_json(request))
-        _check_model(req.model, model_name)
-        ids = await asyncio.to_thread(_encode_prompt, req.prompt, tokenizer, check_size)
-        rid = protocol.new_id("cmpl")
-        gen = await start(rid, ids, req.sampling, "prompt")
-        if req.stream:
-            return _EngineStream(gen, _completion_events(gen, rid, model_name, req.include_usage))
-        text = await _collect(gen, request)
-        return JSONResponse(protocol.completion_response(rid, model_name, text, gen.finish_reason, _usage(gen)))
+        return await generate(request, _COMPLETIONS)
 
     @v1.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = protocol.parse_chat_request(await body_json(request))
-        _check_model(req.model, model_name)
-        ids = await asyncio.to_thread(_encode_chat, req.messages, tokenizer, check_size)
-        rid = protocol.new_id("chatcmpl")
-        gen = await start(rid, ids, req.sampling, "messages")
-        if req.stream:
-            return _EngineStream(gen, _chat_events(gen, rid, model_name, req.include_usage))
-        text = await _collect(gen, request)
-        return JSONResponse(protocol.chat_response(rid, model_name, text, gen.finish_reason, _usage(gen)))
+        return await generate(request, _CHAT)
 
     app.include_router(v1)
     return app
@@ -206,23 +206,21 @@ async def _read_body(request: Request, timeout: float) -> bytes:
     return b"".join(chunks)
 
 
-def _encode_prompt(prompt: Union[str, List[int]], tokenizer, check_size: Callable[[List[str], str], None]
-                   ) -> List[int]:
-    if isinstance(prompt, list):
-        return prompt  # token ids: the engine checks them against the vocabulary
+def _encode_prompt(req: CompletionRequest, tokenizer, check_size: CheckSize) -> List[int]:
+    if isinstance(req.prompt, list):
+        return req.prompt  # token ids: the engine checks them against the vocabulary
     if tokenizer is None:
         raise APIError("prompt: this model has no tokenizer; send the prompt as token ids", param="prompt")
-    check_size([prompt], "prompt")
-    return tokenizer.encode(prompt)
+    check_size([req.prompt], "prompt")
+    return tokenizer.encode(req.prompt)
 
 
-def _encode_chat(messages: List[Dict[str, str]], tokenizer, check_size: Callable[[List[str], str], None]
-                 ) -> List[int]:
+def _encode_chat(req: ChatRequest, tokenizer, check_size: CheckSize) -> List[int]:
     if tokenizer is None:
         raise APIError("messages: this model has no tokenizer, so no chat template", param="messages")
-    check_size([m["content"] for m in messages], "messages")
+    check_size([m["content"] for m in req.messages], "messages")
     try:
-        return tokenizer.apply_chat_template(messages)
+        return tokenizer.apply_chat_template(req.messages)
     except Exception as e:  # the template itself may reject a conversation (e.g. role order)
         raise APIError(f"messages: the chat template rejected them: {e}", param="messages") from None
 
@@ -239,32 +237,67 @@ async def _collect(gen: Generation, request: Request) -> str:
         raise APIError("the client closed the request", status=499) from None
 
 
-async def _completion_events(gen: Generation, rid: str, model: str, include_usage: bool) -> AsyncIterator[bytes]:
+async def _events(endpoint: _Endpoint, gen: Generation, rid: str, model: str, include_usage: bool
+                  ) -> AsyncIterator[bytes]:
     created = int(time.time())
+
+    def event(piece: Optional[str], finish_reason: Optional[str] = None,
+              usage_: Optional[Dict[str, Any]] = None) -> bytes:
+        return protocol.sse(endpoint.chunk(rid, model, piece, finish_reason, usage_, created))
+
     try:
+        for chunk in endpoint.opening(rid, model, created):
+            yield protocol.sse(chunk)
         async for piece in gen.pieces():
-            yield protocol.sse(protocol.completion_chunk(rid, model, piece, None, created=created))
-        yield protocol.sse(protocol.completion_chunk(rid, model, "", gen.finish_reason, created=created))
+            yield event(piece)
+        yield event(None, gen.finish_reason)
         if include_usage:
-            yield protocol.sse(protocol.completion_chunk(rid, model, "", None, _usage(gen), created=created))
+            yield event(None, usage_=_usage(gen))
     except APIError as e:  # the engine failed mid-stream: the status line is gone, so say it in the stream
         yield protocol.sse(e.body())
     yield protocol.sse("[DONE]")
 
 
-async def _chat_events(gen: Generation, rid: str, model: str, include_usage: bool) -> AsyncIterator[bytes]:
-    created = int(time.time())
-    try:
-        yield protocol.sse(protocol.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None,
-                                               created=created))
-        async for piece in gen.pieces():
-            yield protocol.sse(protocol.chat_chunk(rid, model, {"content": piece}, None, created=created))
-        yield protocol.sse(protocol.chat_chunk(rid, model, {}, gen.finish_reason, created=created))
-        if include_usage:
-            yield protocol.sse(protocol.chat_chunk(rid, model, {}, None, _usage(gen), created=created))
-    except APIError as e:
-        yield protocol.sse(e.body())
-    yield protocol.sse("[DONE]")
+# -- what the two generation routes do differently ---------------------------------------------
+
+
+def _no_opening(rid: str, model: str, created: int) -> List[Dict[str, Any]]:
+    return []
+
+
+@dataclass(frozen=True)
+class _Endpoint:
+    """A generation route's own parts; `generate` in `create_app` does the rest (validation,
+    submission to the engine, streaming or not, usage, error mapping)."""
+
+    id_prefix: str  # of the response id
+    prompt_param: str  # what length errors name
+    parse: Callable[[Dict[str, Any]], Any]  # the JSON body -> CompletionRequest or ChatRequest
+    encode: Callable[[Any, Any, CheckSize], List[int]]  # (request, tokenizer, check_size) -> prompt ids
+    response: Callable[[str, str, str, Optional[str], Dict[str, Any]], Dict[str, Any]]  # non-streaming
+    chunk: ChunkFn  # a stream chunk
+    opening: Callable[[str, str, int], List[Dict[str, Any]]] = _no_opening  # chunks before the first piece
+
+
+def _completion_chunk(rid: str, model: str, piece: Optional[str], finish_reason: Optional[str],
+                      usage_: Optional[Dict[str, Any]], created: int) -> Dict[str, Any]:
+    return protocol.completion_chunk(rid, model, piece or "", finish_reason, usage_, created=created)
+
+
+def _chat_chunk(rid: str, model: str, piece: Optional[str], finish_reason: Optional[str],
+                usage_: Optional[Dict[str, Any]], created: int) -> Dict[str, Any]:
+    delta = {} if piece is None else {"content": piece}
+    return protocol.chat_chunk(rid, model, delta, finish_reason, usage_, created=created)
+
+
+def _chat_opening(rid: str, model: str, created: int) -> List[Dict[str, Any]]:
+    return [protocol.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, created=created)]
+
+
+_COMPLETIONS = _Endpoint("cmpl", "prompt", protocol.parse_completion_request, _encode_prompt,
+                         protocol.completion_response, _completion_chunk)
+_CHAT = _Endpoint("chatcmpl", "messages", protocol.parse_chat_request, _encode_chat, protocol.chat_response,
+                  _chat_chunk, _chat_opening)
 
 
 class _EngineStream(StreamingResponse):

@@ -397,34 +397,42 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Dic
 
 def completion_response(rid: str, model: str, text: str, finish_reason: Optional[str],
                         usage_: Dict[str, Any]) -> Dict[str, Any]:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-            "usage": usage_}
+    return _response(rid, "text_completion", model, {"text": text}, finish_reason, usage_)
 
 
 def completion_chunk(rid: str, model: str, text: str, finish_reason: Optional[str],
-                     usage_: Optional[Dict[str, Any]] = None, created: Optional[int] = None) -> Dict[str, Any]:
-    chunk = {"id": rid, "object": "text_completion", "created": created or int(time.time()), "model": model,
-             "choices": [] if usage_ is not None else
-             [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
-    if usage_ is not None:
-        chunk["usage"] = usage_
-    return chunk
+                     usage_: Optional[Dict[str, Any]] = None,
+                     created: Optional[int] = None) -> Dict[str, Any]:
+    return _chunk(rid, "text_completion", model, {"text": text}, finish_reason, usage_, created)
 
 
 def chat_response(rid: str, model: str, text: str, finish_reason: Optional[str],
                   usage_: Dict[str, Any]) -> Dict[str, Any]:
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish_reason}],
-            "usage": usage_}
+    message = {"message": {"role": "assistant", "content": text}}
+    return _response(rid, "chat.completion", model, message, finish_reason, usage_)
 
 
 def chat_chunk(rid: str, model: str, delta: Dict[str, Any], finish_reason: Optional[str],
                usage_: Optional[Dict[str, Any]] = None, created: Optional[int] = None) -> Dict[str, Any]:
-    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created or int(time.time()), "model": model,
-             "choices": [] if usage_ is not None else
-             [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    return _chunk(rid, "chat.completion.chunk", model, {"delta": delta}, finish_reason, usage_, created)
+
+
+def _choice(content: Dict[str, Any], finish_reason: Optional[str]) -> Dict[str, Any]:
+    """The one choice: `content` is its text, message or delta."""
+    return {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}
+
+
+def _response(rid: str, object_: str, model: str, content: Dict[str, Any], finish_reason: Optional[str],
+              usage_: Dict[str, Any]) -> Dict[str, Any]:
+    return {"id": rid, "object": object_, "created": int(time.time()), "model": model,
+            "choices": [_choice(content, finish_reason)], "usage": usage_}
+
+
+def _chunk(rid: str, object_: str, model: str, content: Dict[str, Any], finish_reason: Optional[str],
+           usage_: Optional[Dict[str, Any]], created: Optional[int]) -> Dict[str, Any]:
+    """A stream chunk; the usage chunk (`usage_` given) has no choices."""
+    chunk = {"id": rid, "object": object_, "created": created or int(time.time()), "model": model,
+             "choices": [] if usage_ is not None else [_choice(content, finish_reason)]}
     if usage_ is not None:
         chunk["usage"] = usage_
     return chunk
