@@ -112,12 +112,10 @@ def num_splits_for(batch_size: int, kv_heads: int, target_programs: int = 1024, 
 def decode_launch_config(batch_size: int, kv_heads: int, kv_dtype: torch.dtype | None = None,
                          head_dim: int = 128) -> tuple[int, int, int | None]:
     """(BLOCK_N, num_warps, num_stages) for stage 1 (None: Triton's default stages), chosen by
-    whole-workload runs on the H200 (nano-vllm bench):
-    - bf16, head dim 128 (Qwen3-0.6B): 64-token blocks on 4 warps. A per-layer sweep favoured 32
-      on 2 for large batches (6-10%), but the workload ran 4% slower (21,811 tok/s against 22,672).
-    - bf16, head dim 64 (SmolLM2-135M): 128-token blocks (a 64-wide row is half the bytes) on 4
-      warps with 2 stages: 57,466 and 57,474 tok/s in two runs against 54,219-56,434 for 64 on 4.
-    - FP8: 2 warps, 22,931 tok/s against 21,708 on 4 (results/gpu/decode-configs.txt)."""
+    whole-workload runs on the H200, not by per-layer sweeps (which favoured other shapes):
+    64-token blocks on 4 warps for bf16 with head dim 128, 128-token blocks (a 64-wide row is half
+    the bytes) on 4 warps with 2 stages for head dim 64, 2 warps for FP8. The runs behind each
+    choice: docs/attention-kernels.md."""
     if kv_dtype == torch.float8_e4m3fn:
         return 64, 2, None
     if head_dim <= 64:
@@ -125,9 +123,8 @@ def decode_launch_config(batch_size: int, kv_heads: int, kv_dtype: torch.dtype |
     return 64, 4, None
 
 
-# (BLOCK_N, num_warps, num_stages) of the cascade's prefix kernel: on the H200 (Qwen3-0.6B, 32
-# groups sharing 2,048 tokens) two pipeline stages beat Triton's default three, 83 us per layer
-# against 93 (results/gpu/decode-stage-sweep.txt); a third stage's buffers halve occupancy
+# (BLOCK_N, num_warps, num_stages) of the cascade's prefix kernel: two pipeline stages, not
+# Triton's default three, whose buffers halve occupancy (measured: docs/attention-kernels.md)
 PREFIX_LAUNCH = (64, 4, 2)
 
 

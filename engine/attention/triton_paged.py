@@ -72,11 +72,10 @@ def prefill_tile(group: int, block_m: int, block_n: int) -> tuple[int, int, int,
     """(query heads per program, new tokens per program, keys per iteration, num_warps) for the
     unified kernel.
 
-    A power-of-two GQA group shares one tile: about `block_m` x 2 rows, at least 16 tokens. On
-    the H200 (Qwen3-0.6B, bf16) a 128-row tile ran best with 32-key blocks on 8 warps: 1.22 ms
-    per layer for 64 requests x 256 new tokens over 2,048 cached, against 1.48 ms with one head
-    per program (results/gpu/prefill-kernel-sweep.txt). Other groups (SmolLM2's 3) keep one head
-    per program: a packed tile would pad a quarter of its rows, and that shape was not measured."""
+    A power-of-two GQA group shares one tile: about `block_m` x 2 rows, at least 16 tokens; such a
+    128-row tile runs best with 32-key blocks on 8 warps (the sweep: docs/attention-kernels.md).
+    Other groups (SmolLM2's 3) keep one head per program: a packed tile would pad a quarter of
+    its rows, and that shape was not measured."""
     if group > 1 and group & (group - 1) == 0:
         tokens = max(16, (block_m * 2) // group)
         if tokens * group >= 128:
@@ -98,7 +97,7 @@ class TritonPagedBackend(AttentionBackend):
     def __init__(self, block_m: int | None = None, block_n: int = 64, max_batch: int = 256, max_splits: int = 16,
                  cascade: bool = False, prefix_splits: int = 4) -> None:
         """block_m: new tokens per program of the unified kernel without GQA (`prefill_tile` scales
-        it for a query group); None picks 64 for 16-bit KV (prefill on the H200 ran 3x faster
+        it for a query group); None picks 64 for 16-bit KV (prefill on the H200 ran much faster
         than with 16) and 16 for float32.
         cascade: decode steps read a prefix that several requests share once per group
         (`shared_prefix.py`), in `prefix_splits` splits."""
@@ -132,7 +131,7 @@ class TritonPagedBackend(AttentionBackend):
         self._seq_len = torch.tensor(batch.seq_lens, dtype=torch.int32).to(device)
         self._q_start = (torch.cumsum(q_lens, 0) - q_lens).to(torch.int32).to(device)
         # a row stride that is always a multiple of 64: Triton compiles a variant per divisibility
-        # of integer arguments, and a new one mid-run (the batch's longest row) costs ~0.5 s
+        # of integer arguments, and a new one mid-run (the batch's longest row) costs a compilation
         width = -(-batch.locs.shape[1] // 64) * 64
         self._locs = torch.nn.functional.pad(batch.locs, (0, width - batch.locs.shape[1])).contiguous()
         self._max_q = max(batch.q_lens)

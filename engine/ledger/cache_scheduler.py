@@ -65,7 +65,7 @@ class CacheScheduler:
         self.known: set = set()
         # uid -> (prompt, max_tokens) while it lives: what the invariants judge requests against
         self.submitted: Dict[int, tuple[tuple[int, ...], int]] = {}
-        # what each KV location encodes (invariant 7); the engine's own driver turns it off: its
+        # what each KV location encodes (invariant 7); the engine's own ledger turns it off: its
         # sampled tokens are placeholders until they land, and its --verify shadow tracks it instead
         self.provenance = KVProvenance() if track_provenance else None
         # a long-running engine must not remember every uid: it submits increasing uids instead,
@@ -74,7 +74,7 @@ class CacheScheduler:
         self.last_uid: int | None = None
         # invariant 4 (a turned-away request changes nothing) costs a snapshot of the free list and
         # every cached page per admission attempt: the engine turns it off (its --verify mirrors
-        # every operation into a reference driver that checks it)
+        # every operation into a reference cache scheduler that checks it)
         self.check_admission = check_admission
         # called after a batch's forward, before its results are processed (as the seed's table prints)
         self.after_forward: Callable[[str, List[Any]], None] | None = None

@@ -37,9 +37,9 @@ def _state_diff(ref: Dict, fst: Dict) -> tuple[str, str] | None:
 
 def compare(ref: CacheScheduler, fst: CacheScheduler, step: int, op: Dict) -> None:
     """Invariants on each side, then the whole observable state side by side."""
-    for name, driver in (("reference", ref), ("fast", fst)):
+    for name, ledger in (("reference", ref), ("fast", fst)):
         try:
-            driver.check()
+            ledger.check()
         except InvariantViolation as e:
             prefix = "reference-invariant" if name == "reference" else "invariant"
             raise Divergence(step, op, f"{prefix}:{e.invariant}", str(e)) from e

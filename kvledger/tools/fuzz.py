@@ -115,7 +115,7 @@ def make_case(seed: int, admission: Optional[str] = None) -> Case:
 
 
 class Walker:
-    """Chooses the next valid operation from the model's (reference driver's) state."""
+    """Chooses the next valid operation from the model's (reference cache scheduler's) state."""
 
     def __init__(self, case: Case, rng: random.Random, note: Callable[[str], None]) -> None:
         self.case, self.rng, self.note = case, rng, note

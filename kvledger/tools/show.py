@@ -28,10 +28,10 @@ class ShowError(ValueError):
     pass
 
 
-def _page_codes(driver: CacheScheduler, uid_code: Dict[int, int]) -> np.ndarray:
-    ps = driver.page_size
-    owners = driver.cm.page_owners(list(driver.live.values()))
-    row = np.full(driver.cm.num_pages, FREE, dtype=np.int32)
+def _page_codes(ledger: CacheScheduler, uid_code: Dict[int, int]) -> np.ndarray:
+    ps = ledger.page_size
+    owners = ledger.cm.page_owners(list(ledger.live.values()))
+    row = np.full(ledger.cm.num_pages, FREE, dtype=np.int32)
     for loc, who in owners.items():
         if len(who) != 1:
             code = CONFLICT  # the partition is broken here (only after a divergence)
