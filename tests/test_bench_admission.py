@@ -9,9 +9,10 @@ import re
 import pytest
 import torch
 
-from kvledger.bench.admission import (EarlyStopOptions, default_kv_cache_tokens, make_early_stop_workload,
-                                      options_from_args, worst_case_tokens)
+from kvledger.bench.admission import EarlyStopOptions, default_kv_cache_tokens, worst_case_tokens
+from kvledger.bench.workloads import early_stop as make_early_stop_workload
 from kvledger.cli import build_parser, main
+from kvledger.cli.bench import early_stop_options as options_from_args
 
 
 def test_workload_is_seeded_and_clamped():

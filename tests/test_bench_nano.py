@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from kvledger.bench.bandwidth_floor import decode_floor, kv_bytes_per_token, param_count, weight_bytes_per_step
-from kvledger.bench.nano import ENGINE_ROW, HF_ROW, make_cb_config, make_nano_workload, resolve_model_config
+from kvledger.bench.hf import HF_CONTINUOUS as HF_ROW, make_cb_config
+from kvledger.bench.runner import ENGINE_ROW, resolve_model_config
+from kvledger.bench.workloads import nano_vllm as make_nano_workload
 from kvledger.bench.decode_profile import classify_kernel, summarize_profile
 from kvledger.engine.model.config import ModelConfig
 from kvledger.engine.model.weights import random_state_dict

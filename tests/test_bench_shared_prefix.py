@@ -8,14 +8,14 @@ import json
 import pytest
 import torch
 
-from kvledger.bench.shared_prefix import make_workload
+from kvledger.bench.workloads import shared_prefix as make_workload
 from kvledger.cli import main
 
 
 def test_every_request_starts_with_its_groups_prefix_and_the_order_is_seeded():
     w = make_workload(groups=4, group_size=5, prefix_len=30, question_len=7, answer_len=3, vocab=50_000, seed=1)
     assert len(w.prompts) == 20 and all(len(p) == 37 for p in w.prompts)
-    assert w.output_tokens == 60 and w.prompt_tokens == 20 * 37
+    assert w.output_tokens == 60 and w.input_tokens == 20 * 37 and w.describe()["prompt_tokens"] == 20 * 37
     prefixes = {}
     for g, p in zip(w.group_of, w.prompts):
         prefixes.setdefault(g, set()).add(tuple(p[:30]))

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from kvledger.cli import build_parser, main
+from kvledger.cli import build_parser, commands, main
 
-TRACES = Path(__file__).resolve().parent / "zoo_traces"
-OURS = ("check", "replay", "bench", "zoo", "fuzz", "minimize", "show", "coverage")  # generate/serve: engine/
+ROOT = Path(__file__).resolve().parents[1]
+TRACES = ROOT / "tests" / "zoo_traces"
+COMMANDS = [name for name, _ in commands()]
 
 
 def _subparsers():
@@ -30,7 +34,7 @@ def kvledger_log_level():
     logger.setLevel(level)
 
 
-@pytest.mark.parametrize("command", OURS)
+@pytest.mark.parametrize("command", COMMANDS)
 def test_every_option_has_help_and_help_shows_defaults(command):
     _, sub = _subparsers()
     p = sub[command]
@@ -39,6 +43,20 @@ def test_every_option_has_help_and_help_shows_defaults(command):
     for a in p._actions:
         if a.option_strings and a.nargs != 0 and a.default not in (None, argparse.SUPPRESS):
             assert "default" in (a.help or "").lower() or f"(default: {a.default})" in " ".join(text.split()), a.dest
+
+
+def test_the_subcommands_and_their_order():
+    assert COMMANDS == ["check", "replay", "generate", "serve", "bench", "zoo", "fuzz", "minimize",
+                        "subjects", "show", "coverage", "mutation"]
+    assert list(_subparsers()[1]) == COMMANDS
+
+
+def test_building_the_parser_imports_no_torch():  # `kvledger --help` stays fast
+    code = ("import sys, kvledger.cli; kvledger.cli.build_parser(); "
+            "print(sorted({'torch', 'numpy'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
 def test_defaults_are_shown_in_help():
@@ -54,7 +72,7 @@ def test_bench_overlap_has_the_engine_shape():
     assert parser.parse_args(["bench"]).overlap is None  # the engine's choice
     assert parser.parse_args(["bench", "--overlap"]).overlap is True
     assert parser.parse_args(["bench", "--no-overlap"]).overlap is False
-    from kvledger.bench.nano import options_from_args
+    from kvledger.cli.bench import nano_options as options_from_args
 
     for flags, want in (([], None), (["--overlap"], True), (["--no-overlap"], False)):
         args = parser.parse_args(["bench", "--workload", "nano-vllm", "-o", "x.json", *flags])
@@ -87,7 +105,7 @@ def test_bench_output_needs_a_benchmark_that_writes_it(capsys):
 
 @pytest.mark.parametrize("argv,level", [([], "info"), (["-q"], "warning"), (["--log-level", "debug"], "debug")])
 def test_log_level_before_or_after_the_command(argv, level):
-    from kvledger.engine.cli_parser import log_level
+    from kvledger.cli.parser import log_level
 
     parser = build_parser()
     assert log_level(parser.parse_args([*argv, "replay", "t.jsonl"])) == level

@@ -75,11 +75,11 @@ def test_cuda_without_cuda_is_a_clear_error(no_loading, monkeypatch):
 def test_max_seq_len_above_the_models_positions():
     with pytest.raises(EngineOptionError, match=r"^max_seq_len must be at most .*\(256\), got 257$"):
         LLM(TINY, dummy_weights=True, max_seq_len=257)
-    assert LLM(TINY, dummy_weights=True, max_seq_len=256).scheduler.config.max_seq_len == 256
+    assert LLM(TINY, dummy_weights=True, max_seq_len=256).engine.config.max_seq_len == 256
 
 
 def test_kv_cache_tokens_are_rounded_down_to_whole_pages():
-    assert LLM(TINY, dummy_weights=True, page_size=4, kv_cache_tokens=10).scheduler.config.num_pages == 2
+    assert LLM(TINY, dummy_weights=True, page_size=4, kv_cache_tokens=10).engine.config.num_pages == 2
 
 
 def test_a_one_token_prefill_budget_runs_prompts_longer_than_it():
@@ -90,7 +90,7 @@ def test_a_one_token_prefill_budget_runs_prompts_longer_than_it():
         llm = LLM(TINY, dummy_weights=True, page_size=4, kv_cache_tokens=512, max_seq_len=128,
                   max_prefill_tokens=budget, verify=True)
         outs[budget] = [o.token_ids for o in llm.generate(prompts, params)]
-        llm.scheduler.check_idle()
+        llm.engine.check_idle()
     assert outs[1] == outs[2048] and all(len(t) == 6 for t in outs[1])
 
 
@@ -124,7 +124,7 @@ def test_generate_names_the_flag(capsys, flag, value):
 
 def test_generate_page_size_0_exits_2_with_one_line():
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    r = subprocess.run([sys.executable, "-m", "kvledger.cli", "generate", "--page-size", "0", "hi"],
+    r = subprocess.run([sys.executable, "-m", "kvledger", "generate", "--page-size", "0", "hi"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr == "kvledger generate: --page-size must be at least 1, got 0\n"

@@ -11,6 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # layer -> its folder in the repository
+# (cli: kvledger/__main__.py, kvledger/__init__.py and the kvledger/cli package)
 FOLDERS = {"reference": "reference", "fast": "fast", "engine": "engine", "properties": "properties",
            "subjects": "kvledger/subjects", "tools": "kvledger/tools", "bench": "kvledger/bench", "cli": "kvledger"}
 # layer -> the layers it may import (itself always)
@@ -55,8 +56,8 @@ def imports(path: Path) -> Iterator[Tuple[int, str]]:
 def files_of(layer: str) -> list[Path]:
     folder = ROOT / FOLDERS[layer]
     found = sorted(folder.rglob("*.py"))
-    if layer == "cli":  # the kvledger folder itself, without its tools and bench subpackages
-        found = [p for p in found if p.parent == folder]
+    if layer == "cli":  # the kvledger folder itself and its cli package, without tools, bench and subjects
+        found = [p for p in found if p.parent == folder or folder / "cli" in p.parents]
     return found
 
 
@@ -88,3 +89,9 @@ def test_the_checker_sees_a_forbidden_import(tmp_path):
     found = [m for _, m in imports(bad)]
     assert layer_of_module(found[0]) == "properties" and "properties" not in ALLOWED["engine"]
     assert found[1].split(".")[0] in OLD_NAMES
+
+
+def test_the_cli_layer_is_the_kvledger_folder_and_its_cli_package():
+    names = {p.relative_to(ROOT).as_posix() for p in files_of("cli")}
+    assert {"kvledger/__main__.py", "kvledger/cli/__init__.py", "kvledger/cli/bench.py"} <= names
+    assert not any(n.startswith(("kvledger/tools/", "kvledger/bench/", "kvledger/subjects/")) for n in names)

@@ -1,4 +1,4 @@
-"""Start `python -m engine.server` as a child process on a free loopback port and wait for /health
+"""Start `python -m kvledger serve` as a child process on a free loopback port and wait for /health
 (for tests and scripts)."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class ServerProcess:
     """`with ServerProcess(["--verify"]) as srv: srv.url ...`; the log is kept in a temp file."""
 
     def __init__(self, args: Sequence[str] = (), *, startup_timeout: float = 180.0,
-                 entry: Sequence[str] = ("-m", "kvledger.engine.server")) -> None:
+                 entry: Sequence[str] = ("-m", "kvledger", "serve")) -> None:
         """entry: what follows the interpreter (a test may run a script that wraps the server)."""
         self.entry = list(entry)
         self.port = free_port()

@@ -1,84 +1,53 @@
-"""`kvledger serve`: check the options, bind the port, load the model, start the engine thread and
-serve the OpenAI API with uvicorn.
+"""Serve the OpenAI API on the engine: bind the port, load the model, start the engine thread and
+run uvicorn (`kvledger serve` parses the options and calls `serve`).
 
-Exit status: 0 after a clean shutdown (SIGTERM or SIGINT: open requests get `--drain-timeout`
-seconds to finish, the rest end with an explicit error event), 1 after an engine fault (open
-requests are answered first, so a supervisor can restart the process), 2 for bad options or a
-port that cannot be bound.
+`serve` returns 0 after a clean shutdown (SIGTERM or SIGINT: open requests get `drain_timeout`
+seconds to finish, the rest end with an explicit error event) and 1 after an engine fault (open
+requests are answered first, so a supervisor can restart the process). A port that cannot be
+bound or a model that cannot load raises StartupError before anything is served.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import socket
 import sys
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import Optional
 
-from kvledger.engine.cli import option_error
 from kvledger.engine.engine_config import EngineConfig
-from kvledger.engine.cli_parser import OneLineErrorParser
-from kvledger.engine.options import EngineOptionError
 
 log = logging.getLogger("kvledger.serve")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 65535, got {port}")
-    return port
+@dataclass(frozen=True)
+class ServerOptions:
+    """The HTTP side of a server; the engine's options are its EngineConfig."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port
+    api_key: Optional[str] = None  # required as 'Authorization: Bearer KEY' on /v1 and /debug
+    served_model_name: Optional[str] = None  # default: the model file's name
+    max_waiting: int = 1024  # requests waiting for prefill before new ones get 503
+    max_connections: int = 256
+    timeout_header: float = 10.0  # seconds to send a request's line and headers
+    timeout_body: float = 20.0  # seconds to send a request's body
+    timeout_keep_alive: int = 5
+    drain_timeout: float = 30.0  # on SIGTERM, seconds open requests get to finish
+    log_level: str = "warning"  # uvicorn's, and the access log at info and debug
 
 
-def _positive(kind: type):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a {kind.__name__}, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
-        return value
+class StartupError(Exception):
+    """The server did not start: `what` is "port" (it cannot be bound) or "model" (it cannot load;
+    the cause is chained, an EngineOptionError for an option that depends on the model)."""
 
-    parse.__name__ = f"positive {kind.__name__}"
-    return parse
+    def __init__(self, what: str, message: str) -> None:
+        super().__init__(message)
+        self.what = what
 
 
-def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free port)")
-    p.add_argument("--api-key", dest="api_key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 and /debug")
-    p.add_argument("--served-model-name", dest="served_model_name", default=None,
-                   help="the model id clients send (default: the model file's name)")
-    p.add_argument("--max-waiting", dest="max_waiting", type=_positive(int), default=1024,
-                   help="refuse new requests with 503 while this many wait for prefill")
-    p.add_argument("--max-connections", dest="max_connections", type=_positive(int), default=256,
-                   help="open connections beyond this get 503 (default 256)")
-    p.add_argument("--timeout-header", dest="timeout_header", type=_positive(float), default=10.0,
-                   help="seconds a client has to send a request's line and headers (default 10)")
-    p.add_argument("--timeout-body", dest="timeout_body", type=_positive(float), default=20.0,
-                   help="seconds a client has to send a request's body (default 20)")
-    p.add_argument("--timeout-keep-alive", dest="timeout_keep_alive", type=_positive(int), default=5,
-                   help="seconds an idle keep-alive connection stays open (default 5)")
-    p.add_argument("--drain-timeout", dest="drain_timeout", type=_positive(float), default=30.0,
-                   help="on SIGTERM, seconds open requests get to finish before they are stopped (default 30)")
-    p.add_argument("--log-level", dest="log_level", default="warning",
-                   choices=["critical", "error", "warning", "info", "debug"], help="server log level")
-    EngineConfig.add_arguments(p)
-
-
-def add_serve_parser(subparsers) -> None:
-    """Register `serve` on the `kvledger` command's subparsers."""
-    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    add_serve_arguments(p)
-    p.set_defaults(func=serve_command)
-
-
-def _bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -92,24 +61,20 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_command(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = EngineConfig.from_args(args)
-    except EngineOptionError as e:
-        return option_error("kvledger serve", e)
+def serve(config: EngineConfig, options: ServerOptions) -> int:
+    """Serve until shut down; the exit status (see the module's docstring)."""
     try:  # before the model loads: a port in use fails in a second, not after the load
-        sock = _bind(args.host, args.port)
+        sock = bind(options.host, options.port)
     except OSError as e:
-        print(f"kvledger serve: --port: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
-        return 2
+        where = f"{options.host}:{options.port}"
+        raise StartupError("port", f"cannot listen on {where}: {e.strerror or e}") from e
     try:
-        return _serve(args, config, sock)
+        return _serve(config, options, sock)
     finally:
         sock.close()
 
 
-def _serve(args: argparse.Namespace, config: EngineConfig, sock: socket.socket) -> int:
+def _serve(config: EngineConfig, options: ServerOptions, sock: socket.socket) -> int:
     import uvicorn
 
     from kvledger.engine.runtime.llm import LLM
@@ -120,11 +85,8 @@ def _serve(args: argparse.Namespace, config: EngineConfig, sock: socket.socket) 
 
     try:
         llm = LLM(config=config)
-    except EngineOptionError as e:  # the options that depend on the model's config
-        return option_error("kvledger serve", e)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"kvledger serve: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, FileNotFoundError) as e:  # EngineOptionError too: the options that need the model
+        raise StartupError("model", str(e)) from e
     server: Optional[DrainingServer] = None
 
     def on_fault(message: str) -> None:
@@ -132,16 +94,17 @@ def _serve(args: argparse.Namespace, config: EngineConfig, sock: socket.socket) 
         if server is not None:
             server.should_exit = True
 
-    worker = EngineWorker(llm, max_waiting=args.max_waiting, on_fault=on_fault)
-    name = args.served_model_name or model_name_for(args.model)
-    app = create_app(worker, model_name=name, api_key=args.api_key, body_timeout=args.timeout_body)
-    config = uvicorn.Config(app, http=with_header_timeout(args.timeout_header), log_level=args.log_level,
-                            access_log=args.log_level in ("info", "debug"), limit_concurrency=args.max_connections,
-                            timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=5)
-    server = DrainingServer(config, worker, args.drain_timeout)
-    verify = " with --verify (every cache operation shadowed in the reference model)" if args.verify else ""
-    print(f"kvledger serve: {name} on http://{args.host}:{sock.getsockname()[1]}/v1{verify}", file=sys.stderr,
-          flush=True)
+    worker = EngineWorker(llm, max_waiting=options.max_waiting, on_fault=on_fault)
+    name = options.served_model_name or model_name_for(config.model)
+    app = create_app(worker, model_name=name, api_key=options.api_key, body_timeout=options.timeout_body)
+    level = options.log_level
+    http = uvicorn.Config(app, http=with_header_timeout(options.timeout_header), log_level=level,
+                          access_log=level in ("info", "debug"), limit_concurrency=options.max_connections,
+                          timeout_keep_alive=options.timeout_keep_alive, timeout_graceful_shutdown=5)
+    server = DrainingServer(http, worker, options.drain_timeout)
+    verify = " with --verify (every cache operation shadowed in the reference model)" if config.verify else ""
+    print(f"kvledger serve: {name} on http://{options.host}:{sock.getsockname()[1]}/v1{verify}",
+          file=sys.stderr, flush=True)
     try:
         server.run(sockets=[sock])
     finally:
@@ -149,9 +112,3 @@ def _serve(args: argparse.Namespace, config: EngineConfig, sock: socket.socket) 
     if worker.fatal is not None:
         return 1
     return 0
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = OneLineErrorParser(prog="python -m engine.server", description=__doc__)
-    add_serve_arguments(parser)
-    return serve_command(parser.parse_args(argv))

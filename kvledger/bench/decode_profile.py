@@ -102,7 +102,7 @@ def summarize_profile(events, decode_steps: int, wall_s: float, cuda: bool) -> D
 
 def profile_decode(llm, prompts: List[List[int]], max_tokens: List[int], device: str) -> Dict[str, Any]:
     """Profile the decode steps of one batch: the profiler starts once every request has its first
-    token (prefill done), by wrapping the scheduler's step; falls back to the whole generate."""
+    token (prefill done), by wrapping the engine's step; falls back to the whole generate."""
     from torch.profiler import ProfilerActivity, profile
 
     from kvledger.fast import SamplingParams
@@ -112,8 +112,8 @@ def profile_decode(llm, prompts: List[List[int]], max_tokens: List[int], device:
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m) for m in max_tokens]
     prof = profile(activities=activities)
     state: Dict[str, Any] = {"seen": set(), "started": False, "steps": 0, "t0": 0.0}
-    sched = getattr(llm, "scheduler", None)
-    step = getattr(sched, "step", None)
+    engine = getattr(llm, "engine", None)
+    step = getattr(engine, "step", None)
 
     def profiled_step():
         if not state["started"] and len(state["seen"]) >= len(prompts):
@@ -129,19 +129,19 @@ def profile_decode(llm, prompts: List[List[int]], max_tokens: List[int], device:
 
     scope = "decode steps only"
     if step is not None:
-        sched.step = profiled_step
+        engine.step = profiled_step
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         if step is not None:
-            del sched.step  # back to the class's method
+            del engine.step  # back to the class's method
         wall = 0.0
         if state["started"]:
             sync(device)
             wall = time.perf_counter() - state["t0"]
             prof.stop()
     steps = state["steps"]
-    if not state["started"] or steps == 0:  # generate no longer goes through scheduler.step
+    if not state["started"] or steps == 0:  # generate no longer goes through engine.step
         scope = "whole generate (prefill included)"
         with profile(activities=activities) as prof:
             sync(device)

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from kvledger.engine.ledger import trace
-from kvledger.engine.cli_parser import configure_logging
 from kvledger.tools.fuzz import Case, Walker, case_seed, make_case, walk
 from kvledger.properties.lockstep import Divergence, Lockstep
 from kvledger.tools.minimize import _copy, fingerprint_of, minimize
@@ -167,7 +166,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--rebuild", action="store_true", help="build the traces afresh")
     parser.add_argument("-v", "--verbose", action="store_true", help="the minimizer's log")
     args = parser.parse_args(argv)
-    configure_logging("info" if args.verbose else "warning")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("kvledger").setLevel(logging.INFO if args.verbose else logging.WARNING)
     bugs = args.bugs.split(",") if args.bugs else sorted(BUGS)
     print(f"{'bug':30s} {'pool':>7s} {'ops':>5s} {'min':>4s} {'seconds':>7s}  fingerprint", flush=True)
     worst = 0.0

@@ -1,4 +1,5 @@
-"""Online serving benchmark (in the style of sglang.bench_serving / vllm bench serve).
+"""`kvledger bench --serve URL`: the online serving benchmark (in the style of sglang.bench_serving /
+vllm bench serve).
 
 Sends seeded random token-id prompts to a running server's /v1/completions with streaming, at a
 Poisson request rate or all at once, optionally under a concurrency cap. Prompts can share
@@ -10,7 +11,6 @@ Reports request and token throughput, TTFT, TPOT, inter-token latency and end-to
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
@@ -18,21 +18,12 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence
 
 import httpx
 
-from kvledger.bench.arguments import add_online_bench_arguments
-
+from kvledger.bench.workloads import Workload
 from kvledger.engine.server.metrics import parse as parse_metrics
-
-TOKEN_RANGE = (1000, 20000)  # ordinary vocabulary ids, clear of special tokens
-
-
-@dataclass
-class BenchRequest:
-    prompt: List[int]
-    output_len: int
 
 
 @dataclass
@@ -52,24 +43,10 @@ class RequestResult:
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
-def make_requests(num: int, min_len: int, max_len: int, output_len: int, shared_prefix_len: int = 0,
-                  prefix_groups: int = 1, seed: int = 0) -> List[BenchRequest]:
-    """Each prompt: its group's shared prefix, then a random suffix of min_len..max_len tokens."""
-    if num < 1 or not 1 <= min_len <= max_len or output_len < 1 or shared_prefix_len < 0 or prefix_groups < 1:
-        raise ValueError("need prompts >= 1, 1 <= min_len <= max_len, output_len >= 1, shared_prefix_len >= 0, "
-                         "prefix_groups >= 1")
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(*TOKEN_RANGE) for _ in range(shared_prefix_len)] for _ in range(prefix_groups)]
-    out = []
-    for i in range(num):
-        suffix = [rng.randrange(*TOKEN_RANGE) for _ in range(rng.randint(min_len, max_len))]
-        out.append(BenchRequest(prefixes[i % prefix_groups] + suffix, output_len))
-    return out
-
-
-async def _one(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest) -> RequestResult:
-    result = RequestResult(prompt_len=len(req.prompt))
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
+async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: List[int],
+               max_tokens: int) -> RequestResult:
+    result = RequestResult(prompt_len=len(prompt))
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = last = time.perf_counter()
     try:
@@ -105,7 +82,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, req: BenchReques
     return result
 
 
-async def _arrivals(n: int, rate: float, rng: random.Random):
+async def _arrivals(n: int, rate: float, rng: random.Random) -> AsyncIterator[int]:
     """Yield 0..n-1 at Poisson arrivals of `rate` per second (inf: all at once)."""
     for i in range(n):
         yield i
@@ -121,14 +98,16 @@ async def _fetch_metrics(client: httpx.AsyncClient, base: str) -> Dict[str, floa
         return {}
 
 
-async def run_online(base_url: str, requests: Sequence[BenchRequest], *, request_rate: float = math.inf,
+async def run_online(base_url: str, workload: Workload, *, request_rate: float = math.inf,
                      max_concurrency: Optional[int] = None, api_key: Optional[str] = None, model: Optional[str] = None,
                      seed: int = 0, progress: bool = True, timeout: float = 600.0) -> Dict:
+    """Send the workload's requests (streaming completions, greedy, EOS ignored) to the server at
+    base_url; the summary of the run."""
     base = base_url.rstrip("/")
     if base.endswith("/v1"):
         base = base[: -len("/v1")]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=max_concurrency or len(requests), max_keepalive_connections=64)
+    limits = httpx.Limits(max_connections=max_concurrency or len(workload), max_keepalive_connections=64)
     async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as client:
         if model is None:
             r = await client.get(f"{base}/v1/models")
@@ -136,21 +115,22 @@ async def run_online(base_url: str, requests: Sequence[BenchRequest], *, request
             model = r.json()["data"][0]["id"]
         before = await _fetch_metrics(client, base)
         gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        bar = _progress(len(requests), progress)
+        bar = _progress(len(workload), progress)
 
-        async def limited(req: BenchRequest) -> RequestResult:
+        async def limited(i: int) -> RequestResult:
+            prompt, max_tokens = workload.prompts[i], workload.max_tokens[i]
             if gate is None:
-                res = await _one(client, f"{base}/v1/completions", model, req)
+                res = await _one(client, f"{base}/v1/completions", model, prompt, max_tokens)
             else:
                 async with gate:
-                    res = await _one(client, f"{base}/v1/completions", model, req)
+                    res = await _one(client, f"{base}/v1/completions", model, prompt, max_tokens)
             if bar is not None:
                 bar.update(1)
             return res
 
         start = time.perf_counter()
-        tasks = [asyncio.create_task(limited(requests[i]))
-                 async for i in _arrivals(len(requests), request_rate, random.Random(seed))]
+        tasks = [asyncio.create_task(limited(i))
+                 async for i in _arrivals(len(workload), request_rate, random.Random(seed))]
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         if bar is not None:
@@ -159,7 +139,7 @@ async def run_online(base_url: str, requests: Sequence[BenchRequest], *, request
     return summarize(results, duration, request_rate, max_concurrency, model, before, after)
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool) -> Any:
     if not enabled:
         return None
     from tqdm import tqdm
@@ -244,41 +224,3 @@ def format_report(s: Dict) -> str:
     if s["errors"]:
         lines.append("errors: " + "; ".join(s["errors"]))
     return "\n".join(lines)
-
-
-# -- command line -------------------------------------------------------------------------------
-def main_online_bench(args: argparse.Namespace) -> int:
-    """Run the online benchmark from parsed `kvledger bench --serve URL ...` arguments."""
-    try:
-        reqs = make_requests(args.prompts, args.min_len, args.max_len, args.output_len, args.shared_prefix_len,
-                             args.prefix_groups, args.seed)
-        summary = asyncio.run(run_online(args.serve, reqs, request_rate=args.request_rate,
-                                         max_concurrency=args.max_concurrency, api_key=args.api_key,
-                                         model=args.served_model, seed=args.seed, progress=not args.no_progress))
-    except (ValueError, httpx.HTTPError) as e:
-        print(f"kvledger bench --serve: {e}", file=sys.stderr)
-        return 2
-    print(format_report(summary))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(summary, f, indent=2)
-    return 0 if summary["failed"] == 0 else 1
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvledger.bench.online", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", type=int, default=32, help="number of requests")
-    p.add_argument("--min-len", dest="min_len", type=int, default=32, help="shortest prompt suffix, tokens")
-    p.add_argument("--max-len", dest="max_len", type=int, default=256, help="longest prompt suffix, tokens")
-    p.add_argument("--output-len", dest="output_len", type=int, default=64, help="tokens generated per request")
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
-    add_online_bench_arguments(p)
-    args = p.parse_args(argv)
-    if args.serve is None:
-        p.error("--serve URL is required")
-    return main_online_bench(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

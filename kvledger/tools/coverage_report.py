@@ -237,7 +237,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--run-suite"]:
         _run_suite_under_coverage(Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None)
     else:
-        from kvledger.engine.cli_parser import configure_logging
-
-        configure_logging()
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")  # as `kvledger coverage`
+        logging.getLogger("kvledger").setLevel(logging.INFO)
         sys.exit(main_coverage())

@@ -887,36 +887,6 @@ def run(config: str = DEFAULT_CONFIG, workers: Optional[int] = None, only: Seque
     return 0 if score is None or score >= cfg.min_score else 1
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=DEFAULT_CONFIG, help="the cosmic-ray config with its [kvledger-mutation] table")
-    p.add_argument("--workers", type=int, default=None, help="parallel workers, each in its own copy (default: CPUs)")
-    p.add_argument("--only", action="append", default=[], metavar="SEL",
-                   help="mutate only PATH, PATH::FUNCTION, PATH:LINE or PATH:FIRST-LAST (repeatable)")
-    p.add_argument("--limit", type=int, default=None, help="at most this many mutants (the first, by position)")
-    p.add_argument("--stages", default=None, help="comma-separated stages to run (default: the config's)")
-    p.add_argument("--fuzz-cases", type=int, default=None, help="override the fuzz stage's number of cases")
-    p.add_argument("--examples", type=int, default=None, help="override the Hypothesis stage's examples")
-    p.add_argument("--pytest", default=None, metavar="FILES", help="comma-separated test files for the pytest stage")
-    p.add_argument("--equivalents", default=None, metavar="FILE", help="override the equivalents file")
-    p.add_argument("--timeout", type=float, default=None, help="seconds before a mutant's run counts as a hang")
-    p.add_argument("--resume", action="store_true", help="continue the session in the work dir (run what is pending)")
-    p.add_argument("--rerun", default=None, metavar="OUTCOMES",
-                   help="with --resume: run again the mutants with these outcomes (comma-separated: survived, timeout)")
-    p.add_argument("--work-dir", default=None, metavar="DIR", help=f"session and copies (default: {WORK_DIR})")
-    p.add_argument("--results", default=None, metavar="DIR", help="also write the report to DIR/README.md")
-
-
-def main_args(args: argparse.Namespace) -> int:
-    split = (lambda s: None if s is None else [x for x in s.split(",") if x])
-    try:
-        return run(args.config, args.workers, args.only, args.limit, split(args.stages), args.fuzz_cases,
-                   args.examples, split(args.pytest), args.equivalents, args.timeout, args.resume, split(args.rerun) or (), args.work_dir,
-                   args.results)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"kvledger mutation: {e}", file=sys.stderr)
-        return 2
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["worker"]:
@@ -925,9 +895,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         p = argparse.ArgumentParser(prog="mutation.py kill")
         p.add_argument("--config", default=DEFAULT_CONFIG)
         return kill_main(p.parse_args(argv[1:]).config)
-    p = argparse.ArgumentParser(prog="mutation.py", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    return main_args(p.parse_args(argv))
+    print("mutation.py: the script runs `worker SPEC` and `kill [--config FILE]`; the score: "
+          "kvledger mutation", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from kvledger.engine.options import EngineOptionError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_LOG_LEVEL = "info"  # kvledger's progress messages (fuzz, zoo, minimize) are INFO: shown unless -q
@@ -44,6 +47,15 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
+def option_error(prog: str, err: EngineOptionError) -> int:
+    """Print err as one line naming the flag ("kvledger generate: --page-size must be at least 1,
+    got 0") on stderr; return the exit status 2."""
+    from kvledger.engine.engine_config import EngineConfig
+
+    print(f"{prog}: {EngineConfig.flag(err.option)} {err.problem}", file=sys.stderr)
+    return 2
+
+
 def add_logging_options(p: argparse.ArgumentParser) -> None:
     """--log-level and -q/--quiet. Their defaults are suppressed so that the same options on a
     subcommand do not overwrite what was given before it: `kvledger -q fuzz` and `kvledger fuzz -q`
@@ -53,7 +65,8 @@ def add_logging_options(p: argparse.ArgumentParser) -> None:
                    help=f"level of kvledger's messages (default: {DEFAULT_LOG_LEVEL}: progress shown; "
                         "other libraries' messages: warning and above)")
     g.add_argument("-q", "--quiet", dest="log_level", action="store_const", const="warning",
-                   default=argparse.SUPPRESS, help="warnings and errors only, no progress (--log-level warning)")
+                   default=argparse.SUPPRESS, help="warnings and errors only, no progress (--log-level "
+                                                   "warning)")
 
 
 def log_level(args: argparse.Namespace) -> str:

@@ -6,33 +6,30 @@ import argparse
 import logging
 import sys
 
+from kvledger.cli.parser import option_error
 from kvledger.engine.engine_config import EngineConfig
-from kvledger.engine.options import EngineOptionError
 
 log = logging.getLogger(__name__)
 
 
-def option_error(prog: str, err: EngineOptionError) -> int:
-    """Print err as one line naming the flag ("kvledger generate: --page-size must be at least 1,
-    got 0") on stderr; return the exit status 2."""
-    print(f"{prog}: {EngineConfig.flag(err.option)} {err.problem}", file=sys.stderr)
-    return 2
-
-
-def add_generate_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt, streaming to the terminal")
     p.add_argument("prompt", help="the text to continue (or, with --chat, the user's message)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    p.add_argument("--max-tokens", dest="max_tokens", type=int, default=128, help="tokens to generate at most")
+    p.add_argument("--max-tokens", dest="max_tokens", type=int, default=128,
+                   help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-k", dest="top_k", type=int, default=-1, help="sample from the k most likely tokens (-1: all)")
+    p.add_argument("--top-k", dest="top_k", type=int, default=-1,
+                   help="sample from the k most likely tokens (-1: all)")
     p.add_argument("--top-p", dest="top_p", type=float, default=1.0, help="nucleus sampling mass")
-    p.add_argument("--ignore-eos", dest="ignore_eos", action="store_true", help="keep generating past end-of-sequence")
+    p.add_argument("--ignore-eos", dest="ignore_eos", action="store_true",
+                   help="keep generating past end-of-sequence")
     EngineConfig.add_arguments(p)
     p.set_defaults(func=generate_command)
 
 
 def generate_command(args: argparse.Namespace) -> int:
+    from kvledger.engine.options import EngineOptionError
     from kvledger.engine.runtime.llm import LLM
     from kvledger.fast import SamplingParams
 

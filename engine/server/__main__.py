@@ -1,5 +1,0 @@
-import sys
-
-from kvledger.engine.server.serve import main
-
-sys.exit(main())

@@ -1,0 +1,253 @@
+"""The checker's commands: check, replay, zoo, fuzz, minimize, subjects, show and coverage. Each
+`add_*` registers one subcommand; its handler imports the tool it runs only when it runs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+SUBJECT_HELP = ("judge mode on this cache manager instead of reference vs fast: fast, reference, vllm, "
+                "sglang, minisgl[:PATH], nanovllm[:PATH|@COMMIT], or package.module:factory (kvledger "
+                "subjects lists them)")
+
+
+def _subject_error(command: str, e: Exception) -> int:
+    print(f"kvledger {command}: {e}", file=sys.stderr)
+    return 2
+
+
+def _add_subject(p: argparse.ArgumentParser) -> None:
+    """--subject SPEC and --fix NAME: judge mode on another cache manager, optionally fixed first."""
+    p.add_argument("--subject", default=None, metavar="SPEC", help=SUBJECT_HELP)
+    p.add_argument("--fix", default=None,
+                   help="with --subject: apply this upstream-style fix to a copy first")
+
+
+# -- check ------------------------------------------------------------------------------------------
+def add_check(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("check", help="run the lockstep Hypothesis property run (reference vs fast), or judge "
+                                     "mode on another cache manager (--subject)")
+    p.add_argument("--profile", default="ci", choices=["ci", "deep", "dev"],
+                   help="Hypothesis profile: ci (1500 sequences of up to 60 operations), deep (5000 of up to "
+                        "120), dev (40 of up to 30)")
+    p.add_argument("--examples", type=int, default=None, help="override the profile's number of examples")
+    _add_subject(p)
+    p.add_argument("--bug", default=None,
+                   help="with --subject: apply this zoo bug of the subject to a copy first")
+    p.add_argument("--out-dir", default=".kvledger/failures", metavar="DIR",
+                   help="where a failing trace goes")
+    p.set_defaults(func=_check)
+
+
+def _check(args: argparse.Namespace) -> int:
+    os.environ["HYPOTHESIS_PROFILE"] = args.profile
+    if args.subject:
+        from kvledger.engine.ledger.subject import SubjectUnavailable
+        from kvledger.subjects import SpecError, parse_spec
+        from kvledger.tools.subject_check import run_subject_check
+        from kvledger.tools.subject_replay import edits_for
+
+        try:
+            edits = edits_for(parse_spec(args.subject), fix=args.fix, bug=args.bug)
+            return run_subject_check(args.subject, args.profile, args.examples, edits, args.out_dir)[0]
+        except (SpecError, SubjectUnavailable, KeyError) as e:
+            return _subject_error("check", e)
+    from kvledger.tools.check import run_check
+
+    return run_check(args.profile, args.examples)
+
+
+# -- replay -----------------------------------------------------------------------------------------
+def add_replay(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("replay", help="replay a trace on reference and fast in lockstep")
+    p.add_argument("trace", help="the trace file (.jsonl)")
+    p.add_argument("--device", default="cpu", help="where fast's tensors live: cpu or cuda")
+    p.add_argument("--bug", default=None, help="patch this bug-zoo bug into fast first (see kvledger zoo); "
+                                                "with --subject, one of the subject's zoo")
+    _add_subject(p)
+    p.set_defaults(func=_replay)
+
+
+def _named_subject(command: str, trace: str) -> str | int | None:
+    """The subject the trace's header names (None: reference vs fast), or exit status 2 for a trace
+    that cannot be read."""
+    from kvledger.engine.ledger.trace import TraceError, read
+
+    try:
+        return read(trace)[0].subject
+    except (OSError, TraceError) as e:
+        return _subject_error(command, e)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    named = _named_subject("replay", args.trace)
+    if isinstance(named, int):
+        return named
+    if args.subject or named:
+        from kvledger.tools.subject_replay import replay_subject_file
+
+        return replay_subject_file(args.trace, args.subject, fix=args.fix, bug=args.bug)
+    from kvledger.tools.replay import replay_file
+
+    return replay_file(args.trace, device=args.device, bug=args.bug)
+
+
+# -- zoo --------------------------------------------------------------------------------------------
+def add_zoo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("zoo", help="run the bug zoo: which property run catches each known bug")
+    p.add_argument("--bugs", default=None, help="comma-separated bug names (default: all)")
+    p.add_argument("--fuzz-seconds", type=float, default=10.0, help="fuzzer time per bug (0: skip)")
+    p.add_argument("--hypothesis-seconds", type=float, default=45.0,
+                   help="time cap per bug for the CI profile")
+    p.add_argument("--out-dir", default=None, metavar="DIR",
+                   help="where to keep each bug's failing traces (default: a temp dir)")
+    p.add_argument("--subject", default=None, metavar="SPEC",
+                   help="judge mode on this subject's own zoo (fast: kvledger's 39 bugs); --fuzz-seconds "
+                        "caps each bug")
+    p.add_argument("--max-cases", type=int, default=2000, help="with --subject: cases per bug at most")
+    p.set_defaults(func=_zoo)
+
+
+def _zoo(args: argparse.Namespace) -> int:
+    if args.subject:
+        from kvledger.engine.ledger.subject import SubjectUnavailable
+        from kvledger.subjects import SpecError
+        from kvledger.tools.subject_zoo import print_subject_zoo, run_subject_zoo
+
+        bugs = args.bugs.split(",") if args.bugs else None
+        try:
+            rows = run_subject_zoo(args.subject, bugs, max_cases=args.max_cases, seconds=args.fuzz_seconds)
+        except (SpecError, SubjectUnavailable) as e:
+            return _subject_error("zoo", e)
+        print_subject_zoo(args.subject, rows)
+        return 0 if all(r.caught for r in rows) else 1
+    from kvledger.tools.zoo_run import main_zoo
+
+    return main_zoo(args.bugs, args.fuzz_seconds, args.out_dir, args.hypothesis_seconds)
+
+
+# -- fuzz -------------------------------------------------------------------------------------------
+def add_fuzz(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fuzz", help="random-walk differential fuzzing of reference vs fast, or of one "
+                                    "subject in judge mode (--subject)")
+    p.add_argument("--seconds", type=float, required=True, help="how long to fuzz")
+    p.add_argument("--workers", type=int, default=1, help="worker processes")
+    p.add_argument("--seed", type=int, default=0, help="same seed and workers give the same cases")
+    p.add_argument("--out-dir", default=".kvledger/fuzz", metavar="DIR", help="where failing traces go")
+    p.add_argument("--bug", default=None, help="patch a bug-zoo bug into fast in every worker")
+    p.add_argument("--minimize-budget", type=float, default=60.0, help="seconds to minimize a failure")
+    p.add_argument("--minimize-replays", type=int, default=None,
+                   help="also stop minimizing after this many candidate replays (the same result on any "
+                        "machine)")
+    p.add_argument("--max-cases", type=int, default=None,
+                   help="each worker stops after this many cases (the same cases on any machine)")
+    p.add_argument("--admission", default=None, choices=["reserve", "optimistic"],
+                   help="run every case under this admission policy (default: drawn per case, 40%% "
+                        "optimistic)")
+    _add_subject(p)
+    p.set_defaults(func=_fuzz)
+
+
+def _fuzz(args: argparse.Namespace) -> int:
+    if args.subject:
+        from kvledger.engine.ledger.subject import SubjectUnavailable
+        from kvledger.subjects import SpecError, parse_spec
+        from kvledger.tools.subject_fuzz import fuzz_subject, print_report
+        from kvledger.tools.subject_replay import edits_for
+
+        try:
+            edits = edits_for(parse_spec(args.subject), fix=args.fix, bug=args.bug)
+            report = fuzz_subject(args.subject, args.seconds, workers=args.workers, seed=args.seed,
+                                  out_dir=args.out_dir, edits=edits, minimize_budget=args.minimize_budget,
+                                  max_cases=args.max_cases, minimize_replays=args.minimize_replays)
+        except (SpecError, SubjectUnavailable, KeyError) as e:
+            return _subject_error("fuzz", e)
+        print_report(args.subject, report, args.workers)
+        return 1 if report.findings else 0
+    from kvledger.tools.fuzz import fuzz
+
+    try:
+        result = fuzz(args.seconds, workers=args.workers, seed=args.seed, out_dir=args.out_dir, bug=args.bug,
+                      minimize_budget=args.minimize_budget, admission=args.admission,
+                      max_cases=args.max_cases, minimize_replays=args.minimize_replays)
+    except (KeyError, ValueError) as e:
+        return _subject_error("fuzz", e)
+    return result.exit_code
+
+
+# -- minimize ---------------------------------------------------------------------------------------
+def add_minimize(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("minimize", help="shrink a failing trace, keeping its divergence kind")
+    p.add_argument("trace", help="the failing trace (.jsonl)")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the minimized trace")
+    p.add_argument("--budget", type=float, default=60.0, help="time budget in seconds")
+    p.add_argument("--max-replays", type=int, default=None,
+                   help="also stop after this many candidate replays (the same result on any machine)")
+    p.add_argument("--bug", default=None, help="patch a bug-zoo bug into fast first")
+    p.add_argument("--subject", default=None, metavar="SPEC",
+                   help="minimize on this subject (default: the one the trace's header names, if any)")
+    p.set_defaults(func=_minimize)
+
+
+def _minimize(args: argparse.Namespace) -> int:
+    named = _named_subject("minimize", args.trace)
+    if isinstance(named, int):
+        return named
+    if args.subject or named:
+        from kvledger.engine.ledger.subject import SubjectUnavailable
+        from kvledger.subjects import SpecError
+        from kvledger.tools.subject_minimize import main_minimize_subject
+
+        try:
+            return main_minimize_subject(args.trace, args.output, args.budget, args.subject, args.max_replays)
+        except (SpecError, SubjectUnavailable) as e:
+            return _subject_error("minimize", e)
+    from kvledger.tools.minimize import main_minimize
+
+    return main_minimize(args.trace, args.output, args.budget, args.bug, args.max_replays)
+
+
+# -- subjects, show, coverage -----------------------------------------------------------------------
+def add_subjects(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("subjects",
+                       help="the cache managers kvledger can check, and whether each is installed")
+    p.set_defaults(func=_subjects)
+
+
+def _subjects(args: argparse.Namespace) -> int:
+    from kvledger.subjects import probe_all
+
+    rows = probe_all()
+    width = max(len(r[0]) for r in rows)
+    print(f"{'subject':<{width}}  installed  version       detail")
+    for name, installed, version, detail in rows:
+        print(f"{name:<{width}}  {'yes' if installed else 'no':<9}  {version:<12}  {detail}")
+    print("a user's own subject: --subject package.module:factory (factory(SubjectConfig) -> Subject)")
+    return 0
+
+
+def add_show(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("show", help="draw a trace's page ownership over time (PNG)")
+    p.add_argument("trace", help="the trace (.jsonl)")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="the PNG to write")
+    p.add_argument("--bug", default=None, help="patch a bug-zoo bug into fast first")
+    p.set_defaults(func=_show)
+
+
+def _show(args: argparse.Namespace) -> int:
+    from kvledger.tools.show import main_show
+
+    return main_show(args.trace, args.output, args.bug)
+
+
+def add_coverage(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("coverage", help="line and branch coverage of fast/ by the property run (ci profile)")
+    p.add_argument("--examples", type=int, default=None, help="override the profile's number of examples")
+    p.set_defaults(func=_coverage)
+
+
+def _coverage(args: argparse.Namespace) -> int:
+    from kvledger.tools.coverage_report import main_coverage
+
+    return main_coverage(args.examples)
