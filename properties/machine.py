@@ -48,7 +48,7 @@ from kvledger.properties.lockstep import Divergence, Lockstep
 
 ALPHABET = st.integers(0, 3)
 
-# Rare branches the CI profile must reach (tests/test_lockstep_properties.py proves it).
+# Rare branches the CI profile must reach (tests/properties/test_lockstep_machine.py proves it).
 EXPECTED_EVENTS = frozenset({
     "admission: prefix hit", "admission: rejected", "admission: rejected only after locking the hit",
     "admission: no table slot", "prefill: chunked", "radix: node split",

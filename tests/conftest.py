@@ -1,3 +1,6 @@
+"""Fixtures and hooks for the whole suite. Helpers that test modules import live in tests/support/
+(`from tests.support.impls import as_list`); no test module imports another."""
+
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts its thread pool
@@ -10,15 +13,13 @@ if importlib.util.find_spec("triton") is not None and not torch.cuda.is_availabl
     # Triton kernels decide at definition whether they are interpreted: before any test imports them
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest
+import pytest  # noqa: E402
 
-from kvledger import fast
-from kvledger import reference
-from kvledger.properties.profiles import register_profiles
+from kvledger.properties.profiles import register_profiles  # noqa: E402
+from kvledger.reference import events  # noqa: E402
+from tests.support.impls import IMPLS  # noqa: E402
 
 register_profiles()  # ci, deep, dev; loads $HYPOTHESIS_PROFILE (default ci)
-
-IMPLS = {"reference": reference, "fast": fast}
 
 
 @pytest.fixture(params=sorted(IMPLS))
@@ -27,16 +28,24 @@ def impl(request):
     return IMPLS[request.param]
 
 
-def make_manager(impl, *, num_pages, page_size, cache="naive", rows=4, max_seq_len=64):
-    page_table = impl.make_page_table(rows, max_seq_len)
-    cm = impl.CacheManager(num_pages, page_size, page_table, cache)
-    return cm, impl.TableManager(rows, page_table)
+@pytest.fixture
+def noted():
+    """The rare-branch notes (kvledger.reference.events) emitted during the test, in order."""
+    seen = []
+    events.set_listener(seen.append)
+    yield seen
+    events.set_listener(None)
 
 
-def row(impl, cm, idx, end):
-    values = cm.page_table[idx][:end]
-    return values.tolist() if hasattr(values, "tolist") else list(values)
-
-
-def as_list(x):
-    return x.tolist() if hasattr(x, "tolist") else list(x)
+def pytest_collection_modifyitems(config, items):
+    """`@pytest.mark.cuda` (or `cuda(devices=N)`): skipped, with the reason, where this machine has
+    fewer CUDA devices than the test needs. The one place that decides it: no per-file skipif."""
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        marker = item.get_closest_marker("cuda")
+        if marker is None:
+            continue
+        need = marker.kwargs.get("devices", 1)
+        if have < need:
+            reason = "no CUDA device" if need == 1 else f"needs {need} CUDA devices, this machine has {have}"
+            item.add_marker(pytest.mark.skip(reason=reason))

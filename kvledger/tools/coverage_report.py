@@ -10,7 +10,7 @@ only the engine or a GPU takes) is listed with its reason in `properties/coverag
 (`path:line  reason`, `path:first-last  reason` or `path:from->to  reason` for a branch, one a
 line). The report sets every uncovered line against that list:
 uncovered and listed is accounted for, uncovered and unlisted is a gap, listed but covered is a
-stale entry (tests/test_lockstep_properties.py keeps the list exactly true for the ci profile).
+stale entry (tests/properties/test_lockstep_machine.py keeps the list exactly true for the ci profile).
 """
 
 from __future__ import annotations

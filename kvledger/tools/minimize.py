@@ -93,7 +93,7 @@ def _continue(lock: Lockstep, ops: Ops,
         except InvalidOp:
             # A bad stop list changes nothing either, but a candidate that left one behind is
             # dropped whole: skipping those steps instead made the search slower (the long fuzz
-            # walk of tests/test_minimize.py no longer reached 10 operations in its replays).
+            # walk of tests/tools/test_minimize.py no longer reached 10 operations in its replays).
             if op.get("stop"):
                 return None, []
             continue

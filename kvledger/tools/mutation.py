@@ -101,7 +101,7 @@ def use_tree(root: Path) -> None:
         raise RuntimeError(f"use_tree: kvledger already imported ({', '.join(sorted(loaded)[:3])}, ...)")
     script_dir = str(Path(__file__).resolve().parent)
     sys.path[:] = [p for p in sys.path if p != script_dir]  # `python .../mutation.py` puts its folder first
-    sys.path.insert(0, str(root))  # the tests import `tests.conftest`
+    sys.path.insert(0, str(root))  # the tests import `tests.support`
     sys.meta_path.insert(0, _TreeFinder(package_dirs(root)))
 
 

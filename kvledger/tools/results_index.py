@@ -6,7 +6,7 @@ benchmark outputs often start with the same workload line), else from the file i
 object's "description" key, else its first non-empty line (a leading "#" of a header comment or a
 Markdown title dropped), cut at `WIDTH` characters. The output depends only on the files, so the
 committed index can be compared with a fresh one: `--check` exits 1 when it is stale, and
-tests/test_results_index.py runs that comparison.
+tests/tools/test_results_index.py runs that comparison.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ HEADER = """# Results
 
 The raw outputs behind the numbers in [docs/benchmarks.md](../docs/benchmarks.md) and the other
 pages of [docs/](../docs/). This index is generated: `python -m kvledger.tools.results_index`
-rewrites it from the files, and `--check` (run by tests/test_results_index.py) fails when it is
+rewrites it from the files, and `--check` (run by tests/tools/test_results_index.py) fails when it is
 stale. A new file gets its description from its first line, its JSON "description" key, or the
 table in kvledger/tools/results_index.py.
 
