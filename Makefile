@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SUBJECTS_STAMP := $(VENV)/.subjects-installed
 
-.PHONY: run test mutation install subjects clean
+.PHONY: run test lint format mutation install subjects clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,6 +32,15 @@ subjects: $(SUBJECTS_STAMP)
 
 run: $(STAMP)
 	$(BIN)/kvledger generate --chat --max-tokens 96 --verify "Explain in two sentences why a KV cache speeds up text generation."
+
+# ruff (configured in pyproject.toml): the linter, then the formatter's check; `make format` rewrites
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 test: $(STAMP) $(SUBJECTS_STAMP)
 	$(BIN)/python -m pytest -n auto -p no:cacheprovider tests; rc=$$?; \

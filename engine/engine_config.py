@@ -9,59 +9,99 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Dict, Optional, Sequence
 
 from kvledger.engine.ledger.trace import Header
-from kvledger.engine.options import ADMISSION_POLICIES, ATTENTION_BACKENDS, CACHE_TYPES, DTYPE_NAMES, \
-    KV_CACHE_DTYPE_NAMES, EngineOptionError, validate_engine_options
+from kvledger.engine.options import (
+    ADMISSION_POLICIES,
+    ATTENTION_BACKENDS,
+    CACHE_TYPES,
+    DTYPE_NAMES,
+    KV_CACHE_DTYPE_NAMES,
+    EngineOptionError,
+    validate_engine_options,
+)
 from kvledger.reference.admission_policy import AdmissionPolicy
 
 
-def option(default: Any, help: str, *, flag: Optional[str] = None, choices: Optional[Sequence[str]] = None,
-           negative: Optional[str] = None, metavar: Optional[str] = None, alias: Optional[str] = None) -> Any:
+def option(
+    default: Any,
+    help: str,
+    *,
+    flag: Optional[str] = None,
+    choices: Optional[Sequence[str]] = None,
+    negative: Optional[str] = None,
+    metavar: Optional[str] = None,
+    alias: Optional[str] = None,
+) -> Any:
     """A config field with what its flag needs. `negative`: the flag that sets a boolean False;
     `alias`: a second, short flag."""
-    meta = {"help": help, "flag": flag, "choices": choices, "negative": negative, "metavar": metavar,
-            "alias": alias}
+    meta = {"help": help, "flag": flag, "choices": choices, "negative": negative, "metavar": metavar, "alias": alias}
     return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: Any = option(None, "a .gguf file or a Hugging Face directory (default: the embedded "
-                              "SmolLM2-135M-Instruct); with --dummy-weights also a shipped config name")
+    model: Any = option(
+        None,
+        "a .gguf file or a Hugging Face directory (default: the embedded "
+        "SmolLM2-135M-Instruct); with --dummy-weights also a shipped config name",
+    )
     dtype: str = option("float32", "weights, activations and KV cache dtype", choices=DTYPE_NAMES)
     device: str = option("cpu", "cpu, cuda or cuda:N")
     page_size: int = option(16, "tokens per KV page")
     cache_type: str = option("radix", "prefix cache", flag="--cache", choices=CACHE_TYPES)
-    kv_cache_dtype: str = option("auto", "KV cache storage: auto (the model dtype) or fp8_e4m3 (half of bf16's "
-                                         "bytes; stored as x / scale, one scale for K and one for V per layer)",
-                                 choices=KV_CACHE_DTYPE_NAMES)
-    kv_cache_tokens: Optional[int] = option(None, "KV pool size in tokens, rounded down to whole pages (default: "
-                                                  "32768 on the CPU or with --verify, from free memory on CUDA)")
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV cache storage: auto (the model dtype) or fp8_e4m3 (half of bf16's "
+        "bytes; stored as x / scale, one scale for K and one for V per layer)",
+        choices=KV_CACHE_DTYPE_NAMES,
+    )
+    kv_cache_tokens: Optional[int] = option(
+        None,
+        "KV pool size in tokens, rounded down to whole pages (default: "
+        "32768 on the CPU or with --verify, from free memory on CUDA)",
+    )
     max_running_reqs: int = option(64, "requests decoding at once (page-table rows)")
-    max_seq_len: Optional[int] = option(None, "prompt plus generated tokens per request (default: the model's "
-                                              "context, at most 4096)")
+    max_seq_len: Optional[int] = option(
+        None, "prompt plus generated tokens per request (default: the model's context, at most 4096)"
+    )
     max_prefill_tokens: int = option(2048, "tokens one prefill step computes; longer prompts are chunked")
-    admission: str = option("reserve", "admission policy: reserve each request's worst case (never preempts); "
-                                       "optimistic: reserve part of max_tokens, preempt the newest request when "
-                                       "KV runs short; adaptive: optimistic, the part learned from the output "
-                                       "lengths of requests that ended", choices=ADMISSION_POLICIES)
-    reserve_ratio: float = option(0.5, "optimistic: the fraction of a request's remaining max_tokens reserved at "
-                                       "admission (adaptive: until 8 requests have ended)")
+    admission: str = option(
+        "reserve",
+        "admission policy: reserve each request's worst case (never preempts); "
+        "optimistic: reserve part of max_tokens, preempt the newest request when "
+        "KV runs short; adaptive: optimistic, the part learned from the output "
+        "lengths of requests that ended",
+        choices=ADMISSION_POLICIES,
+    )
+    reserve_ratio: float = option(
+        0.5,
+        "optimistic: the fraction of a request's remaining max_tokens reserved at "
+        "admission (adaptive: until 8 requests have ended)",
+    )
     verify: bool = option(False, "shadow every cache operation in the reference model and compare")
     trace: Optional[str] = option(None, "record every cache operation to this trace file", metavar="FILE")
     seed: int = option(0, "base seed of sampling and of dummy weights")
     dummy_weights: bool = option(False, "random weights in the model's shapes instead of loading them")
     threads: Optional[int] = option(None, "torch CPU threads (default: torch's choice)")
-    attention: str = option("auto", "attention backend (auto: Triton on CUDA, torch-native on the CPU)",
-                            choices=ATTENTION_BACKENDS)
+    attention: str = option(
+        "auto", "attention backend (auto: Triton on CUDA, torch-native on the CPU)", choices=ATTENTION_BACKENDS
+    )
     cuda_graphs: bool = option(True, "capture decode steps as CUDA graphs", negative="--no-cuda-graphs")
-    cascade_attention: bool = option(True, "Triton decode with the radix cache: read a prefix that running requests "
-                                           "share once per group, not once per request",
-                                     negative="--no-cascade-attention")
-    tensor_parallel_size: int = option(1, "processes (one per GPU, or CPU processes over gloo) that split the model "
-                                          "by heads and MLP features; each holds its share of the KV pool",
-                                       flag="--tensor-parallel-size", alias="--tp")
-    overlap: Optional[bool] = option(None, "schedule the next step while the current one runs (default: on for "
-                                           "CUDA)", negative="--no-overlap")
+    cascade_attention: bool = option(
+        True,
+        "Triton decode with the radix cache: read a prefix that running requests "
+        "share once per group, not once per request",
+        negative="--no-cascade-attention",
+    )
+    tensor_parallel_size: int = option(
+        1,
+        "processes (one per GPU, or CPU processes over gloo) that split the model "
+        "by heads and MLP features; each holds its share of the KV pool",
+        flag="--tensor-parallel-size",
+        alias="--tp",
+    )
+    overlap: Optional[bool] = option(
+        None, "schedule the next step while the current one runs (default: on for CUDA)", negative="--no-overlap"
+    )
 
     def __post_init__(self) -> None:
         validate_engine_options(self)
@@ -86,9 +126,15 @@ class EngineConfig:
         return meta["flag"] or "--" + name.replace("_", "-")
 
     @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser, *, only: Optional[Sequence[str]] = None,
-                      defaults: Optional[Dict[str, Any]] = None, helps: Optional[Dict[str, str]] = None,
-                      title: str = "engine options") -> None:
+    def add_arguments(
+        cls,
+        parser: argparse.ArgumentParser,
+        *,
+        only: Optional[Sequence[str]] = None,
+        defaults: Optional[Dict[str, Any]] = None,
+        helps: Optional[Dict[str, str]] = None,
+        title: str = "engine options",
+    ) -> None:
         """Add the options' flags to `parser` (all of them, or those named in `only`), with their
         help; `defaults` and `helps` override a default and its help (a benchmark's own workload)."""
         group = parser.add_argument_group(title)
@@ -103,21 +149,39 @@ class EngineConfig:
                 if default is not True:  # a True default has only its negative flag: --no-cuda-graphs
                     group.add_argument(flag, dest=f.name, action="store_true", default=default, help=shown)
                 if meta["negative"]:
-                    group.add_argument(meta["negative"], dest=f.name, action="store_false", default=default,
-                                       help=f"do not {meta['help']}")
+                    group.add_argument(
+                        meta["negative"],
+                        dest=f.name,
+                        action="store_false",
+                        default=default,
+                        help=f"do not {meta['help']}",
+                    )
                 continue
             kind = float if "float" in f.type else int if "int" in f.type else str
             flags = (flag, meta["alias"]) if meta["alias"] else (flag,)
-            group.add_argument(*flags, dest=f.name, type=kind, default=default, choices=meta["choices"],
-                               metavar=meta["metavar"], help=shown)
+            group.add_argument(
+                *flags,
+                dest=f.name,
+                type=kind,
+                default=default,
+                choices=meta["choices"],
+                metavar=meta["metavar"],
+                help=shown,
+            )
 
     def resolve(self, num_pages: int, max_seq_len: int) -> ResolvedConfig:
         """This configuration for one engine whose pool holds `num_pages` pages and whose requests
         may span `max_seq_len` positions (see `engine/runtime/build.py`)."""
-        return ResolvedConfig(num_pages=num_pages, page_size=self.page_size, cache_type=self.cache_type,
-                              max_running_reqs=self.max_running_reqs, max_seq_len=max_seq_len,
-                              max_prefill_tokens=self.max_prefill_tokens, seed=self.seed,
-                              admission=AdmissionPolicy(self.admission, self.reserve_ratio))
+        return ResolvedConfig(
+            num_pages=num_pages,
+            page_size=self.page_size,
+            cache_type=self.cache_type,
+            max_running_reqs=self.max_running_reqs,
+            max_seq_len=max_seq_len,
+            max_prefill_tokens=self.max_prefill_tokens,
+            seed=self.seed,
+            admission=AdmissionPolicy(self.admission, self.reserve_ratio),
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -146,7 +210,14 @@ class ResolvedConfig:
     def trace_header(self, producer: str = "engine") -> Header:
         """The header of a trace this engine records; `Header.cache_scheduler_args` builds the
         cache scheduler from it, so the engine and a replay of its trace start alike."""
-        return Header(num_pages=self.num_pages, page_size=self.page_size, cache_type=self.cache_type,
-                      table_slots=self.max_running_reqs, max_seq_len=self.max_seq_len,
-                      admission=self.admission.kind, reserve_ratio=self.admission.reserve_ratio,
-                      seed=self.seed, producer=producer)
+        return Header(
+            num_pages=self.num_pages,
+            page_size=self.page_size,
+            cache_type=self.cache_type,
+            table_slots=self.max_running_reqs,
+            max_seq_len=self.max_seq_len,
+            admission=self.admission.kind,
+            reserve_ratio=self.admission.reserve_ratio,
+            seed=self.seed,
+            producer=producer,
+        )

@@ -45,11 +45,11 @@ def validate_engine_options(c: "EngineConfig") -> None:
     _check_int("page_size", c.page_size, 1)
     _check_choice("cache_type", c.cache_type, CACHE_TYPES)
     _check_choice("kv_cache_dtype", c.kv_cache_dtype, KV_CACHE_DTYPE_NAMES)
-    _check_int("kv_cache_tokens", c.kv_cache_tokens, c.page_size, none_ok=True,
-               least_is=f"one page ({c.page_size} tokens)")
+    _check_int(
+        "kv_cache_tokens", c.kv_cache_tokens, c.page_size, none_ok=True, least_is=f"one page ({c.page_size} tokens)"
+    )
     _check_int("max_running_reqs", c.max_running_reqs, 1)
-    _check_int("max_seq_len", c.max_seq_len, 2, none_ok=True,
-               least_is="2 (a one-token prompt and one generated token)")
+    _check_int("max_seq_len", c.max_seq_len, 2, none_ok=True, least_is="2 (a one-token prompt and one generated token)")
     _check_int("max_prefill_tokens", c.max_prefill_tokens, 1)
     _check_choice("admission", c.admission, ADMISSION_POLICIES)
     _check_ratio("reserve_ratio", c.reserve_ratio)
@@ -64,8 +64,11 @@ def validate_for_model(max_seq_len: Optional[int], config: ModelConfig, tensor_p
     """The options that depend on the model: max_seq_len within its position embeddings, and a
     tensor-parallel size its heads split over."""
     if max_seq_len is not None and max_seq_len > config.max_position_embeddings:
-        raise EngineOptionError("max_seq_len", f"must be at most the model's max_position_embeddings "
-                                               f"({config.max_position_embeddings}), got {max_seq_len!r}")
+        raise EngineOptionError(
+            "max_seq_len",
+            f"must be at most the model's max_position_embeddings "
+            f"({config.max_position_embeddings}), got {max_seq_len!r}",
+        )
     from kvledger.engine.distributed.partition import PartitionError, TensorParallelShard
 
     try:
@@ -79,8 +82,9 @@ def _check_ratio(name: str, value: Any) -> None:
         raise EngineOptionError(name, f"must be a number in [0, 1], got {value!r}")
 
 
-def _check_int(name: str, value: Any, least: int, *, none_ok: bool = False, least_is: str = "",
-               below: Optional[int] = None) -> None:
+def _check_int(
+    name: str, value: Any, least: int, *, none_ok: bool = False, least_is: str = "", below: Optional[int] = None
+) -> None:
     if value is None and none_ok:
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -109,11 +113,13 @@ def _check_tensor_parallel(size: Any, device: Any) -> None:
 
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is not None:
-        raise EngineOptionError("tensor_parallel_size", f"{size} needs device 'cuda' (rank r runs on cuda:r), "
-                                                        f"got {device!r}")
+        raise EngineOptionError(
+            "tensor_parallel_size", f"{size} needs device 'cuda' (rank r runs on cuda:r), got {device!r}"
+        )
     if dev.type == "cuda" and size > torch.cuda.device_count() and "LOCAL_RANK" not in os.environ:
-        raise EngineOptionError("tensor_parallel_size", f"{size} needs {size} CUDA devices, "
-                                                        f"{torch.cuda.device_count()} are visible")
+        raise EngineOptionError(
+            "tensor_parallel_size", f"{size} needs {size} CUDA devices, {torch.cuda.device_count()} are visible"
+        )
 
 
 def _check_device(device: Any) -> None:
@@ -126,9 +132,13 @@ def _check_device(device: Any) -> None:
     if dev is None or dev.type not in ("cpu", "cuda"):
         raise EngineOptionError("device", f"must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise EngineOptionError("device", f"is {device!r}, but CUDA is not available (torch.cuda.is_available() is False)")
+        raise EngineOptionError(
+            "device", f"is {device!r}, but CUDA is not available (torch.cuda.is_available() is False)"
+        )
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise EngineOptionError("device", f"is {device!r}, but only {torch.cuda.device_count()} CUDA device(s) are visible")
+        raise EngineOptionError(
+            "device", f"is {device!r}, but only {torch.cuda.device_count()} CUDA device(s) are visible"
+        )
 
 
 def _check_model(model: Any, dummy_weights: bool) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Tuple
+from typing import Iterable, Tuple
 
 import torch
 
@@ -21,8 +21,9 @@ def _pages_to_finish(cached_len: int, max_device_len: int, page_size: int) -> in
     return max(div_ceil(max_device_len - 1, page_size) - div_ceil(cached_len, page_size), 0)
 
 
-def _reserved_pages(policy: AdmissionPolicy, cached_len: int, device_len: int, max_device_len: int,
-                    page_size: int) -> int:
+def _reserved_pages(
+    policy: AdmissionPolicy, cached_len: int, device_len: int, max_device_len: int, page_size: int
+) -> int:
     """Pages still reserved for a request: to max_device_len (reserve), or to device_len plus the
     ratio of what it may still generate, rounded up, and at least its next token (optimistic)."""
     if not policy.preempts:
@@ -61,9 +62,14 @@ class DecodeManager:
 
 
 class PrefillAdder:
-    def __init__(self, token_budget: int, reserved_size: int,
-                 cache_manager: CacheManager, table_manager: TableManager,
-                 policy: AdmissionPolicy = RESERVE) -> None:
+    def __init__(
+        self,
+        token_budget: int,
+        reserved_size: int,
+        cache_manager: CacheManager,
+        table_manager: TableManager,
+        policy: AdmissionPolicy = RESERVE,
+    ) -> None:
         self.token_budget = token_budget
         self.reserved_size = reserved_size
         self.cache_manager = cache_manager
@@ -103,10 +109,18 @@ class PrefillAdder:
         self.token_budget -= chunk
         self.reserved_size += self._need(cached_len, pending)
         self.table_manager.token_pool[table_idx, cached_len:end].copy_(
-            self._staged(pending.input_ids[cached_len:end]), non_blocking=True)
+            self._staged(pending.input_ids[cached_len:end]), non_blocking=True
+        )
         cls = ChunkedReq if end < pending.input_len else Req
-        return cls(pending.input_ids[:end], table_idx, cached_len, pending.output_len,
-                   pending.uid, pending.sampling_params, handle)
+        return cls(
+            pending.input_ids[:end],
+            table_idx,
+            cached_len,
+            pending.output_len,
+            pending.uid,
+            pending.sampling_params,
+            handle,
+        )
 
     def try_add_one(self, pending: PendingReq) -> Req | None:
         if self.token_budget <= 0:

@@ -33,8 +33,10 @@ class CacheManager:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages ({num_pages}) and page_size ({page_size}) must be >= 1")
         if (page_table.shape[1]) % page_size:
-            raise ValueError(f"page_table width ({page_table.shape[1]}) must be a multiple of page_size ({page_size}): "
-                             "a request's last page is written whole")
+            raise ValueError(
+                f"page_table width ({page_table.shape[1]}) must be a multiple of page_size ({page_size}): "
+                "a request's last page is written whole"
+            )
         self.device = page_table.device
         self.num_pages = num_pages
         self.page_size = page_size

@@ -24,8 +24,10 @@ class Preemptor:
         newest_first = list(live)[::-1]
         while cm.needed_size(keep.values()) > cm.available_size:
             if len(victims) + 1 >= len(newest_first):
-                raise RuntimeError(f"out of pages: only the oldest request is left and the batch needs "
-                                   f"{cm.needed_size(keep.values())} tokens of pages, {cm.available_size} available")
+                raise RuntimeError(
+                    f"out of pages: only the oldest request is left and the batch needs "
+                    f"{cm.needed_size(keep.values())} tokens of pages, {cm.available_size} available"
+                )
             victim = newest_first[len(victims)]
             keep.pop(id(victim), None)
             self.preempt(victim)

@@ -189,7 +189,9 @@ class RadixPrefixCache:
         for node in self.nodes():
             where = f"radix node {node.id}"
             if node.length == 0 or node.length % ps or node.value.numel() != node.length:
-                raise RuntimeError(f"integrity: {where} has key length {node.length}, value length {node.value.numel()}")
+                raise RuntimeError(
+                    f"integrity: {where} has key length {node.length}, value length {node.value.numel()}"
+                )
             if node.parent.children.get(tuple(node.key[:ps])) is not node:
                 raise RuntimeError(f"integrity: {where} is not its parent's child under its first page")
             if node.value.device != self.device or node.value.dtype != torch.int32:
@@ -210,4 +212,6 @@ class RadixPrefixCache:
             )
         in_heap = {n.id for _, _, v, n in self._leaves if v == n.version and n.parent is not None}
         if in_heap != live_leaves:
-            raise RuntimeError(f"integrity: evictable-leaf heap holds {sorted(in_heap)}, tree has {sorted(live_leaves)}")
+            raise RuntimeError(
+                f"integrity: evictable-leaf heap holds {sorted(in_heap)}, tree has {sorted(live_leaves)}"
+            )

@@ -31,13 +31,23 @@ class Req:
     the model's arithmetic must show up as a difference, not be shared by both sides.
     """
 
-    def __init__(self, input_ids: Any, table_idx: int, cached_len: int, output_len: int, uid: int,
-                 sampling_params: SamplingParams, cache_handle: Any) -> None:
+    def __init__(
+        self,
+        input_ids: Any,
+        table_idx: int,
+        cached_len: int,
+        output_len: int,
+        uid: int,
+        sampling_params: SamplingParams,
+        cache_handle: Any,
+    ) -> None:
         ids = as_token_tensor(input_ids).numpy()
         n = int(ids.shape[0])
         if not 0 <= cached_len < n or output_len < 0:
-            raise ValueError(f"request {uid}: need 0 <= cached_len ({cached_len}) < device_len ({n}) "
-                             f"<= max_device_len ({n + output_len})")
+            raise ValueError(
+                f"request {uid}: need 0 <= cached_len ({cached_len}) < device_len ({n}) "
+                f"<= max_device_len ({n + output_len})"
+            )
         self.table_idx = table_idx
         self.cached_len = cached_len
         self.device_len = n
@@ -82,8 +92,10 @@ class Req:
         self._buf[index] = int(token)
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(uid={self.uid}, table_idx={self.table_idx}, cached_len={self.cached_len}, "
-                f"device_len={self.device_len}, max_device_len={self.max_device_len})")
+        return (
+            f"{type(self).__name__}(uid={self.uid}, table_idx={self.table_idx}, cached_len={self.cached_len}, "
+            f"device_len={self.device_len}, max_device_len={self.max_device_len})"
+        )
 
 
 class ChunkedReq(Req):

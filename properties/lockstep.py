@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from kvledger import fast
-from kvledger import reference
-
+from kvledger import fast, reference
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvalidOp, InvariantViolation
 from kvledger.engine.ledger.divergence import Divergence, compare
 from kvledger.engine.ledger.trace import Header

@@ -38,41 +38,61 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvledger.engine.ledger import trace
+from kvledger.engine.ledger.divergence import _state_diff
+from kvledger.engine.ledger.ops import InvalidOp
+from kvledger.properties.lockstep import Divergence, Lockstep
 from kvledger.reference import events
 from kvledger.reference.pages import div_ceil, tokens_to_finish
-
-from kvledger.engine.ledger import trace
-from kvledger.engine.ledger.ops import InvalidOp
-from kvledger.engine.ledger.divergence import _state_diff
-from kvledger.properties.lockstep import Divergence, Lockstep
 
 ALPHABET = st.integers(0, 3)
 
 # Rare branches the CI profile must reach (tests/properties/test_lockstep_machine.py proves it).
-EXPECTED_EVENTS = frozenset({
-    "admission: prefix hit", "admission: rejected", "admission: rejected only after locking the hit",
-    "admission: no table slot", "prefill: chunked", "radix: node split",
-    "radix: one eviction takes several leaves", "radix: eviction makes the parent an evictable leaf",
-    "allocate: evicts from the prefix cache", "cache_req: new prefix inserted",
-    "cache_req: duplicate prefix freed while running", "cache_req: duplicate prefix freed at finish",
-    "cache_req: partial tail page freed", "driver: rejected request admitted later",
-    "driver: several requests prefill together", "driver: abort mid-chunk", "driver: idle",
-    # optimistic admission (the model's `preemption.py` and the cache scheduler's requeue)
-    "preempt: running request", "preempt: mid-chunk", "preempt: a request of the step's own batch",
-    "preempt: a request outside the step's batch", "preempt: several victims in one step",
-    "preempt: the same request preempted twice", "preempt: re-prefill hits the prefix cache",
-    "preempt: a preempted request aborted while waiting",
-    "driver: every request of a step preempted", "driver: drain ended requests that were preempted",
-    "adaptive: the reserve ratio changed",
-    # the order of eviction (fast keeps its evictable leaves in a heap, see EvictionOrderWatch)
-    "radix: eviction after a cached leaf was re-touched", "radix: eviction after a leaf gained a child",
-    "radix: lock/unlock of an evictable leaf",
-})
+EXPECTED_EVENTS = frozenset(
+    {
+        "admission: prefix hit",
+        "admission: rejected",
+        "admission: rejected only after locking the hit",
+        "admission: no table slot",
+        "prefill: chunked",
+        "radix: node split",
+        "radix: one eviction takes several leaves",
+        "radix: eviction makes the parent an evictable leaf",
+        "allocate: evicts from the prefix cache",
+        "cache_req: new prefix inserted",
+        "cache_req: duplicate prefix freed while running",
+        "cache_req: duplicate prefix freed at finish",
+        "cache_req: partial tail page freed",
+        "driver: rejected request admitted later",
+        "driver: several requests prefill together",
+        "driver: abort mid-chunk",
+        "driver: idle",
+        # optimistic admission (the model's `preemption.py` and the cache scheduler's requeue)
+        "preempt: running request",
+        "preempt: mid-chunk",
+        "preempt: a request of the step's own batch",
+        "preempt: a request outside the step's batch",
+        "preempt: several victims in one step",
+        "preempt: the same request preempted twice",
+        "preempt: re-prefill hits the prefix cache",
+        "preempt: a preempted request aborted while waiting",
+        "driver: every request of a step preempted",
+        "driver: drain ended requests that were preempted",
+        "adaptive: the reserve ratio changed",
+        # the order of eviction (fast keeps its evictable leaves in a heap, see EvictionOrderWatch)
+        "radix: eviction after a cached leaf was re-touched",
+        "radix: eviction after a leaf gained a child",
+        "radix: lock/unlock of an evictable leaf",
+    }
+)
 # noted by this machine alone: the fuzzer's walk has no drain, and no EvictionOrderWatch
-MACHINE_ONLY_EVENTS = frozenset({
-    "driver: drain ended requests that were preempted",
-    "radix: eviction after a cached leaf was re-touched", "radix: eviction after a leaf gained a child",
-})
+MACHINE_ONLY_EVENTS = frozenset(
+    {
+        "driver: drain ended requests that were preempted",
+        "radix: eviction after a cached leaf was re-touched",
+        "radix: eviction after a leaf gained a child",
+    }
+)
 REACHED: set = set()
 # name -> the number of the sequence (1 = the first the run generated) that first reached it
 FIRST_REACHED: Dict[str, int] = {}
@@ -141,8 +161,12 @@ class EvictionOrderWatch:
             self._before_eviction()
             return evict(size)
 
-        cache._walk, cache.insert_prefix, cache.lock_handle, cache.evict = \
-            watched_walk, watched_insert, watched_lock, watched_evict
+        cache._walk, cache.insert_prefix, cache.lock_handle, cache.evict = (
+            watched_walk,
+            watched_insert,
+            watched_lock,
+            watched_evict,
+        )
 
     def _in_tree(self, node) -> bool:
         return node.parent is not None and node.parent.children.get(self.cache._edge(node.key)) is node
@@ -153,11 +177,11 @@ class EvictionOrderWatch:
     def _before_eviction(self) -> None:
         leaves = self._evictable_leaves()
         self.retouched = {n: t for n, t in self.retouched.items() if n in leaves}
-        if any((t, n.id) < (m.last_access, m.id) < (n.last_access, n.id)
-               for n, t in self.retouched.items() for m in leaves):
+        if any(
+            (t, n.id) < (m.last_access, m.id) < (n.last_access, n.id) for n, t in self.retouched.items() for m in leaves
+        ):
             self.note("radix: eviction after a cached leaf was re-touched")
-        self.gained = {n: t for n, t in self.gained.items()
-                       if self._in_tree(n) and n.children and n.last_access == t}
+        self.gained = {n: t for n, t in self.gained.items() if self._in_tree(n) and n.children and n.last_access == t}
         if self.gained:
             self.note("radix: eviction after a leaf gained a child")
 
@@ -183,8 +207,16 @@ class LockstepMachine(RuleBasedStateMachine):
         admission=st.sampled_from(["reserve", "optimistic", "reserve", "adaptive"]),
         reserve_ratio=st.sampled_from([0.0, 0.0, 0.25, 0.5]),  # 0 reserves least: most preemption
     )
-    def setup(self, page_size: int, num_pages: int, cache_type: str, table_slots: int,
-              families: List[List[int]], admission: str, reserve_ratio: float) -> None:
+    def setup(
+        self,
+        page_size: int,
+        num_pages: int,
+        cache_type: str,
+        table_slots: int,
+        families: List[List[int]],
+        admission: str,
+        reserve_ratio: float,
+    ) -> None:
         events.set_listener(note)
         # `num_pages` is drawn as a pool size in tokens (8-64): the prompts are short, and
         # pools of 8-64 pages of 2-16 tokens almost never filled, so allocation never evicted
@@ -195,9 +227,16 @@ class LockstepMachine(RuleBasedStateMachine):
         else:  # smaller still: preemption must be the common case, not the exception
             num_pages = max(2, min(num_pages, OPTIMISTIC_POOL_TOKENS) // page_size)
             table_slots += 2  # one request alone is never preempted; the pool, not the table, is the limit
-        self.header = trace.Header(num_pages=num_pages, page_size=page_size, cache_type=cache_type,
-                                   table_slots=table_slots, max_seq_len=256, admission=admission,
-                                   reserve_ratio=reserve_ratio, producer="hypothesis")
+        self.header = trace.Header(
+            num_pages=num_pages,
+            page_size=page_size,
+            cache_type=cache_type,
+            table_slots=table_slots,
+            max_seq_len=256,
+            admission=admission,
+            reserve_ratio=reserve_ratio,
+            producer="hypothesis",
+        )
         self.lock = Lockstep(self.header)
         SEQUENCES[0] += 1
         if cache_type == "radix":
@@ -250,8 +289,12 @@ class LockstepMachine(RuleBasedStateMachine):
     def ref(self):
         return self.lock.ref
 
-    @rule(family=st.integers(0, 2), keep=st.integers(0, 48), suffix=st.lists(ALPHABET, max_size=12),
-          max_tokens=st.integers(1, 24))
+    @rule(
+        family=st.integers(0, 2),
+        keep=st.integers(0, 48),
+        suffix=st.lists(ALPHABET, max_size=12),
+        max_tokens=st.integers(1, 24),
+    )
     def submit(self, family: int, keep: int, suffix: List[int], max_tokens: int) -> None:
         tokens = self.families[family % len(self.families)][:keep] + suffix
         if not tokens:
@@ -333,9 +376,13 @@ class LockstepMachine(RuleBasedStateMachine):
         self.chunk_then_grow(1, sample, self.pool, True)
 
     @precondition(lambda self: self.optimistic and not self.ref.waiting and not self.ref.live)
-    @rule(family=st.integers(0, 2), keep=st.integers(1, 6),
-          arrivals=st.lists(st.tuples(st.lists(ALPHABET, max_size=1), st.integers(1, 24)), min_size=3, max_size=6),
-          sample=SAMPLE, steps=st.integers(1, 16))
+    @rule(
+        family=st.integers(0, 2),
+        keep=st.integers(1, 6),
+        arrivals=st.lists(st.tuples(st.lists(ALPHABET, max_size=1), st.integers(1, 24)), min_size=3, max_size=6),
+        sample=SAMPLE,
+        steps=st.integers(1, 16),
+    )
     def stream(self, family: int, keep: int, arrivals: List, sample: List[int], steps: int) -> None:
         """Optimistic only, from idle: short requests over one shared prefix arrive one per step
         (submit, prefill, decode) until a step preempts; if none did, the running ones decode
@@ -374,9 +421,13 @@ class LockstepMachine(RuleBasedStateMachine):
         self._do({"op": "evict", "tokens": max(1, int(evictable * fraction)) if evictable and fraction else 0})
 
     @precondition(lambda self: self.header.cache_type == "radix" and not self.ref.waiting)
-    @rule(family=st.integers(0, 2), tail=st.lists(ALPHABET, max_size=8),
-          arrivals=st.lists(st.tuples(st.integers(0, 1), st.sampled_from([0, 1, 2, 4, 8])), min_size=2, max_size=4),
-          again=st.booleans(), evict=st.none() | st.floats(0.0, 1.0))
+    @rule(
+        family=st.integers(0, 2),
+        tail=st.lists(ALPHABET, max_size=8),
+        arrivals=st.lists(st.tuples(st.integers(0, 1), st.sampled_from([0, 1, 2, 4, 8])), min_size=2, max_size=4),
+        again=st.booleans(),
+        evict=st.none() | st.floats(0.0, 1.0),
+    )
     def burst(self, family: int, tail: List[int], arrivals: List, again: bool, evict: float | None) -> None:
         """Short requests (one output token: they end at their prefill) arrive together and prefill
         in one batch; then, maybe, an eviction. Each prompt is the family's start, a branch token
@@ -428,8 +479,11 @@ class LockstepMachine(RuleBasedStateMachine):
         waiting = self.ref.waiting
         if len(waiting) > 1:
             ops.append({"op": "prefill", "budget": 1, "sample": [], "stop": [waiting[-1].uid]})
-        if waiting and waiting[0].chunked_req is not None and \
-                waiting[0].input_len - waiting[0].chunked_req.cached_len > 1:
+        if (
+            waiting
+            and waiting[0].chunked_req is not None
+            and waiting[0].input_len - waiting[0].chunked_req.cached_len > 1
+        ):
             ops.append({"op": "prefill", "budget": 1, "sample": [], "stop": [waiting[0].uid]})
         return ops
 
@@ -475,20 +529,27 @@ class LockstepMachine(RuleBasedStateMachine):
         self.drained = True
         ref = self.ref
         requests = len({p.uid for p in ref.waiting} | set(ref.live))
-        tokens = sum(r.max_device_len - r.device_len + 1 for r in ref.live.values()) + \
-            sum(p.output_len + div_ceil(p.input_len, budget) for p in ref.waiting)
+        tokens = sum(r.max_device_len - r.device_len + 1 for r in ref.live.values()) + sum(
+            p.output_len + div_ceil(p.input_len, budget) for p in ref.waiting
+        )
         bound = (requests + 1) * tokens + 10
         before, ops = self.preempted_seen, 0
         while ref.waiting or ref.live:
-            self._check(ops < bound, f"liveness: {len(ref.waiting)} waiting and {len(ref.live)} live requests "
-                                     f"still there after {ops} operations (bound {bound})")
+            self._check(
+                ops < bound,
+                f"liveness: {len(ref.waiting)} waiting and {len(ref.live)} live requests "
+                f"still there after {ops} operations (bound {bound})",
+            )
             if ref.waiting:
                 result = self._do({"op": "prefill", "budget": budget, "sample": sample})
                 ops += 1
                 if result["batch"] or result["preempted"]:
                     continue
-            self._check(ref.dm.runnable, f"liveness: nothing admitted and nothing running; waiting "
-                                         f"{[p.uid for p in ref.waiting]}, live {sorted(ref.live)}")
+            self._check(
+                ref.dm.runnable,
+                f"liveness: nothing admitted and nothing running; waiting "
+                f"{[p.uid for p in ref.waiting]}, live {sorted(ref.live)}",
+            )
             self._do({"op": "decode", "sample": sample})
             ops += 1
         if self.preempted_seen > before:
@@ -511,14 +572,20 @@ class LockstepMachine(RuleBasedStateMachine):
             return
         ref, fst = self.ref, self.lock.fast
         if not self.optimistic:
-            self._check(ref.preemptions == fst.preemptions == 0, f"reserve preempted: reference "
-                        f"{ref.preemptions}, fast {fst.preemptions}")
+            self._check(
+                ref.preemptions == fst.preemptions == 0,
+                f"reserve preempted: reference {ref.preemptions}, fast {fst.preemptions}",
+            )
         else:
-            self._check(ref.preemptions == fst.preemptions == self.preempted_seen,
-                        f"preemptions: reference {ref.preemptions}, fast {fst.preemptions}, "
-                        f"results named {self.preempted_seen}")
-            self._check(ref.recomputed_tokens == fst.recomputed_tokens,
-                        f"recomputed tokens: reference {ref.recomputed_tokens}, fast {fst.recomputed_tokens}")
+            self._check(
+                ref.preemptions == fst.preemptions == self.preempted_seen,
+                f"preemptions: reference {ref.preemptions}, fast {fst.preemptions}, "
+                f"results named {self.preempted_seen}",
+            )
+            self._check(
+                ref.recomputed_tokens == fst.recomputed_tokens,
+                f"recomputed tokens: reference {ref.recomputed_tokens}, fast {fst.recomputed_tokens}",
+            )
 
     @invariant()
     def quiescent_when_idle(self) -> None:

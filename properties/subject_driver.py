@@ -28,12 +28,11 @@ import threading
 import traceback
 from typing import Any, Callable, Dict, Iterator, List, Sequence, Set, Union
 
-from kvledger.reference.pages import div_ceil
-
-from kvledger.engine.ledger.ops import Abort, CacheOp, Decode, Evict, Finish, InvalidOp, Prefill, Probe, Submit, parse
 from kvledger.engine.ledger.invariants import InvariantViolation
+from kvledger.engine.ledger.ops import Abort, CacheOp, Decode, Evict, Finish, InvalidOp, Prefill, Probe, Submit, parse
 from kvledger.engine.ledger.subject import Capabilities, Subject, SubjectConfig, SubjectUnavailable, View
 from kvledger.engine.ledger.subject_judge import Ledger, check_queue_order, judge
+from kvledger.reference.pages import div_ceil
 
 __all__ = ["Finding", "SubjectDriver", "InvalidOp"]
 
@@ -49,19 +48,21 @@ class Finding(AssertionError):
 
 
 # the rare states every subject's generator must reach (kvledger check reports the first sequence)
-SUBJECT_EVENTS = frozenset({
-    "hit: prefix hit",
-    "hit: diverges inside a cached page",
-    "hit: diverges after the first page of a cached entry",
-    "hit: re-hit of cached pages no request holds",
-    "hit: on a request still mid-prefill",
-    "admission: refused",
-    "prefill: chunked",
-    "allocate: full pool with locked entries",
-    "preempt: a running request preempted",
-    "abort: mid-prefill",
-    "driver: idle after work",
-})
+SUBJECT_EVENTS = frozenset(
+    {
+        "hit: prefix hit",
+        "hit: diverges inside a cached page",
+        "hit: diverges after the first page of a cached entry",
+        "hit: re-hit of cached pages no request holds",
+        "hit: on a request still mid-prefill",
+        "admission: refused",
+        "prefill: chunked",
+        "allocate: full pool with locked entries",
+        "preempt: a running request preempted",
+        "abort: mid-prefill",
+        "driver: idle after work",
+    }
+)
 
 
 # A call into the subject takes microseconds; one still running after this long never returns (a
@@ -99,8 +100,14 @@ def expected_events(caps: Capabilities) -> frozenset:
 
 
 class SubjectDriver:
-    def __init__(self, subject: Subject, config: SubjectConfig, *, check: bool = True,
-                 on_event: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        subject: Subject,
+        config: SubjectConfig,
+        *,
+        check: bool = True,
+        on_event: Callable[[str], None] | None = None,
+    ) -> None:
         self.subject = subject
         self.config = config
         self.caps = subject.capabilities
@@ -127,11 +134,15 @@ class SubjectDriver:
         except (Finding, InvalidOp):
             raise
         except _Hung:
-            raise Finding("subject-hung", f"{what}{args!r:.120} did not return within {CALL_LIMIT_S:.0f} s "
-                                          "(a loop that never ends)", traceback.format_exc()) from None
+            raise Finding(
+                "subject-hung",
+                f"{what}{args!r:.120} did not return within {CALL_LIMIT_S:.0f} s (a loop that never ends)",
+                traceback.format_exc(),
+            ) from None
         except Exception as e:  # the subject failed inside its own code: a finding, not our crash
-            raise Finding(f"subject-raised:{type(e).__name__}", f"{what}{args!r:.120}: {e}",
-                          traceback.format_exc()) from e
+            raise Finding(
+                f"subject-raised:{type(e).__name__}", f"{what}{args!r:.120}: {e}", traceback.format_exc()
+            ) from e
 
     def view(self) -> View:
         return self._call("view", self.subject.view)
@@ -183,8 +194,10 @@ class SubjectDriver:
         if not tokens or max_tokens < 1:
             raise InvalidOp(f"submit: uid {uid} needs a prompt and max_tokens >= 1")
         if len(tokens) + max_tokens > self.config.max_seq_len:
-            raise InvalidOp(f"submit: uid {uid} needs {len(tokens) + max_tokens} positions, "
-                            f"max_seq_len is {self.config.max_seq_len}")
+            raise InvalidOp(
+                f"submit: uid {uid} needs {len(tokens) + max_tokens} positions, "
+                f"max_seq_len is {self.config.max_seq_len}"
+            )
         if div_ceil(len(tokens) + max_tokens - 1, self.caps.page_size) > self.config.num_pages:
             raise InvalidOp(f"submit: uid {uid} can never fit the pool of {self.config.num_pages} pages")
         self._call("submit", self.subject.submit, uid, list(tokens), max_tokens)
@@ -280,13 +293,17 @@ class SubjectDriver:
         if hit is None:
             self.on_event("admission: refused")
             if before is not None and _state(self.view()) != _state(before):
-                raise Finding("4-failed-admission", f"refusing uid {uid} changed the subject's free list, "
-                                                    "rows, cache or counts")
+                raise Finding(
+                    "4-failed-admission", f"refusing uid {uid} changed the subject's free list, rows, cache or counts"
+                )
             return None
         tokens = self.ledger.tokens[uid]
         if not isinstance(hit, int) or not 0 <= hit < len(tokens):
-            raise Finding("8-request", f"uid {uid} was admitted with a hit of {hit!r} tokens, but its prompt "
-                                       f"has {len(tokens)}: a hit must leave the last prompt token to compute")
+            raise Finding(
+                "8-request",
+                f"uid {uid} was admitted with a hit of {hit!r} tokens, but its prompt "
+                f"has {len(tokens)}: a hit must leave the last prompt token to compute",
+            )
         if hit and before is not None:
             self._note_hit(uid, hit, before)
         self.live.add(uid)
@@ -335,8 +352,11 @@ class SubjectDriver:
                     self.on_event("allocate: full pool with locked entries")
                 return True
             if self.caps.worst_case_admission:
-                raise Finding("3-no-oom", f"{self.subject.name} refused positions [{start}, {end}) to admitted uid "
-                                          f"{uid}, but it promises worst-case admission")
+                raise Finding(
+                    "3-no-oom",
+                    f"{self.subject.name} refused positions [{start}, {end}) to admitted uid "
+                    f"{uid}, but it promises worst-case admission",
+                )
             if not self.caps.preempts:
                 return False
             victim = max(self.live, key=lambda u: self.admitted[u])
@@ -362,8 +382,9 @@ class SubjectDriver:
         self.preempted.add(uid)
         self.preempted_this_step = True
 
-    def _complete(self, batch: List[tuple[int, int, int]], sample: Sequence[int], stop: Sequence[int],
-                  prefill: bool) -> None:
+    def _complete(
+        self, batch: List[tuple[int, int, int]], sample: Sequence[int], stop: Sequence[int], prefill: bool
+    ) -> None:
         row_of: Dict[int, List[int]] = {}
         if batch:
             requests = self.view().requests
@@ -374,8 +395,11 @@ class SubjectDriver:
             tokens = self.ledger.tokens[uid]
             row = row_of[uid]
             if len(row) < end:
-                raise Finding("8-request", f"uid {uid} was allocated positions [{start}, {end}) but the subject "
-                                           f"shows locations for {len(row)}")
+                raise Finding(
+                    "8-request",
+                    f"uid {uid} was allocated positions [{start}, {end}) but the subject "
+                    f"shows locations for {len(row)}",
+                )
             token = None
             if end == len(tokens):
                 token = int(sample[sampled % len(sample)]) if sample else 0
@@ -415,9 +439,16 @@ def _shared(a: Sequence[int], b: Sequence[int]) -> int:
 def _state(view: View) -> tuple:
     """What a refused admission must leave as it was. Cached entries are compared per location:
     a radix match may split a node, which moves no page and no lock."""
-    cached = sorted((int(loc), e.lock, None if e.key is None else str(e.key)) for e in view.cached for loc in e.locations)
-    return (sorted(map(int, view.free)), {u: list(map(int, r)) for u, r in view.requests.items()}, cached,
-            sorted((view.page_refs or {}).items()), sorted(view.counters.items()))
+    cached = sorted(
+        (int(loc), e.lock, None if e.key is None else str(e.key)) for e in view.cached for loc in e.locations
+    )
+    return (
+        sorted(map(int, view.free)),
+        {u: list(map(int, r)) for u, r in view.requests.items()},
+        cached,
+        sorted((view.page_refs or {}).items()),
+        sorted(view.counters.items()),
+    )
 
 
 def _full_with_locks(view: View, page_size: int) -> bool:
@@ -429,8 +460,9 @@ def _full_with_locks(view: View, page_size: int) -> bool:
     return any(e.lock for e in view.cached) or bool(cached & held)
 
 
-def replay(factory: Callable[[SubjectConfig], Subject], config: SubjectConfig,
-           ops: Sequence[Dict[str, Any]]) -> tuple[Finding | None, List[Dict[str, Any]]]:
+def replay(
+    factory: Callable[[SubjectConfig], Subject], config: SubjectConfig, ops: Sequence[Dict[str, Any]]
+) -> tuple[Finding | None, List[Dict[str, Any]]]:
     """Apply `ops` to a fresh subject; the first finding (or None) and the ops that applied (an
     op the driver refuses as invalid at its point is skipped, as the fuzzer never records one)."""
     try:
@@ -452,7 +484,9 @@ def replay(factory: Callable[[SubjectConfig], Subject], config: SubjectConfig,
     return None, applied
 
 
-def drive(subject: Subject, config: SubjectConfig, ops: Sequence[Dict[str, Any]]) -> tuple[Finding | None, SubjectDriver]:
+def drive(
+    subject: Subject, config: SubjectConfig, ops: Sequence[Dict[str, Any]]
+) -> tuple[Finding | None, SubjectDriver]:
     """Apply `ops` to `subject` (an InvalidOp propagates); the first finding or None, and the driver."""
     driver = SubjectDriver(subject, config)
     for op in ops:

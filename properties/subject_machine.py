@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Sequence
 
-from hypothesis import event, strategies as st
+from hypothesis import event
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from kvledger.engine.ledger.ops import InvalidOp
@@ -35,8 +36,9 @@ class Progress:
         self.last_failure: tuple[SubjectConfig, List[Dict[str, Any]], Finding] | None = None
 
 
-def machine_for(factory: Callable[[SubjectConfig], Subject], progress: Progress,
-                page_sizes: Sequence[int] = (1, 2, 4)) -> type:
+def machine_for(
+    factory: Callable[[SubjectConfig], Subject], progress: Progress, page_sizes: Sequence[int] = (1, 2, 4)
+) -> type:
     tokens = st.integers(0, ALPHABET - 1)
 
     class SubjectMachine(RuleBasedStateMachine):
@@ -51,11 +53,17 @@ def machine_for(factory: Callable[[SubjectConfig], Subject], progress: Progress,
 
         @initialize(ps=st.sampled_from(list(page_sizes)), pages=st.integers(4, 16), data=st.data())
         def build(self, ps: int, pages: int, data: st.DataObject) -> None:
-            stems = data.draw(st.lists(st.lists(tokens, min_size=4 * ps + 2, max_size=4 * ps + 2),
-                                       min_size=1, max_size=3), label="stems")
+            stems = data.draw(
+                st.lists(st.lists(tokens, min_size=4 * ps + 2, max_size=4 * ps + 2), min_size=1, max_size=3),
+                label="stems",
+            )
             self.stems = stems
-            self.config = SubjectConfig(num_pages=pages, page_size=ps, max_seq_len=min(pages * ps, 48),
-                                        max_running=data.draw(st.integers(2, 6), label="max_running"))
+            self.config = SubjectConfig(
+                num_pages=pages,
+                page_size=ps,
+                max_seq_len=min(pages * ps, 48),
+                max_running=data.draw(st.integers(2, 6), label="max_running"),
+            )
             seen = progress.sequences
 
             def note(name: str) -> None:
@@ -87,8 +95,10 @@ def machine_for(factory: Callable[[SubjectConfig], Subject], progress: Progress,
                 prompt = data.draw(st.sampled_from(self.history), label="earlier prompt")[:room]
             else:
                 stem = data.draw(st.sampled_from(self.stems), label="stem")
-                cut = data.draw(st.sampled_from([ps - 1, ps, ps + 1, 2 * ps - 1, 2 * ps, 2 * ps + 1, 3 * ps,
-                                                 len(stem)]), label="cut")
+                cut = data.draw(
+                    st.sampled_from([ps - 1, ps, ps + 1, 2 * ps - 1, 2 * ps, 2 * ps + 1, 3 * ps, len(stem)]),
+                    label="cut",
+                )
                 tail = data.draw(st.lists(tokens, max_size=2 * ps + 1), label="tail")
                 prompt = (stem[:cut] + tail)[:room] or [0]
             self.history.append(prompt)
@@ -136,4 +146,3 @@ def machine_for(factory: Callable[[SubjectConfig], Subject], progress: Progress,
 
     SubjectMachine.__name__ = "SubjectMachine"
     return SubjectMachine
-

@@ -31,8 +31,9 @@ def draw_shape(rng: random.Random, page_sizes: Sequence[int] = (1, 2, 4)) -> Sha
     num_pages = rng.randint(max(6, 24 // ps), max(12, 64 // ps))
     max_seq_len = min(num_pages * ps, 48)
     stems = tuple(tuple(rng.randrange(ALPHABET) for _ in range(4 * ps + 2)) for _ in range(rng.randint(1, 3)))
-    return Shape(SubjectConfig(num_pages=num_pages, page_size=ps, max_seq_len=max_seq_len,
-                               max_running=rng.randint(3, 8)), stems)
+    return Shape(
+        SubjectConfig(num_pages=num_pages, page_size=ps, max_seq_len=max_seq_len, max_running=rng.randint(3, 8)), stems
+    )
 
 
 def draw_prompt(rng: random.Random, shape: Shape, history: Sequence[Sequence[int]], room: int) -> List[int]:
@@ -49,15 +50,20 @@ def draw_prompt(rng: random.Random, shape: Shape, history: Sequence[Sequence[int
     return prompt or [rng.randrange(ALPHABET)]
 
 
-def next_op(rng: random.Random, shape: Shape, driver: Any, next_uid: int,
-            history: List[List[int]]) -> Dict[str, Any] | None:
+def next_op(
+    rng: random.Random, shape: Shape, driver: Any, next_uid: int, history: List[List[int]]
+) -> Dict[str, Any] | None:
     """One operation for the driver's current state (None: nothing sensible to do)."""
     cfg, ps = shape.config, shape.config.page_size
     waiting, running = driver.waiting, driver.running
-    choices = [("submit", 30 if len(waiting) < 6 else 3), ("prefill", 30 if waiting else 0),
-               ("decode", 25 if running else 0), ("finish", 4 if running else 0),
-               ("abort", 4 if waiting or running else 0),
-               ("evict", 4 if driver.caps.explicit_evict else 0)]
+    choices = [
+        ("submit", 30 if len(waiting) < 6 else 3),
+        ("prefill", 30 if waiting else 0),
+        ("decode", 25 if running else 0),
+        ("finish", 4 if running else 0),
+        ("abort", 4 if waiting or running else 0),
+        ("evict", 4 if driver.caps.explicit_evict else 0),
+    ]
     kind = rng.choices([c for c, _ in choices], [w for _, w in choices])[0]
     if kind == "submit":
         max_tokens = rng.choice([1, 1, 2, 3, 5, 8])

@@ -14,7 +14,23 @@ from .requests import ChunkedReq, PendingReq, Req, SamplingParams
 from .table import TableManager, make_page_table
 
 __all__ = [
-    "AdmissionPolicy", "Preemptor", "CacheHandle", "CacheManager", "ChunkedReq", "DecodeManager", "InsertResult", "IntegrityError",
-    "MatchResult", "NaivePrefixCache", "PendingReq", "PrefillAdder", "RadixPrefixCache", "Req",
-    "SamplingParams", "SizeInfo", "TableManager", "create_prefix_cache", "make_page_table",
+    "AdmissionPolicy",
+    "Preemptor",
+    "CacheHandle",
+    "CacheManager",
+    "ChunkedReq",
+    "DecodeManager",
+    "InsertResult",
+    "IntegrityError",
+    "MatchResult",
+    "NaivePrefixCache",
+    "PendingReq",
+    "PrefillAdder",
+    "RadixPrefixCache",
+    "Req",
+    "SamplingParams",
+    "SizeInfo",
+    "TableManager",
+    "create_prefix_cache",
+    "make_page_table",
 ]

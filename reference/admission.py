@@ -9,11 +9,11 @@ and `preemption.py` makes room when a step does not fit (see `admission_policy.p
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Tuple
+from typing import Iterable, Tuple
 
+from .admission_policy import RESERVE, AdmissionPolicy
 from .cache_manager import CacheManager
 from .events import note
-from .admission_policy import RESERVE, AdmissionPolicy
 from .prefix_cache import CacheHandle
 from .requests import ChunkedReq, PendingReq, Req
 from .running_reqs import RunningReqs
@@ -47,9 +47,14 @@ class DecodeManager:
 
 
 class PrefillAdder:
-    def __init__(self, token_budget: int, reserved_size: int,
-                 cache_manager: CacheManager, table_manager: TableManager,
-                 policy: AdmissionPolicy = RESERVE) -> None:
+    def __init__(
+        self,
+        token_budget: int,
+        reserved_size: int,
+        cache_manager: CacheManager,
+        table_manager: TableManager,
+        policy: AdmissionPolicy = RESERVE,
+    ) -> None:
         self.token_budget = token_budget
         self.reserved_size = reserved_size
         self.cache_manager = cache_manager
@@ -57,8 +62,9 @@ class PrefillAdder:
         self.policy = policy
 
     def _need(self, cached_len: int, req: PendingReq) -> int:
-        return self.policy.reserved_tokens(cached_len, req.input_len, req.input_len + req.output_len,
-                                           self.cache_manager.page_size)
+        return self.policy.reserved_tokens(
+            cached_len, req.input_len, req.input_len + req.output_len, self.cache_manager.page_size
+        )
 
     def _try_allocate_one(self, req: PendingReq) -> Tuple[CacheHandle, int] | None:
         if self.table_manager.available_size == 0:
@@ -94,8 +100,15 @@ class PrefillAdder:
         if is_chunked:
             note("prefill: chunked")
         cls = ChunkedReq if is_chunked else Req
-        return cls(pending.input_ids[:end], table_idx, cached_len, pending.output_len,
-                   pending.uid, pending.sampling_params, handle)
+        return cls(
+            pending.input_ids[:end],
+            table_idx,
+            cached_len,
+            pending.output_len,
+            pending.uid,
+            pending.sampling_params,
+            handle,
+        )
 
     def try_add_one(self, pending: PendingReq) -> Req | None:
         if self.token_budget <= 0:
@@ -106,4 +119,3 @@ class PrefillAdder:
             return None
         handle, table_idx = resource
         return self._add_one_req(pending, handle, table_idx, handle.cached_len)
-

@@ -35,8 +35,10 @@ class CacheManager:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages ({num_pages}) and page_size ({page_size}) must be >= 1")
         if (len(page_table[0]) if page_table else 0) % page_size:
-            raise ValueError(f"page_table width ({len(page_table[0]) if page_table else 0}) must be a multiple of page_size ({page_size}): "
-                             "a request's last page is written whole")
+            raise ValueError(
+                f"page_table width ({len(page_table[0]) if page_table else 0}) must be a multiple of page_size ({page_size}): "  # noqa: E501
+                "a request's last page is written whole"
+            )
         self.num_pages = num_pages
         self.page_size = page_size
         self.page_table = page_table

@@ -33,8 +33,10 @@ class Preemptor:
         running = [r for r in batch]
         while cm.needed_size(running) > cm.available_size:
             if len(candidates) <= 1:
-                raise RuntimeError(f"out of pages: the batch needs {cm.needed_size(running)} tokens of pages, "
-                                   f"{cm.available_size} available, and only the oldest request is left")
+                raise RuntimeError(
+                    f"out of pages: the batch needs {cm.needed_size(running)} tokens of pages, "
+                    f"{cm.available_size} available, and only the oldest request is left"
+                )
             victim = candidates.pop()
             note("preempt: mid-chunk" if isinstance(victim, ChunkedReq) else "preempt: running request")
             if victim in running:

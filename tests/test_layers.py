@@ -12,8 +12,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # layer -> its folder in the repository
 # (cli: kvledger/__main__.py, kvledger/__init__.py and the kvledger/cli package)
-FOLDERS = {"reference": "reference", "fast": "fast", "engine": "engine", "properties": "properties",
-           "subjects": "kvledger/subjects", "tools": "kvledger/tools", "bench": "kvledger/bench", "cli": "kvledger"}
+FOLDERS = {
+    "reference": "reference",
+    "fast": "fast",
+    "engine": "engine",
+    "properties": "properties",
+    "subjects": "kvledger/subjects",
+    "tools": "kvledger/tools",
+    "bench": "kvledger/bench",
+    "cli": "kvledger",
+}
 # layer -> the layers it may import (itself always)
 ALLOWED: Dict[str, Set[str]] = {
     "reference": set(),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
-from kvledger.engine.ledger.subject import Capabilities, CachedEntry, SubjectConfig, View
+from kvledger.engine.ledger.subject import CachedEntry, Capabilities, SubjectConfig, View
 from kvledger.reference import CacheManager, PendingReq, Req, SamplingParams, make_page_table
 
 
@@ -15,9 +15,15 @@ class SeedManagerSubject:
 
     def __init__(self, config: SubjectConfig) -> None:
         ps = self.ps = config.page_size
-        self.capabilities = Capabilities(page_size=ps, pages=tuple(range(config.num_pages)), chunked_prefill=False,
-                                         worst_case_admission=True, preempts=False, explicit_evict=True,
-                                         cached_pages_in_free_pool=False)
+        self.capabilities = Capabilities(
+            page_size=ps,
+            pages=tuple(range(config.num_pages)),
+            chunked_prefill=False,
+            worst_case_admission=True,
+            preempts=False,
+            explicit_evict=True,
+            cached_pages_in_free_pool=False,
+        )
         self.table = make_page_table(config.max_running, -(-config.max_seq_len // ps) * ps)
         self.cm = CacheManager(config.num_pages, ps, self.table, "radix")
         self.rows = list(range(config.max_running))
@@ -42,8 +48,9 @@ class SeedManagerSubject:
             return None
         row = self.rows.pop()
         self.table[row][: handle.cached_len] = list(handle.get_matched_indices())
-        self.live[uid] = Req(pending.input_ids, row, handle.cached_len, pending.output_len, uid,
-                             pending.sampling_params, handle)
+        self.live[uid] = Req(
+            pending.input_ids, row, handle.cached_len, pending.output_len, uid, pending.sampling_params, handle
+        )
         del self.pending[uid]
         return handle.cached_len
 
@@ -79,19 +86,31 @@ class SeedManagerSubject:
         return len(evicted)
 
     def view(self) -> View:
-        rows = {uid: self.table[r.table_idx][: r.device_len if uid in self.allocated else r.cached_len]
-                for uid, r in self.live.items()}
+        rows = {
+            uid: self.table[r.table_idx][: r.device_len if uid in self.allocated else r.cached_len]
+            for uid, r in self.live.items()
+        }
         paths: Dict[int, List[int]] = {}
         cached = []
         for node in self.cm.prefix_cache.nodes():  # parents before children
             above = paths.get(node.parent.id, []) if node.parent is not None else []
             paths[node.id] = above + list(node.key)
-            cached.append(CachedEntry(tuple(node.value), len(above), tuple(paths[node.id]), lock=node.ref_count,
-                                      name=f"node {node.id}"))
+            cached.append(
+                CachedEntry(
+                    tuple(node.value), len(above), tuple(paths[node.id]), lock=node.ref_count, name=f"node {node.id}"
+                )
+            )
         info = self.cm.prefix_cache.size_info
-        return View(free=[loc // self.ps for loc in self.cm.free_slots], requests=rows, cached=cached,
-                    counters={"free_pages": len(self.cm.free_slots), "evictable_tokens": info.evictable_size,
-                              "protected_tokens": info.protected_size})
+        return View(
+            free=[loc // self.ps for loc in self.cm.free_slots],
+            requests=rows,
+            cached=cached,
+            counters={
+                "free_pages": len(self.cm.free_slots),
+                "evictable_tokens": info.evictable_size,
+                "protected_tokens": info.protected_size,
+            },
+        )
 
     def cache_key(self, tokens: Sequence[int]) -> None:
         raise NotImplementedError("a radix tree files prefixes by their path")

@@ -91,7 +91,7 @@ class AttentionBackend(ABC):
     # already in the pool, which the fused norm/rope/KV-store kernels write themselves
     reads_stored_kv: bool = False
 
-    def configure(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def configure(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:  # noqa: B027 (optional)
         """The attention shape of the model this backend serves (this rank's heads); `CausalLM`
         calls it when the backend is set, so per-step work (workspaces, split counts, groups) is
         done in `plan`, never inside a layer."""

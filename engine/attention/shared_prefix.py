@@ -62,8 +62,14 @@ def max_groups_for(batch_size: int) -> int:
     return max(1, -(-batch_size // 4))
 
 
-def find_prefix_groups(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, max_members: int = MAX_MEMBERS,
-                       min_shared: int = MIN_SHARED, max_groups: int | None = None) -> PrefixGroups:
+def find_prefix_groups(
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_members: int = MAX_MEMBERS,
+    min_shared: int = MIN_SHARED,
+    max_groups: int | None = None,
+) -> PrefixGroups:
     """Group a decode batch by shared prefix locations, with fixed-shape tensor ops only.
 
     table: [table_rows, width] int32 token locations; rows: [B] table row of each batch row;
@@ -98,7 +104,8 @@ def find_prefix_groups(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.
 
     size = torch.zeros(b, dtype=torch.long, device=device).scatter_add_(0, leader, torch.ones_like(leader))
     shared = torch.full((b,), width + 1, dtype=torch.long, device=device).scatter_reduce_(
-        0, leader, common, reduce="amin", include_self=True)
+        0, leader, common, reduce="amin", include_self=True
+    )
     is_leader = (size >= 2) & (shared >= min_shared) & eligible
     max_groups = max_groups_for(b) if max_groups is None else max_groups
     order = is_leader.long().cumsum(0) - 1
@@ -109,20 +116,50 @@ def find_prefix_groups(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.
     # the leaders in batch order; rows that lead nothing all land in a discarded last slot
     leaders = torch.full((max_groups + 1,), -1, dtype=torch.int32, device=device)
     leaders.scatter_(0, torch.where(is_leader, order, max_groups), idx.to(torch.int32))
-    return PrefixGroups(start=shared[leader].to(torch.int32), prefix_len=shared.to(torch.int32), members=members,
-                        leaders=leaders[:max_groups])
+    return PrefixGroups(
+        start=shared[leader].to(torch.int32),
+        prefix_len=shared.to(torch.int32),
+        members=members,
+        leaders=leaders[:max_groups],
+    )
 
 
 if triton is not None:
 
     @triton.jit
     def _shared_prefix_attention_kernel(
-        Q, K, V, TABLE, ROWS, LEADERS, PREFIX_LEN, MEMBERS, PART_O, PART_LSE,
-        stride_qb, stride_qh, stride_kn, stride_kh, stride_tr, stride_mg,
-        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-        sm_scale, v_scale, PRECISION: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-        MEMBERS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, FIRST_SLOT: tl.constexpr,
-        PREFIX_SPLITS: tl.constexpr, DOT: tl.constexpr,
+        Q,
+        K,
+        V,
+        TABLE,
+        ROWS,
+        LEADERS,
+        PREFIX_LEN,
+        MEMBERS,
+        PART_O,
+        PART_LSE,
+        stride_qb,
+        stride_qh,
+        stride_kn,
+        stride_kh,
+        stride_tr,
+        stride_mg,
+        stride_pb,
+        stride_ph,
+        stride_ps,
+        stride_lb,
+        stride_lh,
+        sm_scale,
+        v_scale,
+        PRECISION: tl.constexpr,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        MEMBERS_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        FIRST_SLOT: tl.constexpr,
+        PREFIX_SPLITS: tl.constexpr,
+        DOT: tl.constexpr,
     ):
         g = tl.load(LEADERS + tl.program_id(0))
         kv_head = tl.program_id(1)
@@ -143,11 +180,28 @@ if triton is not None:
         member = tl.where(r_mask, member, 0)
         heads = kv_head * GROUP + h
         offs_d = tl.arange(0, HEAD_DIM)
-        q = tl.load(Q + member[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=r_mask[:, None], other=0.0).to(DOT)
+        q = tl.load(
+            Q + member[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=r_mask[:, None],
+            other=0.0,
+        ).to(DOT)
 
-        m_i, l_i, acc = attend_locations(q, K, V, TABLE + row * stride_tr, start, end, kv_head * stride_kh, stride_kn,
-                                         sm_scale, MEMBERS_PAD * GROUP_PAD, HEAD_DIM, BLOCK_N, PRECISION, DOT)
+        m_i, l_i, acc = attend_locations(
+            q,
+            K,
+            V,
+            TABLE + row * stride_tr,
+            start,
+            end,
+            kv_head * stride_kh,
+            stride_kn,
+            sm_scale,
+            MEMBERS_PAD * GROUP_PAD,
+            HEAD_DIM,
+            BLOCK_N,
+            PRECISION,
+            DOT,
+        )
         out, lse = finish_partial(m_i, l_i, acc, v_scale)  # a split past a short prefix's end is empty
         slot = FIRST_SLOT + split
         base = member * stride_pb + heads * stride_ph + slot * stride_ps
@@ -155,23 +209,63 @@ if triton is not None:
         tl.store(PART_LSE + member * stride_lb + heads * stride_lh + slot, lse, mask=r_mask)
 
 
-def shared_prefix_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, token_dim: int,
-                           table: torch.Tensor, rows: torch.Tensor, groups: PrefixGroups, part_o: torch.Tensor,
-                           part_lse: torch.Tensor, first_slot: int, prefix_splits: int, sm_scale: float,
-                           v_scale: float, dot, block_n: int = 64, num_warps: int = 4,
-                           num_stages: int | None = None) -> None:
+def shared_prefix_partials(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    token_dim: int,
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    groups: PrefixGroups,
+    part_o: torch.Tensor,
+    part_lse: torch.Tensor,
+    first_slot: int,
+    prefix_splits: int,
+    sm_scale: float,
+    v_scale: float,
+    dot,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+) -> None:
     """Write each grouped row's prefix partials into slots [first_slot, first_slot + prefix_splits)."""
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1 - token_dim]
     group = heads // kv_heads
     members = groups.members
     _shared_prefix_attention_kernel[(groups.leaders.numel(), kv_heads, prefix_splits)](
-        q, k_cache, v_cache, table, rows, groups.leaders, groups.prefix_len, members, part_o, part_lse,
-        q.stride(0), q.stride(1), k_cache.stride(token_dim), k_cache.stride(1 - token_dim), table.stride(0),
-        members.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0),
-        part_lse.stride(1), sm_scale, v_scale,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP=group,
-        GROUP_PAD=triton.next_power_of_2(group), MEMBERS_PAD=triton.next_power_of_2(members.shape[1]),
-        HEAD_DIM=head_dim, BLOCK_N=block_n, FIRST_SLOT=first_slot, PREFIX_SPLITS=prefix_splits, DOT=dot,
-        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
+        q,
+        k_cache,
+        v_cache,
+        table,
+        rows,
+        groups.leaders,
+        groups.prefix_len,
+        members,
+        part_o,
+        part_lse,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(token_dim),
+        k_cache.stride(1 - token_dim),
+        table.stride(0),
+        members.stride(0),
+        part_o.stride(0),
+        part_o.stride(1),
+        part_o.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        sm_scale,
+        v_scale,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        GROUP=group,
+        GROUP_PAD=triton.next_power_of_2(group),
+        MEMBERS_PAD=triton.next_power_of_2(members.shape[1]),
+        HEAD_DIM=head_dim,
+        BLOCK_N=block_n,
+        FIRST_SLOT=first_slot,
+        PREFIX_SPLITS=prefix_splits,
+        DOT=dot,
+        num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )

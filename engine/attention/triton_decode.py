@@ -30,11 +30,37 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_split_kernel(
-        Q, K, V, TABLE, ROWS, SEQ_LEN, START, PART_O, PART_LSE, O,
-        stride_qb, stride_qh, stride_kn, stride_kh, stride_tr,
-        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-        sm_scale, v_scale, PRECISION: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT: tl.constexpr,
+        Q,
+        K,
+        V,
+        TABLE,
+        ROWS,
+        SEQ_LEN,
+        START,
+        PART_O,
+        PART_LSE,
+        O,
+        stride_qb,
+        stride_qh,
+        stride_kn,
+        stride_kh,
+        stride_tr,
+        stride_pb,
+        stride_ph,
+        stride_ps,
+        stride_lb,
+        stride_lh,
+        stride_ob,
+        stride_oh,
+        sm_scale,
+        v_scale,
+        PRECISION: tl.constexpr,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        DOT: tl.constexpr,
         PREFIX_SPLITS: tl.constexpr,
     ):
         b = tl.program_id(0)
@@ -50,22 +76,43 @@ if triton is not None:
             first = tl.load(START + b)
             if (split == 0) & (first == 0):  # in no group: its prefix slots stay empty
                 offs_p = NUM_SPLITS + tl.arange(0, PREFIX_SPLITS)
-                tl.store(PART_LSE + b * stride_lb + heads[:, None] * stride_lh + offs_p[None, :],
-                         tl.full([GROUP_PAD, PREFIX_SPLITS], float("-inf"), tl.float32), mask=g_mask[:, None])
+                tl.store(
+                    PART_LSE + b * stride_lb + heads[:, None] * stride_lh + offs_p[None, :],
+                    tl.full([GROUP_PAD, PREFIX_SPLITS], float("-inf"), tl.float32),
+                    mask=g_mask[:, None],
+                )
         per_split = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
         start = first + split * per_split
         end = tl.minimum(start + per_split, seq_len)
 
         offs_d = tl.arange(0, HEAD_DIM)
-        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None],
-                    other=0.0).to(DOT)
+        q = tl.load(
+            Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None], other=0.0
+        ).to(DOT)
 
-        m_i, l_i, acc = attend_locations(q, K, V, TABLE + row * stride_tr, start, end, kv_head * stride_kh, stride_kn,
-                                         sm_scale, GROUP_PAD, HEAD_DIM, BLOCK_N, PRECISION, DOT)
+        m_i, l_i, acc = attend_locations(
+            q,
+            K,
+            V,
+            TABLE + row * stride_tr,
+            start,
+            end,
+            kv_head * stride_kh,
+            stride_kn,
+            sm_scale,
+            GROUP_PAD,
+            HEAD_DIM,
+            BLOCK_N,
+            PRECISION,
+            DOT,
+        )
         out, lse = finish_partial(m_i, l_i, acc, v_scale)  # a split past a short request's end is empty
         if NUM_SPLITS + PREFIX_SPLITS == 1:  # the only partial is the answer: no merge
-            tl.store(O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
-                     mask=g_mask[:, None])
+            tl.store(
+                O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                out.to(O.dtype.element_ty),
+                mask=g_mask[:, None],
+            )
         else:
             base = b * stride_pb + heads * stride_ph + split * stride_ps
             tl.store(PART_O + base[:, None] + offs_d[None, :], out, mask=g_mask[:, None])
@@ -73,20 +120,35 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_merge_kernel(
-        PART_O, PART_LSE, O, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-        HEAD_DIM: tl.constexpr, NUM_SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr,
+        PART_O,
+        PART_LSE,
+        O,
+        stride_pb,
+        stride_ph,
+        stride_ps,
+        stride_lb,
+        stride_lh,
+        stride_ob,
+        stride_oh,
+        HEAD_DIM: tl.constexpr,
+        NUM_SLOTS: tl.constexpr,
+        SLOTS_PAD: tl.constexpr,
     ):
         b = tl.program_id(0)
         head = tl.program_id(1)
         offs_s = tl.arange(0, SLOTS_PAD)
         offs_d = tl.arange(0, HEAD_DIM)
-        lse = tl.load(PART_LSE + b * stride_lb + head * stride_lh + offs_s, mask=offs_s < NUM_SLOTS,
-                      other=float("-inf"))
+        lse = tl.load(
+            PART_LSE + b * stride_lb + head * stride_lh + offs_s, mask=offs_s < NUM_SLOTS, other=float("-inf")
+        )
         weight = tl.exp(lse - tl.max(lse, 0))  # split 0 is never empty: the max is finite
         weight = weight / tl.sum(weight, 0)
         # an empty slot's output is never read (an unused prefix slot holds stale values)
-        part = tl.load(PART_O + b * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-                       mask=(lse > float("-inf"))[:, None], other=0.0)
+        part = tl.load(
+            PART_O + b * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+            mask=(lse > float("-inf"))[:, None],
+            other=0.0,
+        )
         out = tl.sum(part * weight[:, None], 0)
         tl.store(O + b * stride_ob + head * stride_oh + offs_d, out.to(O.dtype.element_ty))
 
@@ -109,8 +171,9 @@ def num_splits_for(batch_size: int, kv_heads: int, target_programs: int = 1024, 
     return splits
 
 
-def decode_launch_config(batch_size: int, kv_heads: int, kv_dtype: torch.dtype | None = None,
-                         head_dim: int = 128) -> tuple[int, int, int | None]:
+def decode_launch_config(
+    batch_size: int, kv_heads: int, kv_dtype: torch.dtype | None = None, head_dim: int = 128
+) -> tuple[int, int, int | None]:
     """(BLOCK_N, num_warps, num_stages) for stage 1 (None: Triton's default stages), chosen by
     whole-workload runs on the H200, not by per-layer sweeps (which favoured other shapes):
     64-token blocks on 4 warps for bf16 with head dim 128, 128-token blocks (a 64-wide row is half
@@ -133,8 +196,15 @@ class DecodeWorkspace:
     A step with S splits uses slots [0, S) for each request's own tokens and the next
     `prefix_splits` for a shared prefix (cascade attention, `shared_prefix.py`)."""
 
-    def __init__(self, max_batch: int, heads: int, head_dim: int, max_splits: int, device: torch.device | str,
-                 prefix_splits: int = 0) -> None:
+    def __init__(
+        self,
+        max_batch: int,
+        heads: int,
+        head_dim: int,
+        max_splits: int,
+        device: torch.device | str,
+        prefix_splits: int = 0,
+    ) -> None:
         self.max_splits, self.prefix_splits = max_splits, prefix_splits
         slots = max_splits + prefix_splits
         self.part_o = torch.empty(max_batch, heads, slots, head_dim, dtype=torch.float32, device=device)
@@ -180,32 +250,87 @@ def decode_attention(
         raise ValueError(f"num_splits must be a power of two <= {workspace.max_splits}, got {num_splits}")
     prefix_splits = workspace.prefix_splits if groups is not None else 0
     if groups is not None and (not prefix_splits or prefix_splits & (prefix_splits - 1)):
-        raise ValueError(f"shared-prefix groups need a workspace whose prefix_splits is a power of two, "
-                         f"got {prefix_splits}")
+        raise ValueError(
+            f"shared-prefix groups need a workspace whose prefix_splits is a power of two, got {prefix_splits}"
+        )
     out = torch.empty_like(q) if out is None else out
     po, pl = workspace.part_o, workspace.part_lse
-    sm_scale = head_dim ** -0.5 * k_scale
+    sm_scale = head_dim**-0.5 * k_scale
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     dot = dot_dtype(q.dtype, k_cache.dtype)
     if groups is not None:
         pre_block, pre_warps, pre_stages = prefix_launch or (block_n, num_warps, num_stages)
-        shared_prefix_partials(q, k_cache, v_cache, token_dim, table, rows, groups, po, pl, num_splits,
-                               prefix_splits, sm_scale, v_scale, dot, block_n=pre_block, num_warps=pre_warps,
-                               num_stages=pre_stages)
+        shared_prefix_partials(
+            q,
+            k_cache,
+            v_cache,
+            token_dim,
+            table,
+            rows,
+            groups,
+            po,
+            pl,
+            num_splits,
+            prefix_splits,
+            sm_scale,
+            v_scale,
+            dot,
+            block_n=pre_block,
+            num_warps=pre_warps,
+            num_stages=pre_stages,
+        )
     _decode_attention_split_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, table, rows, seq_lens, groups.start if groups is not None else seq_lens, po, pl, out,
-        q.stride(0), q.stride(1), k_cache.stride(token_dim), k_cache.stride(1 - token_dim), table.stride(0),
-        po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), out.stride(0), out.stride(1),
-        sm_scale, v_scale, PRECISION=precision,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, DOT=dot, PREFIX_SPLITS=prefix_splits, num_warps=num_warps,
+        q,
+        k_cache,
+        v_cache,
+        table,
+        rows,
+        seq_lens,
+        groups.start if groups is not None else seq_lens,
+        po,
+        pl,
+        out,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(token_dim),
+        k_cache.stride(1 - token_dim),
+        table.stride(0),
+        po.stride(0),
+        po.stride(1),
+        po.stride(2),
+        pl.stride(0),
+        pl.stride(1),
+        out.stride(0),
+        out.stride(1),
+        sm_scale,
+        v_scale,
+        PRECISION=precision,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        DOT=dot,
+        PREFIX_SPLITS=prefix_splits,
+        num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
     slots = num_splits + prefix_splits
     if slots == 1:
         return out
     _decode_attention_merge_kernel[(batch, heads)](
-        po, pl, out, po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, NUM_SLOTS=slots, SLOTS_PAD=triton.next_power_of_2(slots),
+        po,
+        pl,
+        out,
+        po.stride(0),
+        po.stride(1),
+        po.stride(2),
+        pl.stride(0),
+        pl.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        NUM_SLOTS=slots,
+        SLOTS_PAD=triton.next_power_of_2(slots),
     )
     return out

@@ -1,9 +1,9 @@
 """The online-softmax loop that the decode kernels share, as Triton device functions (inlined).
 
 `attend_locations` streams keys and values at the token locations table_row[start:end] for a
-tile of query rows (causally for prefill and extend) and returns the running max, sum and unnormalized output; `finish_partial`
-turns them into a partial output normalized by its own sum plus its log-sum-exp, which a merge
-combines with other partials over disjoint key ranges.
+tile of query rows (causally for prefill and extend) and returns the running max, sum and
+unnormalized output; `finish_partial` turns them into a partial output normalized by its own sum
+plus its log-sum-exp, which a merge combines with other partials over disjoint key ranges.
 """
 
 from __future__ import annotations
@@ -17,9 +17,24 @@ except ImportError:
 if triton is not None:
 
     @triton.jit
-    def attend_locations(q, K, V, table_row, start, end, head_off, stride_kn, sm_scale,
-                         ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PRECISION: tl.constexpr, DOT: tl.constexpr, q_pos=0, CAUSAL: tl.constexpr = False):
+    def attend_locations(
+        q,
+        K,
+        V,
+        table_row,
+        start,
+        end,
+        head_off,
+        stride_kn,
+        sm_scale,
+        ROWS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+        DOT: tl.constexpr,
+        q_pos=0,
+        CAUSAL: tl.constexpr = False,
+    ):
         """q [ROWS, HEAD_DIM] (in DOT) over keys table_row[start:end] of the KV head at head_off.
         CAUSAL: row r sees only keys at positions <= q_pos[r] (a row may see none in a block)."""
         offs_d = tl.arange(0, HEAD_DIM)

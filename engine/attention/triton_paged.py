@@ -21,8 +21,8 @@ try:
 except ImportError:  # CPU-only installs: the backend is simply unavailable
     triton = None
 
-from kvledger.engine.attention.base import AttentionBackend, AttentionBatch
 from kvledger.engine.attention import triton_decode
+from kvledger.engine.attention.base import AttentionBackend, AttentionBatch
 from kvledger.engine.attention.shared_prefix import PrefixGroups, find_prefix_groups, members_per_group
 from kvledger.engine.attention.triton_decode import DecodeWorkspace, decode_attention, num_splits_for
 from kvledger.engine.model.kv_pool import KVPool
@@ -31,10 +31,30 @@ if triton is not None:
 
     @triton.jit
     def _paged_attention_kernel(
-        Q, K, V, O, LOCS, Q_START, Q_LEN, SEQ_LEN,
-        stride_qt, stride_qh, stride_kn, stride_kh, stride_ot, stride_oh, stride_lb,
-        sm_scale, v_scale, PRECISION: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr,
-        HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        Q,
+        K,
+        V,
+        O,
+        LOCS,
+        Q_START,
+        Q_LEN,
+        SEQ_LEN,
+        stride_qt,
+        stride_qh,
+        stride_kn,
+        stride_kh,
+        stride_ot,
+        stride_oh,
+        stride_lb,
+        sm_scale,
+        v_scale,
+        PRECISION: tl.constexpr,
+        GROUP: tl.constexpr,
+        HEADS: tl.constexpr,
+        HEADS_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
         DOT: tl.constexpr,
     ):
         req = tl.program_id(0)
@@ -55,17 +75,38 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         r_mask = (offs_m < q_len) & (h < HEADS)
         head = first_head + h
-        q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                    mask=r_mask[:, None], other=0.0).to(DOT)
+        q = tl.load(
+            Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=r_mask[:, None],
+            other=0.0,
+        ).to(DOT)
         q_pos = cached + offs_m
 
         end = tl.minimum(seq_len, cached + (block + 1) * BLOCK_M)  # causal: later keys are never seen
-        m_i, l_i, acc = attend_locations(q, K, V, LOCS + req * stride_lb, 0, end, kv_head * stride_kh, stride_kn,
-                                         sm_scale, HEADS_PAD * BLOCK_M, HEAD_DIM, BLOCK_N, PRECISION, DOT,
-                                         q_pos, True)
+        m_i, l_i, acc = attend_locations(
+            q,
+            K,
+            V,
+            LOCS + req * stride_lb,
+            0,
+            end,
+            kv_head * stride_kh,
+            stride_kn,
+            sm_scale,
+            HEADS_PAD * BLOCK_M,
+            HEAD_DIM,
+            BLOCK_N,
+            PRECISION,
+            DOT,
+            q_pos,
+            True,
+        )
         out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(O + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 out.to(O.dtype.element_ty), mask=r_mask[:, None])
+        tl.store(
+            O + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            out.to(O.dtype.element_ty),
+            mask=r_mask[:, None],
+        )
 
 
 def prefill_tile(group: int, block_m: int, block_n: int) -> tuple[int, int, int, int]:
@@ -94,8 +135,15 @@ class TritonPagedBackend(AttentionBackend):
 
     reads_stored_kv = True
 
-    def __init__(self, block_m: int | None = None, block_n: int = 64, max_batch: int = 256, max_splits: int = 16,
-                 cascade: bool = False, prefix_splits: int = 4) -> None:
+    def __init__(
+        self,
+        block_m: int | None = None,
+        block_n: int = 64,
+        max_batch: int = 256,
+        max_splits: int = 16,
+        cascade: bool = False,
+        prefix_splits: int = 4,
+    ) -> None:
         """block_m: new tokens per program of the unified kernel without GQA (`prefill_tile` scales
         it for a query group); None picks 64 for 16-bit KV (prefill on the H200 ran much faster
         than with 16) and 16 for float32.
@@ -136,8 +184,9 @@ class TritonPagedBackend(AttentionBackend):
         self._locs = torch.nn.functional.pad(batch.locs, (0, width - batch.locs.shape[1])).contiguous()
         self._max_q = max(batch.q_lens)
 
-    def plan_decode(self, table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, num_splits: int,
-                    cascade: bool = True) -> None:
+    def plan_decode(
+        self, table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, num_splits: int, cascade: bool = True
+    ) -> None:
         """Decode metadata already on the device: rows [B] int64 into table, seq_lens [B] int32.
         cascade=False: no row shares a prefix with another, so plain decode does. The CUDA graphs
         call it inside the captured step, so the grouping below is replayed with it."""
@@ -146,16 +195,19 @@ class TritonPagedBackend(AttentionBackend):
         prefix_splits = self.prefix_splits if self.cascade else 0
         ws = self._workspace
         if ws is None or ws.part_o.device != table.device:
-            self._workspace = DecodeWorkspace(self.max_batch, heads, head_dim, self.max_splits, table.device,
-                                              prefix_splits=prefix_splits)
+            self._workspace = DecodeWorkspace(
+                self.max_batch, heads, head_dim, self.max_splits, table.device, prefix_splits=prefix_splits
+            )
         self._groups = None
         if self.cascade and cascade:  # once per step, for every layer
             self._groups = find_prefix_groups(table, rows, seq_lens, members_per_group(heads // kv_heads))
 
     def _configured(self) -> tuple[int, int, int]:
         if self._shape is None:
-            raise RuntimeError("TritonPagedBackend: call configure(num_heads, num_kv_heads, head_dim) first "
-                               "(CausalLM does when the backend is set)")
+            raise RuntimeError(
+                "TritonPagedBackend: call configure(num_heads, num_kv_heads, head_dim) first "
+                "(CausalLM does when the backend is set)"
+            )
         return self._shape
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, pool: KVPool) -> torch.Tensor:
@@ -173,10 +225,24 @@ class TritonPagedBackend(AttentionBackend):
             head_dim = q.shape[2]
             kv_heads = kp.shape[1 - pool.token_dim]
             block_n, warps, stages = triton_decode.decode_launch_config(q.shape[0], kv_heads, kp.dtype, head_dim)
-            return decode_attention(q, kp, vp, pool.token_dim, table, rows, seq, self._workspace, splits,
-                                    block_n=block_n, num_warps=warps, num_stages=stages,
-                                    k_scale=k_scale, v_scale=v_scale,
-                                    groups=self._groups, prefix_launch=triton_decode.PREFIX_LAUNCH)
+            return decode_attention(
+                q,
+                kp,
+                vp,
+                pool.token_dim,
+                table,
+                rows,
+                seq,
+                self._workspace,
+                splits,
+                block_n=block_n,
+                num_warps=warps,
+                num_stages=stages,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                groups=self._groups,
+                prefix_launch=triton_decode.PREFIX_LAUNCH,
+            )
         q = q.contiguous()
         out = torch.empty_like(q)
         heads, head_dim = q.shape[1], q.shape[2]
@@ -186,13 +252,32 @@ class TritonPagedBackend(AttentionBackend):
         per_program, tokens, block_n, warps = prefill_tile(group, block_m, self.block_n)
         grid = (len(self._q_len), heads // per_program, triton.cdiv(self._max_q, tokens))
         _paged_attention_kernel[grid](
-            q, kp, vp, out, self._locs, self._q_start, self._q_len, self._seq_len,
-            q.stride(0), q.stride(1), kp.stride(token_dim), kp.stride(1 - token_dim),
-            out.stride(0), out.stride(1), self._locs.stride(0),
-            head_dim ** -0.5 * k_scale, v_scale,
+            q,
+            kp,
+            vp,
+            out,
+            self._locs,
+            self._q_start,
+            self._q_len,
+            self._seq_len,
+            q.stride(0),
+            q.stride(1),
+            kp.stride(token_dim),
+            kp.stride(1 - token_dim),
+            out.stride(0),
+            out.stride(1),
+            self._locs.stride(0),
+            head_dim**-0.5 * k_scale,
+            v_scale,
             # float32 stays float32 (Hopper would otherwise round dot inputs to TF32)
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP=group, HEADS=per_program,
-            HEADS_PAD=triton.next_power_of_2(per_program), HEAD_DIM=head_dim, BLOCK_M=tokens, BLOCK_N=block_n,
-            DOT=triton_decode.dot_dtype(q.dtype, kp.dtype), num_warps=warps,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            GROUP=group,
+            HEADS=per_program,
+            HEADS_PAD=triton.next_power_of_2(per_program),
+            HEAD_DIM=head_dim,
+            BLOCK_M=tokens,
+            BLOCK_N=block_n,
+            DOT=triton_decode.dot_dtype(q.dtype, kp.dtype),
+            num_warps=warps,
         )
         return out

@@ -32,12 +32,19 @@ class TensorParallelGroup:
         self._control_group = control_group
 
     @classmethod
-    def connect(cls, rank: int, size: int, device: torch.device, init_method: str,
-                timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> TensorParallelGroup:
+    def connect(
+        cls, rank: int, size: int, device: torch.device, init_method: str, timeout: datetime.timedelta = DEFAULT_TIMEOUT
+    ) -> TensorParallelGroup:
         """Join the world of `size` ranks (the default process group) and build the two groups."""
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout,
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=size,
+            timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
         control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
         log.info("rank %d of %d joined (%s)", rank, size, backend)
         return cls(rank, size, dist.group.WORLD, control)

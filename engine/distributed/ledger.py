@@ -19,8 +19,10 @@ from kvledger.engine.ledger.ops import OpRecord
 class LedgerDivergence(RuntimeError):
     def __init__(self, step: int, op: Dict, ranks: List[int], hashes: List[str]) -> None:
         shown = ", ".join(f"rank {r}: {h[:12]}" for r, h in enumerate(hashes))
-        super().__init__(f"tensor-parallel ranks {ranks} disagree with rank 0 after cache operation {step} "
-                         f"({json.dumps(op)[:300]}): state hashes {shown}")
+        super().__init__(
+            f"tensor-parallel ranks {ranks} disagree with rank 0 after cache operation {step} "
+            f"({json.dumps(op)[:300]}): state hashes {shown}"
+        )
         self.step, self.op, self.ranks, self.hashes = step, op, ranks, hashes
 
 

@@ -82,7 +82,8 @@ class TensorParallelShard:
                 raise PartitionError(
                     f"tensor_parallel_size {n}: {c.num_kv_heads} KV heads of {group} query heads each cannot be "
                     f"shared evenly by {n} ranks (need a multiple of {c.num_kv_heads} that divides "
-                    f"{c.num_kv_heads * group} into whole query heads per rank)")
+                    f"{c.num_kv_heads * group} into whole query heads per rank)"
+                )
 
     # -- cutting parameters ----------------------------------------------------------------------
     def take(self, name: str, c: ModelConfig, get: Callable[[], Any]) -> torch.Tensor:
@@ -93,20 +94,26 @@ class TensorParallelShard:
         if leaf == "qkv_proj":
             q, kv = self.heads(c), self.kv_heads(c)
             qn, kn = c.num_heads * d, c.num_kv_heads * d
-            return _rows(get(), [(q.start * d, q.stop * d), (qn + kv.start * d, qn + kv.stop * d),
-                                 (qn + kn + kv.start * d, qn + kn + kv.stop * d)])
+            return _rows(
+                get(),
+                [
+                    (q.start * d, q.stop * d),
+                    (qn + kv.start * d, qn + kv.stop * d),
+                    (qn + kn + kv.start * d, qn + kn + kv.stop * d),
+                ],
+            )
         if leaf == "gate_up_proj":
             i, n = self.intermediate(c), c.intermediate_size
             return _rows(get(), [(i.start, i.stop), (n + i.start, n + i.stop)])
         if leaf == "o_proj":
             q = self.heads(c)
-            return _tensor(get()[:, q.start * d:q.stop * d])
+            return _tensor(get()[:, q.start * d : q.stop * d])
         if leaf == "down_proj":
             i = self.intermediate(c)
-            return _tensor(get()[:, i.start:i.stop])
+            return _tensor(get()[:, i.start : i.stop])
         if name in ("embed_tokens.weight", "lm_head.weight"):
             v = self.vocab(c)
-            return _tensor(get()[v.start:v.stop])
+            return _tensor(get()[v.start : v.stop])
         return _tensor(get()[:])  # norms: every rank holds all of them
 
 
@@ -121,7 +128,7 @@ class FusedRows:
         start = 0
         for piece, n in self.pieces:
             if start <= rows.start and rows.stop <= start + n:
-                return _tensor(piece[rows.start - start:rows.stop - start])
+                return _tensor(piece[rows.start - start : rows.stop - start])
             start += n
         raise IndexError(f"rows {rows.start}:{rows.stop} span two fused pieces")
 

@@ -72,16 +72,25 @@ class RankProcesses:
         import torch.distributed as dist
 
         if dist.is_initialized():
-            raise RuntimeError("a tensor-parallel engine (or another torch.distributed user) is already running in "
-                               "this process: close() that LLM first")
+            raise RuntimeError(
+                "a tensor-parallel engine (or another torch.distributed user) is already running in "
+                "this process: close() that LLM first"
+            )
         if under_torchrun():
             return cls._join_torchrun(options, size, hook)
         workdir = tempfile.mkdtemp(prefix="kvledger-tp-")
         init = f"file://{os.path.join(workdir, 'rendezvous')}"
         ctx = mp.get_context("spawn")
         reports = ctx.SimpleQueue()
-        procs = [ctx.Process(target=_spawned_rank, args=(r, size, options, init, reports, hook), daemon=True,
-                             name=f"kvledger-rank{r}") for r in range(1, size)]
+        procs = [
+            ctx.Process(
+                target=_spawned_rank,
+                args=(r, size, options, init, reports, hook),
+                daemon=True,
+                name=f"kvledger-rank{r}",
+            )
+            for r in range(1, size)
+        ]
         for p in procs:
             p.start()
         try:

@@ -1,1 +1,2 @@
-"""The verified ledger: the cache-side scheduler, its typed operations and trace format, the judges, and the observers that record and verify the engine's operations."""
+"""The verified ledger: the cache-side scheduler, its typed operations and trace format, the
+judges, and the observers that record and verify the engine's operations."""

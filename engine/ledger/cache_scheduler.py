@@ -19,23 +19,33 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Sequence, Union
 
-from kvledger.engine.ledger.ops import Abort, CacheOp, Decode, Evict, Finish, InvalidOp, Prefill, Probe, Submit, parse
 from kvledger.engine.ledger.invariants import InvariantViolation, KVProvenance, judge, tolist
+from kvledger.engine.ledger.ops import Abort, CacheOp, Decode, Evict, Finish, InvalidOp, Prefill, Probe, Submit, parse
 from kvledger.engine.ledger.rollback import Checkpoint
 from kvledger.engine.ledger.subject_judge import check_queue_order
 from kvledger.reference.admission_policy import RESERVE, AdmissionPolicy, ObservedOutputRatio
 from kvledger.reference.events import note
 from kvledger.reference.pages import div_ceil, tokens_to_finish
 
-
 __all__ = ["CacheScheduler", "InvalidOp", "InvariantViolation", "PageStats"]
 
 
 class CacheScheduler:
-    def __init__(self, impl: ModuleType, *, num_pages: int, page_size: int, cache_type: str,
-                 table_slots: int, max_seq_len: int, device: str = "cpu", check_admission: bool = True,
-                 increasing_uids: bool = False, admission: AdmissionPolicy = RESERVE,
-                 track_provenance: bool = True) -> None:
+    def __init__(
+        self,
+        impl: ModuleType,
+        *,
+        num_pages: int,
+        page_size: int,
+        cache_type: str,
+        table_slots: int,
+        max_seq_len: int,
+        device: str = "cpu",
+        check_admission: bool = True,
+        increasing_uids: bool = False,
+        admission: AdmissionPolicy = RESERVE,
+        track_provenance: bool = True,
+    ) -> None:
         self.impl = impl
         self.page_size = page_size
         self.num_pages = num_pages
@@ -86,10 +96,14 @@ class CacheScheduler:
     # -- operations ---------------------------------------------------------------------------
     def submit(self, uid: int, tokens: Sequence[int], max_tokens: int) -> Dict:
         if uid in self.known or (self.increasing_uids and self.last_uid is not None and uid <= self.last_uid):
-            raise InvalidOp(f"submit: uid {uid} was already submitted"
-                            + (f" (uids must increase; the last was {self.last_uid})" if self.increasing_uids else ""))
+            raise InvalidOp(
+                f"submit: uid {uid} was already submitted"
+                + (f" (uids must increase; the last was {self.last_uid})" if self.increasing_uids else "")
+            )
         if len(tokens) + max_tokens > self.max_seq_len:
-            raise InvalidOp(f"submit: uid {uid} needs {len(tokens) + max_tokens} positions, max_seq_len is {self.max_seq_len}")
+            raise InvalidOp(
+                f"submit: uid {uid} needs {len(tokens) + max_tokens} positions, max_seq_len is {self.max_seq_len}"
+            )
         worst, pool = tokens_to_finish(0, len(tokens) + max_tokens, self.page_size), self.num_pages * self.page_size
         if self.policy.preempts and worst > pool:  # preemption could never make it fit
             raise InvalidOp(f"submit: uid {uid} may need {worst} tokens of KV, the pool holds {pool}")
@@ -134,8 +148,9 @@ class CacheScheduler:
     def _checkpoint(self) -> Checkpoint:
         # Left out: what is not state, and what admission does not write but for rows of the
         # table slots it takes (a slot freed by the rollback is read by nobody until reused).
-        return Checkpoint(self, keep=(self.impl, self.after_forward, self.page_table, self.tm.token_pool,
-                                      self.provenance))
+        return Checkpoint(
+            self, keep=(self.impl, self.after_forward, self.page_table, self.tm.token_pool, self.provenance)
+        )
 
     def _preempted_result(self, preempted: List[int]) -> Dict:
         return {"preempted": preempted} if self.policy.preempts else {}
@@ -158,8 +173,9 @@ class CacheScheduler:
                 if before is not None and adder.token_budget > 0:
                     rejected = pending.uid
                     if self._admission_state() != before:
-                        raise InvariantViolation("4-failed-admission",
-                                                 f"rejecting uid {pending.uid} changed locks, free list or table slots")
+                        raise InvariantViolation(
+                            "4-failed-admission", f"rejecting uid {pending.uid} changed locks, free list or table slots"
+                        )
                 break
             pending.chunked_req = req if self.is_chunked(req) else None
             if fresh:
@@ -169,7 +185,7 @@ class CacheScheduler:
             if fresh and req.uid in self._preempted:
                 self._readmitted(req)
             batch.append(req)
-        self.waiting = [p for p in self.waiting[: len(batch)] if p.chunked_req is not None] + self.waiting[len(batch):]
+        self.waiting = [p for p in self.waiting[: len(batch)] if p.chunked_req is not None] + self.waiting[len(batch) :]
         for req in batch:
             self.live[req.uid] = req
         return batch, rejected
@@ -224,8 +240,11 @@ class CacheScheduler:
         self.cm.lock(handle)
         locked_available = self.cm.available_size
         self.cm.unlock(handle)
-        return {"cached_len": handle.cached_len, "indices": tolist(handle.get_matched_indices()),
-                "locked_available": locked_available}
+        return {
+            "cached_len": handle.cached_len,
+            "indices": tolist(handle.get_matched_indices()),
+            "locked_available": locked_available,
+        }
 
     def apply(self, op: Union[Dict[str, Any], CacheOp]) -> Dict:
         """Apply one operation, typed or as its trace line (checked by `cache_ops.parse`)."""
@@ -248,8 +267,9 @@ class CacheScheduler:
         raise InvalidOp(f"not a cache operation: {op!r:.80}")
 
     # -- one step: admit or pick the decode batch, allocate, (the model runs), complete ------
-    def _run(self, batch: List[Any], sample: Sequence[int], stop: Sequence[int],
-             is_prefill: bool) -> tuple[List[Any], List[int]]:
+    def _run(
+        self, batch: List[Any], sample: Sequence[int], stop: Sequence[int], is_prefill: bool
+    ) -> tuple[List[Any], List[int]]:
         if not batch:
             return [], []
         batch, preempted = self.allocate(batch)
@@ -267,8 +287,9 @@ class CacheScheduler:
             raise InvalidOp(f"stop names a uid twice: {list(stop)}")
         self._check_stop(allowed, stop, why)
 
-    def _check_stop(self, allowed: Sequence[int], stop: Sequence[int],
-                    why: str = "sampled no token in this batch") -> None:
+    def _check_stop(
+        self, allowed: Sequence[int], stop: Sequence[int], why: str = "sampled no token in this batch"
+    ) -> None:
         bad = set(stop) - set(allowed)
         if bad:
             raise InvalidOp(f"stop names uids {sorted(bad)} that {why}")
@@ -282,13 +303,15 @@ class CacheScheduler:
             try:
                 victims = self.preemptor.make_room(batch, live)
             except RuntimeError as e:
-                raise InvariantViolation("3-no-oom", f"preemption could not make room for uids "
-                                                     f"{[r.uid for r in batch]}: {e}") from e
+                raise InvariantViolation(
+                    "3-no-oom", f"preemption could not make room for uids {[r.uid for r in batch]}: {e}"
+                ) from e
             uids = [v.uid for v in victims]
             newest = [r.uid for r in live[::-1][: len(victims)]]
             if uids != newest:
-                raise InvariantViolation("6-preemption-order", f"preempted uids {uids}, but the newest live "
-                                                               f"requests are {newest}")
+                raise InvariantViolation(
+                    "6-preemption-order", f"preempted uids {uids}, but the newest live requests are {newest}"
+                )
             for victim in victims:
                 self._requeue(victim)
             gone = set(uids)
@@ -372,8 +395,9 @@ class CacheScheduler:
     def _admission_state(self) -> tuple:
         # per cached page, not per node: a match may split a node, which moves no page and no lock
         ps = self.page_size
-        locks = sorted((loc, node.ref_count) for node in self.cm.prefix_cache.nodes()
-                       for loc in tolist(node.value)[::ps])
+        locks = sorted(
+            (loc, node.ref_count) for node in self.cm.prefix_cache.nodes() for loc in tolist(node.value)[::ps]
+        )
         return (tolist(self.cm.free_slots), locks, self.tm.free_slots(), tuple(self.cm.prefix_cache.size_info))
 
     def snapshot(self) -> Dict:
@@ -384,8 +408,9 @@ class CacheScheduler:
             "owners": sorted(self.cm.page_owners(live).items()),
             "rows": {r.uid: tolist(self.page_table[r.table_idx][: div_ceil(r.cached_len, ps) * ps]) for r in live},
             "lens": {r.uid: (r.table_idx, r.cached_len, r.device_len, r.cache_handle.cached_len) for r in live},
-            "token_pool": {r.uid: tolist(self.tm.token_pool[r.table_idx][: r.max_device_len - r.output_len])
-                           for r in live},
+            "token_pool": {
+                r.uid: tolist(self.tm.token_pool[r.table_idx][: r.max_device_len - r.output_len]) for r in live
+            },
             "available_size": self.cm.available_size,
             "size_info": tuple(self.cm.prefix_cache.size_info),
             "table_free": self.tm.free_slots(),
@@ -394,6 +419,18 @@ class CacheScheduler:
             "inflight_tokens": self.dm.inflight_tokens,
             "preemptions": self.preemptions,
             "reserve_ratio": self.policy.reserve_ratio,
+            # what the engine reads (last: it follows from the state above), so both sides answer alike
+            "engine_reads": (
+                self.page_stats(),
+                self.next_uid(),
+                self.queue_length(),
+                self.has_runnable(),
+                [r.uid for r in self.running_requests()],
+                sorted(self.admission_hits().items()),
+                self.preempts,
+                [self.is_running(r.uid) for r in live],
+                [self.waiting_request(p.uid) is p for p in self.waiting],
+            ),
         }
 
     def check(self) -> None:

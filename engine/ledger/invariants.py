@@ -88,15 +88,16 @@ class KVProvenance:
             found = self.at.get(loc)
             if found != hashes[i]:
                 what = "was never computed" if found is None else "holds KV computed for other tokens"
-                raise InvariantViolation("7-kv-provenance", f"{who}: position {start + i} points at location "
-                                                            f"{loc}, which {what}")
+                raise InvariantViolation(
+                    "7-kv-provenance", f"{who}: position {start + i} points at location {loc}, which {what}"
+                )
 
 
 # -- the judge ----------------------------------------------------------------------------------
 def judge(sched: Any) -> None:
     """Every invariant of one implementation's state, from raw state (see the module doc)."""
     live = list(sched.live.values())
-    cm, ps = sched.cm, sched.page_size
+    cm = sched.cm
     nodes = list(cm.prefix_cache.nodes())
     if not live:
         locked = [n.id for n in nodes if n.ref_count]
@@ -111,8 +112,9 @@ def judge(sched: Any) -> None:
         _check_provenance(sched.provenance, live, nodes, rows, paths)
 
 
-def _check_partition(sched: Any, live: List[Any], nodes: List[Any],
-                     rows: Dict[int, List[int]]) -> Dict[int, Tuple[List[int], List[int]]]:
+def _check_partition(
+    sched: Any, live: List[Any], nodes: List[Any], rows: Dict[int, List[int]]
+) -> Dict[int, Tuple[List[int], List[int]]]:
     """Returns, per node id, the token and location path from the root to the node's end.
 
     The claims are counted with numpy: the engine judges an idle pool of a million pages at the
@@ -125,8 +127,9 @@ def _check_partition(sched: Any, live: List[Any], nodes: List[Any],
         locs = np.asarray(locations, dtype=np.int64).reshape(-1)
         bad = (locs % ps != 0) | (locs < 0) | (locs >= num_pages * ps)
         if bad.any():
-            raise InvariantViolation("1-2-partition", f"{who} holds location {int(locs[bad.argmax()])}, "
-                                                      "not a page start of the pool")
+            raise InvariantViolation(
+                "1-2-partition", f"{who} holds location {int(locs[bad.argmax()])}, not a page start of the pool"
+            )
         claims.append((locs, who))
 
     claim(_array(cm.free_slots), "the free list")
@@ -134,8 +137,9 @@ def _check_partition(sched: Any, live: List[Any], nodes: List[Any],
     for node in nodes:  # parents before children
         value, key = tolist(node.value), list(node.key)
         if len(value) != len(key) or len(key) % ps:
-            raise InvariantViolation("1-2-partition", f"cache node {node.id}: key length {len(key)}, "
-                                                      f"{len(value)} locations, page size {ps}")
+            raise InvariantViolation(
+                "1-2-partition", f"cache node {node.id}: key length {len(key)}, {len(value)} locations, page size {ps}"
+            )
         above = paths.get(node.parent.id, ([], [])) if node.parent is not None else ([], [])
         paths[node.id] = (above[0] + key, above[1] + value)
         claim(value[::ps], f"cache node {node.id}")
@@ -144,15 +148,18 @@ def _check_partition(sched: Any, live: List[Any], nodes: List[Any],
         row, handle = rows[req.uid], req.cache_handle
         prefix = paths[handle.node.id][1] if handle.node is not None and handle.node.id in paths else []
         if handle.cached_len != len(prefix) or row[: len(prefix)] != prefix:
-            raise InvariantViolation("1-2-partition", f"uid {req.uid}: its row does not start with the "
-                                                      f"{handle.cached_len} locations of the prefix it locked")
+            raise InvariantViolation(
+                "1-2-partition",
+                f"uid {req.uid}: its row does not start with the {handle.cached_len} locations of the prefix it locked",
+            )
         filled = _pages(req.cached_len, ps) * ps
         pages = np.asarray(row[:filled], dtype=np.int64).reshape(-1, ps)
         broken = (pages != pages[:, :1] + np.arange(ps)).reshape(-1)
         if broken.any():
-            raise InvariantViolation("1-2-partition", f"uid {req.uid}: its row is not page-contiguous "
-                                                      f"at position {int(broken.argmax())}")
-        claim(row[len(prefix):filled:ps], f"uid {req.uid}")
+            raise InvariantViolation(
+                "1-2-partition", f"uid {req.uid}: its row is not page-contiguous at position {int(broken.argmax())}"
+            )
+        claim(row[len(prefix) : filled : ps], f"uid {req.uid}")
         node = handle.node
         while node is not None and node.parent is not None:
             locks[node.id] = locks.get(node.id, 0) + 1
@@ -162,12 +169,16 @@ def _check_partition(sched: Any, live: List[Any], nodes: List[Any],
     if wrong.any():
         page = int(wrong.argmax())
         who = [w for locs, w in claims for _ in range(int((locs == page * ps).sum()))]
-        raise InvariantViolation("1-2-partition", f"page {page} (location {page * ps}) is owned by "
-                                                  f"{who or 'nobody'}, not by exactly one")
+        raise InvariantViolation(
+            "1-2-partition", f"page {page} (location {page * ps}) is owned by {who or 'nobody'}, not by exactly one"
+        )
     for node in nodes:
         if node.ref_count != locks.get(node.id, 0):
-            raise InvariantViolation("1-2-partition", f"cache node {node.id} has lock count {node.ref_count}, "
-                                                      f"but {locks.get(node.id, 0)} live requests hold it")
+            raise InvariantViolation(
+                "1-2-partition",
+                f"cache node {node.id} has lock count {node.ref_count}, "
+                f"but {locks.get(node.id, 0)} live requests hold it",
+            )
     return paths
 
 
@@ -182,21 +193,29 @@ def _check_request(sched: Any, req: Any) -> None:
     # a chunk's request ends, for now, at its chunk: max_device_len is the chunk plus the output
     end = len(ids) + req.output_len if chunked else len(prompt) + max_tokens
     if req.max_device_len != end or req.output_len > max_tokens:
-        raise InvariantViolation("8-request", f"{where}: max_device_len {req.max_device_len} with output_len "
-                                              f"{req.output_len}, but it was submitted with {len(prompt)} + "
-                                              f"{max_tokens} tokens and holds {len(ids)}")
+        raise InvariantViolation(
+            "8-request",
+            f"{where}: max_device_len {req.max_device_len} with output_len "
+            f"{req.output_len}, but it was submitted with {len(prompt)} + "
+            f"{max_tokens} tokens and holds {len(ids)}",
+        )
     computed = len(ids) if chunked else len(ids) - 1  # a running request's last token has no KV yet
     if not 0 <= req.cache_handle.cached_len <= req.cached_len == computed or req.device_len != computed + 1:
-        raise InvariantViolation("8-request", f"{where}: lengths handle {req.cache_handle.cached_len}, cached "
-                                              f"{req.cached_len}, device {req.device_len}, with {len(ids)} tokens "
-                                              f"({'mid-chunk' if chunked else 'running'})")
+        raise InvariantViolation(
+            "8-request",
+            f"{where}: lengths handle {req.cache_handle.cached_len}, cached "
+            f"{req.cached_len}, device {req.device_len}, with {len(ids)} tokens "
+            f"({'mid-chunk' if chunked else 'running'})",
+        )
     if not chunked and len(ids) >= len(prompt) + max_tokens:
-        raise InvariantViolation("8-request", f"{where}: running with {len(ids) - len(prompt)} tokens generated "
-                                              f"of {max_tokens}")
+        raise InvariantViolation(
+            "8-request", f"{where}: running with {len(ids) - len(prompt)} tokens generated of {max_tokens}"
+        )
     admitted = req.max_device_len - req.output_len  # tokens it was admitted with
     if tolist(sched.tm.token_pool[req.table_idx][:admitted]) != ids[:admitted]:
-        raise InvariantViolation("8-request", f"{where}: its token-pool row does not hold its {admitted} "
-                                              "admitted tokens")
+        raise InvariantViolation(
+            "8-request", f"{where}: its token-pool row does not hold its {admitted} admitted tokens"
+        )
 
 
 def _check_no_oom(sched: Any, live: List[Any], nodes: List[Any]) -> None:
@@ -207,8 +226,9 @@ def _check_no_oom(sched: Any, live: List[Any], nodes: List[Any]) -> None:
         return max(_pages(max_device_len - 1, ps) - _pages(held, ps), 0) * ps
 
     if sched.policy.preempts:
-        everyone = [(r.uid, r.max_device_len) for r in live] + \
-                   [(p.uid, p.input_len + p.output_len) for p in sched.waiting]
+        everyone = [(r.uid, r.max_device_len) for r in live] + [
+            (p.uid, p.input_len + p.output_len) for p in sched.waiting
+        ]
         for uid, length in everyone:
             if worst(0, length) > pool:
                 raise InvariantViolation("3-no-oom", f"uid {uid} may need more than the pool's {pool} tokens")
@@ -216,12 +236,18 @@ def _check_no_oom(sched: Any, live: List[Any], nodes: List[Any]) -> None:
     available = len(sched.cm.free_slots) * ps + sum(len(n.key) for n in nodes if n.ref_count == 0)
     need = sum(worst(r.cached_len, r.max_device_len) for r in live)
     if need > available:
-        raise InvariantViolation("3-no-oom", f"live requests may still need {need} tokens of pages, "
-                                             f"only {available} available")
+        raise InvariantViolation(
+            "3-no-oom", f"live requests may still need {need} tokens of pages, only {available} available"
+        )
 
 
-def _check_provenance(provenance: KVProvenance, live: List[Any], nodes: List[Any],
-                      rows: Dict[int, List[int]], paths: Dict[int, Tuple[List[int], List[int]]]) -> None:
+def _check_provenance(
+    provenance: KVProvenance,
+    live: List[Any],
+    nodes: List[Any],
+    rows: Dict[int, List[int]],
+    paths: Dict[int, Tuple[List[int], List[int]]],
+) -> None:
     for req in live:  # first: a wrong reuse is named by the request that made it
         n = req.cached_len
         provenance.check(f"uid {req.uid}", rows[req.uid][:n], prefix_hashes(tolist(req.input_ids)[:n]))

@@ -76,8 +76,15 @@ class Probe:
 
 
 CacheOp = Union[Submit, Prefill, Decode, Finish, Abort, Evict, Probe]
-KINDS: Dict[str, type] = {"submit": Submit, "prefill": Prefill, "decode": Decode, "finish": Finish,
-                          "abort": Abort, "evict": Evict, "probe": Probe}
+KINDS: Dict[str, type] = {
+    "submit": Submit,
+    "prefill": Prefill,
+    "decode": Decode,
+    "finish": Finish,
+    "abort": Abort,
+    "evict": Evict,
+    "probe": Probe,
+}
 NAMES = {cls: name for name, cls in KINDS.items()}
 TRACE_ONLY = ("op", "expect")  # fields of a trace line that are not the operation's
 

@@ -16,8 +16,10 @@ from kvledger.engine.ledger.trace import Header
 
 class ShadowDivergence(RuntimeError):
     def __init__(self, step: int, op: Dict, kind: str, detail: str) -> None:
-        super().__init__(f"shadow verification failed at step {step}, operation {op.get('op')} "
-                         f"({json.dumps(op)[:300]}): {kind}: {detail}")
+        super().__init__(
+            f"shadow verification failed at step {step}, operation {op.get('op')} "
+            f"({json.dumps(op)[:300]}): {kind}: {detail}"
+        )
         self.step, self.op, self.kind, self.detail = step, op, kind, detail
 
 
@@ -34,8 +36,9 @@ class ShadowVerifier:
             if record.expect is not None:
                 expect = record.expect.as_dict()
                 if {k: result.get(k) for k in expect} != expect:
-                    raise Divergence(step, record.to_json(), f"result:{record.name}",
-                                     f"engine {expect}, reference {result}")
+                    raise Divergence(
+                        step, record.to_json(), f"result:{record.name}", f"engine {expect}, reference {result}"
+                    )
             compare(self.model, state, step, record.to_json())
         except Divergence as e:
             raise ShadowDivergence(step, record.to_json(), e.kind, e.detail) from e

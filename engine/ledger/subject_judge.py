@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Sequence, Set, Tuple
 import numpy as np
 
 from kvledger.engine.ledger.invariants import InvariantViolation, prefix_hashes
-from kvledger.engine.ledger.subject import Capabilities, CachedEntry, View
+from kvledger.engine.ledger.subject import CachedEntry, Capabilities, View
 
 __all__ = ["InvariantViolation", "Ledger", "judge", "check_queue_order"]
 
@@ -75,8 +75,10 @@ def judge(view: View, caps: Capabilities, ledger: Ledger, subject: Any = None) -
             _fail("5-quiescence", f"no live request, but cache entries {locked} are locked")
         refs = sorted(p for p, n in (view.page_refs or {}).items() if n)
         if refs:
-            _fail("5-quiescence", f"no live request, but pages {refs[:8]} have reference counts "
-                                  f"{[view.page_refs[p] for p in refs[:8]]}")
+            _fail(
+                "5-quiescence",
+                f"no live request, but pages {refs[:8]} have reference counts {[view.page_refs[p] for p in refs[:8]]}",
+            )
     _check_requests(view, ledger, live)
     holders = _check_rows(view, ps, pages)
     cached = _check_entries(view, ps, pages)
@@ -90,13 +92,19 @@ def _check_requests(view: View, ledger: Ledger, live: Set[int]) -> None:
     shown = set(view.requests)
     if shown != live:
         missing, extra = sorted(live - shown), sorted(shown - live)
-        _fail("8-request", (f"live uids {missing} are missing from the subject's requests" if missing else "")
-              + ("; " if missing and extra else "")
-              + (f"the subject still holds rows for uids {extra}, which are not live" if extra else ""))
+        _fail(
+            "8-request",
+            (f"live uids {missing} are missing from the subject's requests" if missing else "")
+            + ("; " if missing and extra else "")
+            + (f"the subject still holds rows for uids {extra}, which are not live" if extra else ""),
+        )
     for uid in sorted(live):
         if len(view.requests[uid]) < ledger.computed[uid]:
-            _fail("8-request", f"uid {uid} computed {ledger.computed[uid]} positions but holds locations "
-                               f"for {len(view.requests[uid])}")
+            _fail(
+                "8-request",
+                f"uid {uid} computed {ledger.computed[uid]} positions but holds locations "
+                f"for {len(view.requests[uid])}",
+            )
 
 
 def _check_rows(view: View, ps: int, pages: Set[int]) -> Dict[int, Dict[int, int]]:
@@ -111,15 +119,20 @@ def _check_rows(view: View, ps: int, pages: Set[int]) -> Dict[int, Dict[int, int
         bad = (locs % ps != pos % ps) | (locs // ps != starts // ps)
         if bad.any():
             i = int(bad.argmax())
-            _fail("1-2-partition", f"uid {uid}: position {i} is at location {int(locs[i])}, not offset {i % ps} "
-                                   f"of the page that holds position {i - i % ps} (location {int(starts[i])})")
+            _fail(
+                "1-2-partition",
+                f"uid {uid}: position {i} is at location {int(locs[i])}, not offset {i % ps} "
+                f"of the page that holds position {i - i % ps} (location {int(starts[i])})",
+            )
         for index, loc in enumerate(locs[::ps].tolist()):
             page = loc // ps
             if page not in pages:
                 _fail("1-2-partition", f"uid {uid}: position {index * ps} is at location {loc}, not in the pool")
             if uid in holders[page]:
-                _fail("1-2-partition", f"uid {uid} holds page {page} at positions {holders[page][uid] * ps} "
-                                       f"and {index * ps}")
+                _fail(
+                    "1-2-partition",
+                    f"uid {uid} holds page {page} at positions {holders[page][uid] * ps} and {index * ps}",
+                )
             holders[page][uid] = index
     return holders
 
@@ -130,8 +143,11 @@ def _check_entries(view: View, ps: int, pages: Set[int]) -> Dict[int, List[str]]
     for n, entry in enumerate(view.cached):
         name = entry.name or f"entry {n}"
         if entry.tokens is not None and len(entry.tokens) != (entry.start or 0) + len(entry.locations):
-            _fail("1-2-partition", f"cache {name}: {len(entry.locations)} locations from position {entry.start}, "
-                                   f"but it claims {len(entry.tokens)} tokens")
+            _fail(
+                "1-2-partition",
+                f"cache {name}: {len(entry.locations)} locations from position {entry.start}, "
+                f"but it claims {len(entry.tokens)} tokens",
+            )
         for loc in sorted({int(x) - int(x) % ps for x in entry.locations}):
             if loc // ps not in pages:
                 _fail("1-2-partition", f"cache {name} holds location {loc}, not in the pool")
@@ -139,8 +155,9 @@ def _check_entries(view: View, ps: int, pages: Set[int]) -> Dict[int, List[str]]
     return cached
 
 
-def _check_partition(view: View, caps: Capabilities, holders: Dict[int, Dict[int, int]],
-                     cached: Dict[int, List[str]], pages: Set[int]) -> None:
+def _check_partition(
+    view: View, caps: Capabilities, holders: Dict[int, Dict[int, int]], cached: Dict[int, List[str]], pages: Set[int]
+) -> None:
     free = np.asarray(view.free, dtype=np.int64).reshape(-1)
     counts: Dict[int, int] = defaultdict(int)
     for page in free.tolist():
@@ -159,26 +176,39 @@ def _check_partition(view: View, caps: Capabilities, holders: Dict[int, Dict[int
             _fail("1-2-partition", f"page {page} is cached twice ({', '.join(names)})")
         if len(held) > 1:
             if not names:
-                _fail("1-2-partition", f"page {page} is held by uids {sorted(held)} but not cached: shared "
-                                       "outside the prefix cache")
+                _fail(
+                    "1-2-partition",
+                    f"page {page} is held by uids {sorted(held)} but not cached: shared outside the prefix cache",
+                )
             if len(set(held.values())) > 1:
-                _fail("1-2-partition", f"page {page} is held by uids {sorted(held)} at different positions "
-                                       f"{sorted(i * caps.page_size for i in held.values())}")
+                _fail(
+                    "1-2-partition",
+                    f"page {page} is held by uids {sorted(held)} at different positions "
+                    f"{sorted(i * caps.page_size for i in held.values())}",
+                )
         if not (is_free or held or names):
-            _fail("1-2-partition", f"page {page} is owned by nobody: not free, not cached, held by no live "
-                                   "request (a leak)")
+            _fail(
+                "1-2-partition",
+                f"page {page} is owned by nobody: not free, not cached, held by no live request (a leak)",
+            )
         if names and not (held or is_free) and caps.cached_pages_in_free_pool:
-            _fail("1-2-partition", f"page {page} is cached ({', '.join(names)}) and held by no live request, but "
-                                   "not in the free queue, where this subject keeps such pages: it is never "
-                                   "reused (a leak)")
+            _fail(
+                "1-2-partition",
+                f"page {page} is cached ({', '.join(names)}) and held by no live request, but "
+                "not in the free queue, where this subject keeps such pages: it is never "
+                "reused (a leak)",
+            )
 
 
 def _check_counts(view: View, holders: Dict[int, Dict[int, int]]) -> None:
     for page, refs in sorted((view.page_refs or {}).items()):
         held = len(holders.get(page, {}))
         if refs != held:
-            _fail("1-2-partition", f"page {page} has reference count {refs}, but {held} live request(s) "
-                                   f"hold it {sorted(holders.get(page, {}))}")
+            _fail(
+                "1-2-partition",
+                f"page {page} has reference count {refs}, but {held} live request(s) "
+                f"hold it {sorted(holders.get(page, {}))}",
+            )
     for n, entry in enumerate(view.cached):
         if entry.lock is None or entry.start is None:
             continue
@@ -186,8 +216,11 @@ def _check_counts(view: View, holders: Dict[int, Dict[int, int]]) -> None:
         want = list(entry.locations)
         locking = sorted(uid for uid, row in view.requests.items() if list(row[a:b]) == want)
         if entry.lock != len(locking):
-            _fail("1-2-partition", f"cache {entry.name or f'entry {n}'} (positions [{a}, {b})) has lock count "
-                                   f"{entry.lock}, but {len(locking)} live request(s) {locking} hold it")
+            _fail(
+                "1-2-partition",
+                f"cache {entry.name or f'entry {n}'} (positions [{a}, {b})) has lock count "
+                f"{entry.lock}, but {len(locking)} live request(s) {locking} hold it",
+            )
 
 
 def _check_counters(view: View, ps: int, holders: Dict[int, Dict[int, int]]) -> None:
@@ -235,27 +268,39 @@ def _check_entry(entry: CachedEntry, name: str, ledger: Ledger, subject: Any) ->
         return
     last = ledger.written.get(int(entry.locations[-1]))
     if last is None:
-        _fail("7-kv-provenance", f"cache {name} (key {entry.key!r:.24}) holds location {int(entry.locations[-1])}, "
-                                 "which was never computed")
+        _fail(
+            "7-kv-provenance",
+            f"cache {name} (key {entry.key!r:.24}) holds location {int(entry.locations[-1])}, which was never computed",
+        )
     prefix = ledger.prefixes[last[0]]
     start = len(prefix) - len(entry.locations)
     if start < 0 or (entry.start is not None and entry.start != start):
-        _fail("7-kv-provenance", f"cache {name}: its last location holds position {len(prefix) - 1}, not the end "
-                                 f"of an entry of {len(entry.locations)} positions from {entry.start}")
+        _fail(
+            "7-kv-provenance",
+            f"cache {name}: its last location holds position {len(prefix) - 1}, not the end "
+            f"of an entry of {len(entry.locations)} positions from {entry.start}",
+        )
     hashes = prefix_hashes(prefix)
     for i, loc in enumerate(entry.locations):
         if ledger.written.get(int(loc), (None,))[0] != hashes[start + i]:
-            _fail("7-kv-provenance", f"cache {name}: location {int(loc)} does not hold position {start + i} of "
-                                     "the prefix its last location was written for")
+            _fail(
+                "7-kv-provenance",
+                f"cache {name}: location {int(loc)} does not hold position {start + i} of "
+                "the prefix its last location was written for",
+            )
     want = subject.cache_key(prefix)
     if want != entry.key:
-        _fail("7-kv-provenance", f"cache {name} is filed under key {entry.key!r:.24}, but its KV was written for "
-                                 f"{len(prefix)} tokens whose key is {want!r:.24} (a hit there reads KV of "
-                                 "another prefix)")
+        _fail(
+            "7-kv-provenance",
+            f"cache {name} is filed under key {entry.key!r:.24}, but its KV was written for "
+            f"{len(prefix)} tokens whose key is {want!r:.24} (a hit there reads KV of "
+            "another prefix)",
+        )
 
 
-def check_queue_order(waiting: Sequence[int], arrival: Dict[int, int], admitted: Dict[int, int],
-                      preempted: Set[int]) -> None:
+def check_queue_order(
+    waiting: Sequence[int], arrival: Dict[int, int], admitted: Dict[int, int], preempted: Set[int]
+) -> None:
     """10-queue-order over a waiting queue (head first): requests never admitted wait in arrival
     order, and every request that was admitted before (preempted, or mid-prefill) waits ahead of
     every request never admitted. Among requests waiting again the order is the scheduler's (a
@@ -270,5 +315,7 @@ def check_queue_order(waiting: Sequence[int], arrival: Dict[int, int], admitted:
             seen_fresh = uid if seen_fresh is None else seen_fresh
         elif seen_fresh is not None:
             again = "preempted" if uid in preempted else "admitted before"
-            _fail("10-queue-order", f"uid {uid}, {again} and waiting again, waits behind uid {seen_fresh}, "
-                                    "which was never admitted")
+            _fail(
+                "10-queue-order",
+                f"uid {uid}, {again} and waiting again, waits behind uid {seen_fresh}, which was never admitted",
+            )

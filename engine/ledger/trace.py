@@ -57,10 +57,12 @@ class Header:
         if self.cache_type not in ("naive", "radix"):
             raise TraceError(f"header: cache_type must be 'naive' or 'radix', got {self.cache_type!r}")
         if self.kvledger_trace not in READABLE:
-            raise TraceError(f"header: trace version {self.kvledger_trace!r} is not supported "
-                             f"(this kvledger reads {', '.join(map(str, READABLE))})")
+            raise TraceError(
+                f"header: trace version {self.kvledger_trace!r} is not supported "
+                f"(this kvledger reads {', '.join(map(str, READABLE))})"
+            )
         try:
-            self.policy
+            _ = self.policy  # a bad admission field raises here
         except ValueError as e:
             raise TraceError(f"header: {e}") from None
 
@@ -69,8 +71,14 @@ class Header:
         return AdmissionPolicy(self.admission, self.reserve_ratio)
 
     def cache_scheduler_args(self) -> Dict:
-        return {"num_pages": self.num_pages, "page_size": self.page_size, "cache_type": self.cache_type,
-                "table_slots": self.table_slots, "max_seq_len": self.max_seq_len, "admission": self.policy}
+        return {
+            "num_pages": self.num_pages,
+            "page_size": self.page_size,
+            "cache_type": self.cache_type,
+            "table_slots": self.table_slots,
+            "max_seq_len": self.max_seq_len,
+            "admission": self.policy,
+        }
 
 
 def dumps(header: Header, ops: Iterable[Dict]) -> str:

@@ -31,14 +31,27 @@ def available(t: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _add_rmsnorm_kernel(X, RES, W, OUT, RES_OUT, stride_x, stride_r, stride_o, stride_ro, N, eps,
-                            HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rmsnorm_kernel(
+        X,
+        RES,
+        W,
+        OUT,
+        RES_OUT,
+        stride_x,
+        stride_r,
+        stride_o,
+        stride_ro,
+        N,
+        eps,
+        HAS_RES: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         mask = offs < N
         x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
         if HAS_RES:
-            x = (x.to(tl.float32) + tl.load(RES + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32))
+            x = x.to(tl.float32) + tl.load(RES + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
             x = x.to(OUT.dtype.element_ty)
             tl.store(RES_OUT + row * stride_ro + offs, x, mask=mask)
         xf = x.to(tl.float32)
@@ -49,9 +62,28 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_store_kernel(
-        QKV, POS, INV_FREQ, QN_W, KN_W, Q_OUT, K_CACHE, V_CACHE, OUT_LOC,
-        stride_t, stride_qt, stride_qh, stride_kn, stride_kh, eps, k_scale, v_scale,
-        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr, FP8: tl.constexpr,
+        QKV,
+        POS,
+        INV_FREQ,
+        QN_W,
+        KN_W,
+        Q_OUT,
+        K_CACHE,
+        V_CACHE,
+        OUT_LOC,
+        stride_t,
+        stride_qt,
+        stride_qh,
+        stride_kn,
+        stride_kh,
+        eps,
+        k_scale,
+        v_scale,
+        HEADS: tl.constexpr,
+        KV_HEADS: tl.constexpr,
+        HALF: tl.constexpr,
+        QK_NORM: tl.constexpr,
+        FP8: tl.constexpr,
     ):
         t = tl.program_id(0)
         h = tl.program_id(1)  # [0, HEADS) query heads, then [HEADS, HEADS + KV_HEADS) key heads
@@ -121,9 +153,19 @@ def add_rmsnorm(
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else x
     _add_rmsnorm_kernel[(rows,)](
-        x, residual if residual is not None else x, weight, out, res_out,
-        x.stride(0), (residual if residual is not None else x).stride(0), out.stride(0), res_out.stride(0), n, eps,
-        HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n),
+        x,
+        residual if residual is not None else x,
+        weight,
+        out,
+        res_out,
+        x.stride(0),
+        (residual if residual is not None else x).stride(0),
+        out.stride(0),
+        res_out.stride(0),
+        n,
+        eps,
+        HAS_RES=residual is not None,
+        BLOCK=triton.next_power_of_2(n),
     )
     return out, res_out
 
@@ -152,11 +194,28 @@ def qk_norm_rope_store(
     q = torch.empty(t, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     qk_norm = q_norm_weight is not None
     _qk_norm_rope_store_kernel[(t, heads + kv_heads)](
-        qkv, positions, inv_freq, q_norm_weight if qk_norm else inv_freq, k_norm_weight if qk_norm else inv_freq,
-        q, k_cache, v_cache, out_loc,
-        qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(token_dim), k_cache.stride(1 - token_dim), eps,
-        k_scale, v_scale,
-        HEADS=heads, KV_HEADS=kv_heads, HALF=head_dim // 2, QK_NORM=qk_norm, FP8=k_cache.dtype == torch.float8_e4m3fn,
+        qkv,
+        positions,
+        inv_freq,
+        q_norm_weight if qk_norm else inv_freq,
+        k_norm_weight if qk_norm else inv_freq,
+        q,
+        k_cache,
+        v_cache,
+        out_loc,
+        qkv.stride(0),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(token_dim),
+        k_cache.stride(1 - token_dim),
+        eps,
+        k_scale,
+        v_scale,
+        HEADS=heads,
+        KV_HEADS=kv_heads,
+        HALF=head_dim // 2,
+        QK_NORM=qk_norm,
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
     )
     return q
 

@@ -27,8 +27,7 @@ if TYPE_CHECKING:
 
 class EagerKernels:
     @staticmethod
-    def add_norm(x: torch.Tensor, residual: torch.Tensor | None,
-                 norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         residual = x if residual is None else residual + x
         return norm(residual), residual
 
@@ -52,19 +51,28 @@ class EagerKernels:
 
 class FusedKernels:
     @staticmethod
-    def add_norm(x: torch.Tensor, residual: torch.Tensor | None,
-                 norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         return fused_ops.add_rmsnorm(x, residual, norm.weight, norm.eps)
 
     @staticmethod
     def attention(attn: Attention, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
         pool = step.pool
         q = fused_ops.qk_norm_rope_store(
-            attn.qkv_proj(x), step.positions, step.inv_freq, attn.q_norm.weight if attn.q_norm is not None else None,
+            attn.qkv_proj(x),
+            step.positions,
+            step.inv_freq,
+            attn.q_norm.weight if attn.q_norm is not None else None,
             attn.k_norm.weight if attn.k_norm is not None else None,
             attn.q_norm.eps if attn.q_norm is not None else 0.0,
-            attn.num_heads, attn.num_kv_heads, pool.k[attn.layer], pool.v[attn.layer], pool.token_dim, step.out_loc,
-            pool.k_scale[attn.layer], pool.v_scale[attn.layer])
+            attn.num_heads,
+            attn.num_kv_heads,
+            pool.k[attn.layer],
+            pool.v[attn.layer],
+            pool.token_dim,
+            step.out_loc,
+            pool.k_scale[attn.layer],
+            pool.v_scale[attn.layer],
+        )
         return step.backend.forward_stored(q, attn.layer, pool)
 
     silu_mul = staticmethod(fused_ops.silu_mul)

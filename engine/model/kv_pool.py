@@ -61,8 +61,9 @@ class KVPool:
         kv_dtype: Optional[torch.dtype] = None,
     ) -> KVPool:
         """`kv_heads`: the KV heads this pool holds (a tensor-parallel rank's share); default all."""
-        return cls(config.num_layers, num_tokens, kv_heads or config.num_kv_heads, config.head_dim, dtype, device,
-                   kv_dtype)
+        return cls(
+            config.num_layers, num_tokens, kv_heads or config.num_kv_heads, config.head_dim, dtype, device, kv_dtype
+        )
 
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_heads: int | None = None) -> int:
@@ -70,8 +71,15 @@ class KVPool:
         return 2 * config.num_layers * (kv_heads or config.num_kv_heads) * config.head_dim * dtype.itemsize
 
     @classmethod
-    def tokens_that_fit(cls, config: ModelConfig, dtype: torch.dtype, free_bytes: int, fraction: float = 0.9,
-                        reserve_bytes: int = 0, kv_heads: int | None = None) -> int:
+    def tokens_that_fit(
+        cls,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        free_bytes: int,
+        fraction: float = 0.9,
+        reserve_bytes: int = 0,
+        kv_heads: int | None = None,
+    ) -> int:
         """How many KV tokens a pool may hold given free device memory: `fraction` of what is free
         after `reserve_bytes` (activations, logits, CUDA graphs) are set aside."""
         per_token = cls.bytes_per_token(config, dtype, kv_heads)
@@ -114,8 +122,10 @@ class KVPool:
         """k, v ([T, kv_heads, head_dim]) as the pool returns them once stored."""
         if not self.quantized:
             return k, v
-        return (self.dequantize(self.quantize(k, self.k_scale[layer]), self.k_scale[layer]),
-                self.dequantize(self.quantize(v, self.v_scale[layer]), self.v_scale[layer]))
+        return (
+            self.dequantize(self.quantize(k, self.k_scale[layer]), self.k_scale[layer]),
+            self.dequantize(self.quantize(v, self.v_scale[layer]), self.v_scale[layer]),
+        )
 
     @staticmethod
     def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:

@@ -48,8 +48,9 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, len(tp.shard.intermediate(config)), tp)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
-                step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, step: StepInputs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it); their sum is the
         layer's output, which the next layer's norm (or the final one) adds."""
         kernels = step.kernels
@@ -64,8 +65,9 @@ class CausalLM(nn.Module):
     Under tensor parallelism (`tp` of more than one rank) this is one rank's shard
     (engine/distributed/partition.py says which): its logits are still the whole vocabulary's."""
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend | None = None,
-                 tp: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, attn_backend: AttentionBackend | None = None, tp: TensorParallelGroup | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.tp = tp = tp or TensorParallelGroup()
@@ -73,8 +75,13 @@ class CausalLM(nn.Module):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, vocab, tp)
         self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size,
-                              tie_to=self.embed_tokens if config.tie_word_embeddings else None, rows=vocab, tp=tp)
+        self.lm_head = LMHead(
+            config.vocab_size,
+            config.hidden_size,
+            tie_to=self.embed_tokens if config.tie_word_embeddings else None,
+            rows=vocab,
+            tp=tp,
+        )
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         self.attn_backend = attn_backend or TorchNativeBackend()
         self.kv_pool: KVPool | None = None
@@ -125,7 +132,10 @@ class CausalLM(nn.Module):
         return fused_ops.available(self.embed_tokens.weight) and self.attn_backend.reads_stored_kv
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_loc: torch.Tensor,
         last_token_idx: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The step after the backend's plan: only device tensors, so a CUDA graph can capture it.

@@ -111,12 +111,13 @@ class Tokenizer:
         # render with a marker in place of each content, then tokenize the template's own text
         # with special tokens and each content with special tokens split into ordinary text
         marks = [f"\x00{secrets.token_hex(8)}-{i}\x00" for i in range(len(messages))]
-        rendered = self.chat_prompt([{**m, "content": mark} for m, mark in zip(messages, marks)],
-                                    add_generation_prompt)
+        rendered = self.chat_prompt([{**m, "content": mark} for m, mark in zip(messages, marks)], add_generation_prompt)
         pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", rendered)
         if sorted(p for p in pieces if p in marks) != sorted(marks):
-            raise ValueError("messages: a message contains special-token text and this model's chat template "
-                             "does not keep message content verbatim, so it cannot be kept as text")
+            raise ValueError(
+                "messages: a message contains special-token text and this model's chat template "
+                "does not keep message content verbatim, so it cannot be kept as text"
+            )
         content = {mark: m["content"] for m, mark in zip(messages, marks)}
         ids: list[int] = []
         for piece in pieces:

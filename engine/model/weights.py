@@ -28,9 +28,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from kvledger.engine.distributed.partition import FusedRows, TensorParallelShard
 from kvledger.engine.model.config import BUILTIN_CONFIG_DIR, ModelConfig
 from kvledger.engine.model.default_model import default_model_path
-from kvledger.engine.distributed.partition import FusedRows, TensorParallelShard
 
 StateDict = dict[str, torch.Tensor]
 
@@ -259,8 +259,13 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, StateDict]:
     return config, convert_hf_state_dict(config, hf)
 
 
-def random_state_dict(config: ModelConfig, seed: int = 0, std: float = 0.02,
-                      shard: TensorParallelShard | None = None, device: str | torch.device = "cpu") -> StateDict:
+def random_state_dict(
+    config: ModelConfig,
+    seed: int = 0,
+    std: float = 0.02,
+    shard: TensorParallelShard | None = None,
+    device: str | torch.device = "cpu",
+) -> StateDict:
     """Seeded random weights with our names and shapes; norms are ones. With `shard`, the same
     values cut to that rank's part, each tensor as soon as it is drawn. On a CUDA `device` they are
     drawn there (other values than the CPU's, the same on every GPU): an 8B model in seconds."""
@@ -387,8 +392,10 @@ def _load_hf_dir_shard(path: Path, shard: TensorParallelShard) -> tuple[ModelCon
         return where[hf_name].get_slice(hf_name).get_shape()[0]
 
     # the names we would get from convert_hf_state_dict, each with how to read it lazily
-    sources = {"embed_tokens.weight": lambda: lazy("model.embed_tokens.weight"),
-               "norm.weight": lambda: lazy("model.norm.weight")}
+    sources = {
+        "embed_tokens.weight": lambda: lazy("model.embed_tokens.weight"),
+        "norm.weight": lambda: lazy("model.norm.weight"),
+    }
     if not config.tie_word_embeddings:
         sources["lm_head.weight"] = lambda: lazy("lm_head.weight")
     for i in range(config.num_layers):

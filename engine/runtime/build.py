@@ -13,16 +13,16 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvledger.engine.model.config import ModelConfig
 from kvledger.engine.distributed.group import TensorParallelGroup
 from kvledger.engine.distributed.replicated_engine import RankCoordination, RankHook, ReplicatedEngine
 from kvledger.engine.engine_config import EngineConfig
+from kvledger.engine.model.config import ModelConfig
 from kvledger.engine.model.kv_pool import KV_CACHE_DTYPES, KVPool
 from kvledger.engine.model.kv_scales import calibrate_kv_scales, calibration_ids
 from kvledger.engine.model.model import CausalLM
+from kvledger.engine.model.weights import load_weights
 from kvledger.engine.options import DTYPE_NAMES, validate_for_model
 from kvledger.engine.runtime.engine import Engine
-from kvledger.engine.model.weights import load_weights
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
@@ -42,8 +42,13 @@ def rank_device(device: str, local_rank: int, tp_size: int) -> str:
     return device
 
 
-def build_rank(o: EngineConfig, tp: TensorParallelGroup, device: str, eos: Optional[Sequence[int]] = None,
-               hook: Optional[RankHook] = None) -> RankEngine:
+def build_rank(
+    o: EngineConfig,
+    tp: TensorParallelGroup,
+    device: str,
+    eos: Optional[Sequence[int]] = None,
+    hook: Optional[RankHook] = None,
+) -> RankEngine:
     """`eos`: rank 0's EOS ids (from its tokenizer; None: the model config's); the other ranks
     receive rank 0's."""
     if o.threads is not None:
@@ -54,27 +59,35 @@ def build_rank(o: EngineConfig, tp: TensorParallelGroup, device: str, eos: Optio
     validate_for_model(o.max_seq_len, config, tp.size)
     dtype = DTYPES[o.dtype]
     model = CausalLM.from_state_dict(config, state, dtype=dtype, device=device, tp=tp)
-    model.attn_backend = _attention_backend(o.attention, device, cascade=o.cascade_attention and o.cache_type == "radix")
+    model.attn_backend = _attention_backend(
+        o.attention, device, cascade=o.cascade_attention and o.cache_type == "radix"
+    )
     del state
     kv_heads = len(tp.shard.kv_heads(config))
     kv_dtype = KV_CACHE_DTYPES[o.kv_cache_dtype] or dtype
     kv_tokens = o.kv_cache_tokens
     if kv_tokens is None:
         # shadow verification compares every page after every operation: keep its pool small
-        kv_tokens = 32768 if o.verify else _auto_kv_tokens(config, dtype, kv_dtype, device, o.max_running_reqs,
-                                                            o.max_prefill_tokens, kv_heads)
+        kv_tokens = (
+            32768
+            if o.verify
+            else _auto_kv_tokens(config, dtype, kv_dtype, device, o.max_running_reqs, o.max_prefill_tokens, kv_heads)
+        )
         if tp.distributed:  # every rank must hold the same pages: the smallest pool wins
             kv_tokens = min(tp.all_gather(kv_tokens))
     num_pages = max(1, kv_tokens // o.page_size)  # the automatic size may be under a page
-    model.kv_pool = KVPool.for_model(config, num_pages * o.page_size, dtype, device, kv_heads=kv_heads,
-                                     kv_dtype=kv_dtype)
+    model.kv_pool = KVPool.for_model(
+        config, num_pages * o.page_size, dtype, device, kv_heads=kv_heads, kv_dtype=kv_dtype
+    )
     if model.kv_pool.quantized:
         model.kv_pool.k_scale, model.kv_pool.v_scale = calibrate_kv_scales(model, calibration_ids(config.vocab_size))
     if eos is None:
         eos = config.eos_token_ids
     if tp.distributed:
         eos = tp.broadcast(list(eos))
-    resolved = o.resolve(num_pages, min(config.max_position_embeddings, 4096) if o.max_seq_len is None else o.max_seq_len)
+    resolved = o.resolve(
+        num_pages, min(config.max_position_embeddings, 4096) if o.max_seq_len is None else o.max_seq_len
+    )
     coordination = RankCoordination(tp, o.verify, hook) if tp.distributed else None
     args = (model, resolved, eos, device)
     kwargs = dict(overlap=o.overlap, cuda_graphs=o.cuda_graphs)
@@ -86,8 +99,15 @@ def build_rank(o: EngineConfig, tp: TensorParallelGroup, device: str, eos: Optio
     return RankEngine(config, model, engine, coordination)
 
 
-def _auto_kv_tokens(config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, device: str,
-                    max_running_reqs: int, max_prefill_tokens: int, kv_heads: int) -> int:
+def _auto_kv_tokens(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    device: str,
+    max_running_reqs: int,
+    max_prefill_tokens: int,
+    kv_heads: int,
+) -> int:
     if torch.device(device).type != "cuda":
         return 32768
     free, _ = torch.cuda.mem_get_info(torch.device(device))

@@ -69,8 +69,9 @@ class DecodeGraphs:
         out_loc = torch.where(valid, self.table[rows, positions].long(), pool.scratch_loc)
         token_rows = torch.where(valid, rows, self.scratch_row)
         input_ids = self.next_tokens[token_rows]
-        self.model.attn_backend.plan_decode(self.table, rows, seq_lens, num_splits_for(bs, self._kv_heads),
-                                            cascade=cascade)
+        self.model.attn_backend.plan_decode(
+            self.table, rows, seq_lens, num_splits_for(bs, self._kv_heads), cascade=cascade
+        )
         logits = self.model.run(input_ids, positions, out_loc, None)
         tokens = logits.argmax(-1)
         self.next_tokens[token_rows] = tokens
@@ -79,14 +80,19 @@ class DecodeGraphs:
     def fits(self, batch_size: int) -> bool:
         return 0 < batch_size <= self.max_batch and bool(self.graphs)
 
-    def run(self, rows: Sequence[int], seq_lens: Sequence[int], cascade: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self, rows: Sequence[int], seq_lens: Sequence[int], cascade: bool = True
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph for this batch: (logits [B, vocab] float32, greedy tokens [B]) on the
         device, valid until the next replay. cascade=False: no row shares pages with another."""
         n = len(rows)
         bs = next(s for s in self.sizes if s >= n)
         pad = bs - n
-        host = torch.tensor([list(rows) + [0] * pad, list(seq_lens) + [1] * pad, [1] * n + [0] * pad],
-                            dtype=torch.int64, pin_memory=True)
+        host = torch.tensor(
+            [list(rows) + [0] * pad, list(seq_lens) + [1] * pad, [1] * n + [0] * pad],
+            dtype=torch.int64,
+            pin_memory=True,
+        )
         self.meta[:, :bs].copy_(host, non_blocking=True)
         key = (bs, cascade and len(self.variants) > 1)
         self.graphs[key].replay()

@@ -40,18 +40,29 @@ _GREEDY = fast.SamplingParams(temperature=0.0)
 
 
 class Engine:
-    def __init__(self, model: CausalLM, config: ResolvedConfig, eos_token_ids: Sequence[int] = (),
-                 device: str | torch.device = "cpu", overlap: Optional[bool] = None,
-                 cuda_graphs: bool = True) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        config: ResolvedConfig,
+        eos_token_ids: Sequence[int] = (),
+        device: str | torch.device = "cpu",
+        overlap: Optional[bool] = None,
+        cuda_graphs: bool = True,
+    ) -> None:
         self.model = model
         self.config = config
         self.device = torch.device(device)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.header = config.trace_header()
-        self.ledger = CacheScheduler(fast, device=str(self.device), check_admission=False, increasing_uids=True,
-                                     track_provenance=False, **self.header.cache_scheduler_args())
-        self.limits = RequestLimits(config.max_seq_len, model.config.vocab_size, config.page_size,
-                                    config.pool_tokens)
+        self.ledger = CacheScheduler(
+            fast,
+            device=str(self.device),
+            check_admission=False,
+            increasing_uids=True,
+            track_provenance=False,
+            **self.header.cache_scheduler_args(),
+        )
+        self.limits = RequestLimits(config.max_seq_len, model.config.vocab_size, config.page_size, config.pool_tokens)
         self.scheduler = Scheduler(self.ledger, config.max_prefill_tokens, self._record_empty)
         self.runner = ModelRunner(model, self.ledger.page_table, config.max_running_reqs, self.device, cuda_graphs)
         self.sampler = Sampler(config.seed)
@@ -249,9 +260,15 @@ class Engine:
             for i, t in zip(step.sampled, values):
                 sample[i] = t
         # a request whose sampling failed finishes here like a stop; its placeholder token is not output
-        stop = [] if values is None else [reqs[i].uid for i, t in zip(step.sampled, values)
-                                          if reqs[i].uid in self.requests and
-                                          (reqs[i].uid in step.failed or self._stops(reqs[i].uid, t))]
+        stop = (
+            []
+            if values is None
+            else [
+                reqs[i].uid
+                for i, t in zip(step.sampled, values)
+                if reqs[i].uid in self.requests and (reqs[i].uid in step.failed or self._stops(reqs[i].uid, t))
+            ]
+        )
         late = [reqs[i].uid for i in step.sampled if reqs[i].uid in self.overlap.late_stops]
         stop += late
         self.overlap.late_stops.difference_update(late)
@@ -269,8 +286,9 @@ class Engine:
             rec = self.requests.get(uid)
             if rec is not None:  # None: it stopped late, and was delivered as finished already
                 rec.finishing = reason
-        record = OpRecord(self._step_op(step.batch.phase, sample, stop),
-                          self._expect([r.uid for r in reqs], step.batch.preempted))
+        record = OpRecord(
+            self._step_op(step.batch.phase, sample, stop), self._expect([r.uid for r in reqs], step.batch.preempted)
+        )
         step.entry = self.ops.record(record, ready=values is not None)
 
     def _land(self, step: LaunchedStep) -> List[TokenEvent]:

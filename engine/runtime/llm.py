@@ -7,18 +7,18 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
-from kvledger.engine.runtime.build import build_rank, rank_device
-from kvledger.engine.runtime.requests import TokenEvent
-from kvledger.engine.model.default_model import default_model_path
 from kvledger.engine.distributed.group import TensorParallelGroup
 from kvledger.engine.distributed.ranks import RankProcesses
 from kvledger.engine.distributed.replicated_engine import RankHook, ReplicatedEngine
 from kvledger.engine.engine_config import EngineConfig
 from kvledger.engine.ledger.recorder import TraceRecorder
 from kvledger.engine.ledger.shadow import ShadowVerifier
-from kvledger.engine.options import validate_for_model
+from kvledger.engine.model.default_model import default_model_path
 from kvledger.engine.model.tokenizer import Tokenizer
 from kvledger.engine.model.weights import ensure_gguf_cache, model_config
+from kvledger.engine.options import validate_for_model
+from kvledger.engine.runtime.build import build_rank, rank_device
+from kvledger.engine.runtime.requests import TokenEvent
 from kvledger.fast import SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]  # SamplingParams: the seed's, what users pass to generate
@@ -38,8 +38,14 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model: Any = None, *, config: Optional[EngineConfig] = None,
-                 rank_hook: Optional[RankHook] = None, **options: Any) -> None:
+    def __init__(
+        self,
+        model: Any = None,
+        *,
+        config: Optional[EngineConfig] = None,
+        rank_hook: Optional[RankHook] = None,
+        **options: Any,
+    ) -> None:
         """`LLM(model, **options)` or `LLM(config=EngineConfig(...))`: the options are EngineConfig's
         fields (engine/engine_config.py says what each means and its default). Raises
         EngineOptionError (a ValueError naming the option) for a bad option before loading anything.
@@ -172,7 +178,7 @@ class LLM:
             out.token_ids.append(ev.token)
             text = self._decode(out.token_ids)
             if not text.endswith("\ufffd"):  # wait for a whole character
-                yield text[len(shown):]
+                yield text[len(shown) :]
                 shown = text
 
     def _events(self, between_steps: Optional[Callable[[], None]] = None) -> Iterator[TokenEvent]:

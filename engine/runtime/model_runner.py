@@ -21,8 +21,14 @@ MAX_GRAPH_BATCH = 256
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, page_table: torch.Tensor, max_running_reqs: int,
-                 device: torch.device, cuda_graphs: bool = True) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        page_table: torch.Tensor,
+        max_running_reqs: int,
+        device: torch.device,
+        cuda_graphs: bool = True,
+    ) -> None:
         self.model = model
         self.page_table = page_table
         self.device = device
@@ -45,8 +51,9 @@ class ModelRunner:
         rows = [r.table_idx for r in reqs]
         if batch.phase == "decode" and self.graphs is not None and self.graphs.fits(len(reqs)):
             return self.graphs.run(rows, [r.device_len for r in reqs], cascade=may_share)
-        attn = AttentionBatch.from_page_table(self.page_table, rows, [r.cached_len for r in reqs],
-                                              [r.device_len for r in reqs])
+        attn = AttentionBatch.from_page_table(
+            self.page_table, rows, [r.cached_len for r in reqs], [r.device_len for r in reqs]
+        )
         attn.may_share = may_share
         if batch.phase == "decode":
             ids = self.next_tokens[attn.rows]  # the previous step's tokens, still on the device

@@ -50,8 +50,9 @@ def model_name_for(path: Optional[str]) -> str:
     return base[: -len(".gguf")] if base.endswith(".gguf") else base
 
 
-def create_app(worker: EngineWorker, *, model_name: str, api_key: Optional[str] = None,
-               body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
+def create_app(
+    worker: EngineWorker, *, model_name: str, api_key: Optional[str] = None, body_timeout: float = BODY_TIMEOUT_S
+) -> FastAPI:
     """The app; it starts the worker's thread on startup and stops it on shutdown."""
     llm = worker.llm
     tokenizer = llm.tokenizer
@@ -91,15 +92,19 @@ def create_app(worker: EngineWorker, *, model_name: str, api_key: Optional[str] 
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError("missing or incorrect API key: send the header 'Authorization: Bearer <key>'",
-                           status=401, code="invalid_api_key")
+            raise APIError(
+                "missing or incorrect API key: send the header 'Authorization: Bearer <key>'",
+                status=401,
+                code="invalid_api_key",
+            )
 
     # -- probes and figures --------------------------------------------------------------------
     @app.get("/health")
     async def health() -> JSONResponse:
         if not worker.alive:
-            return JSONResponse({"status": "error", "fault": worker.fatal or "the engine thread is not running"},
-                                status_code=503)
+            return JSONResponse(
+                {"status": "error", "fault": worker.fatal or "the engine thread is not running"}, status_code=503
+            )
         if worker.draining:  # load balancers stop sending; open requests still finish
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -129,8 +134,15 @@ def create_app(worker: EngineWorker, *, model_name: str, api_key: Optional[str] 
         return tokenizer.decode(ids) if tokenizer is not None else ""
 
     def sampling_params(s: SamplingOptions, max_tokens: int) -> SamplingParams:
-        return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, ignore_eos=s.ignore_eos,
-                              max_tokens=max_tokens, seed=s.seed, stop_token_ids=tuple(s.stop_token_ids))
+        return SamplingParams(
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            ignore_eos=s.ignore_eos,
+            max_tokens=max_tokens,
+            seed=s.seed,
+            stop_token_ids=tuple(s.stop_token_ids),
+        )
 
     async def start(rid: str, ids: List[int], s: SamplingOptions, prompt_param: str) -> Generation:
         # a default max_tokens must also fit the KV pool, counted in whole pages
@@ -144,8 +156,11 @@ def create_app(worker: EngineWorker, *, model_name: str, api_key: Optional[str] 
         """Refuse text that cannot fit the context whatever it tokenizes to, before tokenizing it."""
         at_least = sum(tokenizer.min_tokens(t) for t in texts)
         if at_least >= limits.max_seq_len:
-            raise APIError(f"{param} is at least {at_least} tokens; this model's context is {limits.max_seq_len} "
-                           "tokens", param=param, code="context_length_exceeded")
+            raise APIError(
+                f"{param} is at least {at_least} tokens; this model's context is {limits.max_seq_len} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     async def body_json(request: Request) -> Dict[str, Any]:
         protocol.check_content_type(request.headers.get("content-type"))
@@ -182,8 +197,12 @@ def _model_card(name: str, max_seq_len: int) -> Dict[str, Any]:
 
 def _check_model(requested: str, served: str) -> None:
     if requested != served:
-        raise APIError(f"the model '{requested}' does not exist; this server serves '{served}'", param="model",
-                       status=404, code="model_not_found")
+        raise APIError(
+            f"the model '{requested}' does not exist; this server serves '{served}'",
+            param="model",
+            status=404,
+            code="model_not_found",
+        )
 
 
 async def _read_body(request: Request, timeout: float) -> bytes:
@@ -199,8 +218,11 @@ async def _read_body(request: Request, timeout: float) -> bytes:
                     raise APIError(f"the request body is larger than {MAX_BODY_BYTES} bytes", status=413)
                 chunks.append(chunk)
     except TimeoutError:
-        raise APIError(f"the request body did not arrive within {timeout:g} s ({size} bytes came)", status=408,
-                       code="request_timeout") from None
+        raise APIError(
+            f"the request body did not arrive within {timeout:g} s ({size} bytes came)",
+            status=408,
+            code="request_timeout",
+        ) from None
     except ClientDisconnect:  # the client gave up mid-upload: nobody is left to answer
         raise APIError("the client closed the request during the upload", status=499) from None
     return b"".join(chunks)
@@ -237,12 +259,14 @@ async def _collect(gen: Generation, request: Request) -> str:
         raise APIError("the client closed the request", status=499) from None
 
 
-async def _events(endpoint: _Endpoint, gen: Generation, rid: str, model: str, include_usage: bool
-                  ) -> AsyncIterator[bytes]:
+async def _events(
+    endpoint: _Endpoint, gen: Generation, rid: str, model: str, include_usage: bool
+) -> AsyncIterator[bytes]:
     created = int(time.time())
 
-    def event(piece: Optional[str], finish_reason: Optional[str] = None,
-              usage_: Optional[Dict[str, Any]] = None) -> bytes:
+    def event(
+        piece: Optional[str], finish_reason: Optional[str] = None, usage_: Optional[Dict[str, Any]] = None
+    ) -> bytes:
         return protocol.sse(endpoint.chunk(rid, model, piece, finish_reason, usage_, created))
 
     try:
@@ -279,13 +303,25 @@ class _Endpoint:
     opening: Callable[[str, str, int], List[Dict[str, Any]]] = _no_opening  # chunks before the first piece
 
 
-def _completion_chunk(rid: str, model: str, piece: Optional[str], finish_reason: Optional[str],
-                      usage_: Optional[Dict[str, Any]], created: int) -> Dict[str, Any]:
+def _completion_chunk(
+    rid: str,
+    model: str,
+    piece: Optional[str],
+    finish_reason: Optional[str],
+    usage_: Optional[Dict[str, Any]],
+    created: int,
+) -> Dict[str, Any]:
     return protocol.completion_chunk(rid, model, piece or "", finish_reason, usage_, created=created)
 
 
-def _chat_chunk(rid: str, model: str, piece: Optional[str], finish_reason: Optional[str],
-                usage_: Optional[Dict[str, Any]], created: int) -> Dict[str, Any]:
+def _chat_chunk(
+    rid: str,
+    model: str,
+    piece: Optional[str],
+    finish_reason: Optional[str],
+    usage_: Optional[Dict[str, Any]],
+    created: int,
+) -> Dict[str, Any]:
     delta = {} if piece is None else {"content": piece}
     return protocol.chat_chunk(rid, model, delta, finish_reason, usage_, created=created)
 
@@ -294,10 +330,18 @@ def _chat_opening(rid: str, model: str, created: int) -> List[Dict[str, Any]]:
     return [protocol.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, created=created)]
 
 
-_COMPLETIONS = _Endpoint("cmpl", "prompt", protocol.parse_completion_request, _encode_prompt,
-                         protocol.completion_response, _completion_chunk)
-_CHAT = _Endpoint("chatcmpl", "messages", protocol.parse_chat_request, _encode_chat, protocol.chat_response,
-                  _chat_chunk, _chat_opening)
+_COMPLETIONS = _Endpoint(
+    "cmpl", "prompt", protocol.parse_completion_request, _encode_prompt, protocol.completion_response, _completion_chunk
+)
+_CHAT = _Endpoint(
+    "chatcmpl",
+    "messages",
+    protocol.parse_chat_request,
+    _encode_chat,
+    protocol.chat_response,
+    _chat_chunk,
+    _chat_opening,
+)
 
 
 class _EngineStream(StreamingResponse):

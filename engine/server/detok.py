@@ -36,7 +36,7 @@ class TextStream:
         if full.endswith("\ufffd") or len(full) < len(prev):
             return  # an incomplete character: wait for its remaining bytes
         before = len(self.text)
-        self.text += full[len(prev):]
+        self.text += full[len(prev) :]
         self._read = len(self.token_ids)
         self._prefix = max(self._prefix, self._read - _CONTEXT_TOKENS)
         if self._stop:

@@ -22,8 +22,15 @@ class ClientGone(Exception):
 
 
 class Generation:
-    def __init__(self, worker: EngineWorker, rid: str, token_ids: Sequence[int], params: SamplingParams,
-                 decode: Callable[[List[int]], str], stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        worker: EngineWorker,
+        rid: str,
+        token_ids: Sequence[int],
+        params: SamplingParams,
+        decode: Callable[[List[int]], str],
+        stop: Sequence[str] = (),
+    ) -> None:
         self.rid = rid  # the response id, also named in error messages and the log
         self._worker = worker
         self._ids = list(token_ids)

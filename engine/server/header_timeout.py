@@ -67,10 +67,16 @@ def _head_bytes(request: h11.Request) -> int:
 def _error_answer(status: int, message: str) -> List[h11.Event]:
     """An answer from outside the app, in the OpenAI error shape."""
     body = json.dumps(error_body(message)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"connection", b"close")]
-    return [h11.Response(status_code=status, headers=headers, reason=STATUS_PHRASES[status]),
-            h11.Data(data=body), h11.EndOfMessage()]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
+    return [
+        h11.Response(status_code=status, headers=headers, reason=STATUS_PHRASES[status]),
+        h11.Data(data=body),
+        h11.EndOfMessage(),
+    ]
 
 
 class HeaderTimeoutH11Protocol(H11Protocol):

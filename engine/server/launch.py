@@ -26,8 +26,13 @@ def free_port() -> int:
 class ServerProcess:
     """`with ServerProcess(["--verify"]) as srv: srv.url ...`; the log is kept in a temp file."""
 
-    def __init__(self, args: Sequence[str] = (), *, startup_timeout: float = 180.0,
-                 entry: Sequence[str] = ("-m", "kvledger", "serve")) -> None:
+    def __init__(
+        self,
+        args: Sequence[str] = (),
+        *,
+        startup_timeout: float = 180.0,
+        entry: Sequence[str] = ("-m", "kvledger", "serve"),
+    ) -> None:
         """entry: what follows the interpreter (a test may run a script that wraps the server)."""
         self.entry = list(entry)
         self.port = free_port()
@@ -39,10 +44,14 @@ class ServerProcess:
 
     def start(self) -> "ServerProcess":
         self._log = tempfile.NamedTemporaryFile(prefix="kvledger-serve-", suffix=".log", delete=False)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-        self.proc = subprocess.Popen([sys.executable, *self.entry, *self.args], cwd=ROOT, env=env,
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, *self.entry, *self.args], cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT
+        )
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -24,8 +24,15 @@ GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 class APIError(Exception):
     """An error that becomes `{"error": {"message", "type", "param", "code"}}` with `status`."""
 
-    def __init__(self, message: str, *, param: Optional[str] = None, status: int = 400,
-                 code: Optional[str] = None, type: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: Optional[str] = None,
+        status: int = 400,
+        code: Optional[str] = None,
+        type: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.message, self.param, self.status, self.code, self.type = message, param, status, code, type
 
@@ -33,8 +40,9 @@ class APIError(Exception):
         return error_body(self.message, param=self.param, code=self.code, type=self.type)
 
 
-def error_body(message: str, *, param: Optional[str] = None, code: Optional[str] = None,
-               type: str = "invalid_request_error") -> Dict[str, Any]:
+def error_body(
+    message: str, *, param: Optional[str] = None, code: Optional[str] = None, type: str = "invalid_request_error"
+) -> Dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -72,12 +80,22 @@ class ChatRequest:
 def check_content_type(value: Optional[str]) -> None:
     """Bodies are JSON in UTF-8 (RFC 8259): anything else is a 415."""
     media, _, params = (value or "").partition(";")
-    charset = next((v.strip().strip('"').lower() for k, _, v in (p.partition("=") for p in params.split(";"))
-                    if k.strip().lower() == "charset"), "utf-8")
+    charset = next(
+        (
+            v.strip().strip('"').lower()
+            for k, _, v in (p.partition("=") for p in params.split(";"))
+            if k.strip().lower() == "charset"
+        ),
+        "utf-8",
+    )
     if media.strip().lower() != "application/json" or charset not in ("utf-8", "utf8"):
         shown = (value or "none")[:100]
-        raise APIError(f"Content-Type must be application/json (UTF-8), got {shown!r}", param="Content-Type",
-                       status=415, code="unsupported_media_type")
+        raise APIError(
+            f"Content-Type must be application/json (UTF-8), got {shown!r}",
+            param="Content-Type",
+            status=415,
+            code="unsupported_media_type",
+        )
 
 
 class _Unacceptable:
@@ -125,8 +143,9 @@ def _check_json_tree(body: Any) -> None:
         path, value, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
             field = re.split(r"[.\[]", path, maxsplit=1)[0]
-            raise APIError(f"{field} is nested too deeply (the request body may have at most {MAX_JSON_DEPTH} "
-                           "levels)", param=field)
+            raise APIError(
+                f"{field} is nested too deeply (the request body may have at most {MAX_JSON_DEPTH} levels)", param=field
+            )
         if isinstance(value, _Unacceptable):
             raise APIError(f"{path or 'the request body'} {value.reason}", param=path or None)
         if isinstance(value, str):
@@ -145,8 +164,11 @@ def _require_unicode(text: str, path: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         shown = path.encode("utf-8", "backslashreplace").decode()  # the path may hold the surrogate itself
-        raise APIError(f"{shown} holds a lone surrogate (U+{ord(text[e.start]):04X} at character {e.start}), "
-                       "which is not valid Unicode", param=shown) from None
+        raise APIError(
+            f"{shown} holds a lone surrogate (U+{ord(text[e.start]):04X} at character {e.start}), "
+            "which is not valid Unicode",
+            param=shown,
+        ) from None
 
 
 def parse_completion_request(body: Dict[str, Any]) -> CompletionRequest:
@@ -181,31 +203,44 @@ def parse_chat_request(body: Dict[str, Any]) -> ChatRequest:
     return ChatRequest(model, messages, sampling, stream, include_usage)
 
 
-def check_lengths(prompt_len: int, sampling: SamplingOptions, max_seq_len: int, prompt_param: str,
-                  default_total: Optional[int] = None) -> int:
+def check_lengths(
+    prompt_len: int, sampling: SamplingOptions, max_seq_len: int, prompt_param: str, default_total: Optional[int] = None
+) -> int:
     """Check the prompt and max_tokens against the context; return the max_tokens to use. Without
     max_tokens, prompt plus completion may fill the context, or `default_total` tokens if fewer."""
     if prompt_len == 0:
         raise APIError(f"{prompt_param} is empty: it must hold at least one token", param=prompt_param)
     if prompt_len >= max_seq_len:
-        raise APIError(f"{prompt_param} is {prompt_len} tokens; this model's context is {max_seq_len} tokens, "
-                       f"so a prompt may have at most {max_seq_len - 1}", param=prompt_param,
-                       code="context_length_exceeded")
+        raise APIError(
+            f"{prompt_param} is {prompt_len} tokens; this model's context is {max_seq_len} tokens, "
+            f"so a prompt may have at most {max_seq_len - 1}",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
     room = max_seq_len - prompt_len
     if sampling.max_tokens is None:
         return max(1, min(room, (default_total or max_seq_len) - prompt_len))
     if sampling.max_tokens > room:
-        raise APIError(f"max_tokens is {sampling.max_tokens}, but the {prompt_len}-token {prompt_param} leaves room "
-                       f"for at most {room} in this model's {max_seq_len}-token context", param="max_tokens",
-                       code="context_length_exceeded")
+        raise APIError(
+            f"max_tokens is {sampling.max_tokens}, but the {prompt_len}-token {prompt_param} leaves room "
+            f"for at most {room} in this model's {max_seq_len}-token context",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     return sampling.max_tokens
 
 
 def _kind(value: Any) -> str:
     if value is None:
         return "null"
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
-            dict: "an object"}.get(type(value), type(value).__name__)
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+    }.get(type(value), type(value).__name__)
 
 
 def _required_str(body: Dict[str, Any], name: str) -> str:
@@ -232,8 +267,9 @@ def _prompt(value: Any) -> Prompt:
         if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             return list(value)
         if all(isinstance(t, (str, list)) for t in value):
-            raise APIError("prompt: batches of several prompts are not supported; send one request per prompt",
-                           param="prompt")
+            raise APIError(
+                "prompt: batches of several prompts are not supported; send one request per prompt", param="prompt"
+            )
         raise APIError("prompt must be a string or an array of token ids (integers)", param="prompt")
     raise APIError(f"prompt must be a string or an array of token ids, got {_kind(value)}", param="prompt")
 
@@ -252,10 +288,15 @@ def _messages(value: Any) -> List[Dict[str, str]]:
             raise APIError(f"{where} must be an object, got {_kind(m)}", param=where)
         role = m.get("role")
         if role not in ("system", "developer", "user", "assistant"):
-            raise APIError(f"{where}.role must be one of system, developer, user, assistant; got {role!r}",
-                           param=f"{where}.role")
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": _content(m.get("content"), f"{where}.content")})
+            raise APIError(
+                f"{where}.role must be one of system, developer, user, assistant; got {role!r}", param=f"{where}.role"
+            )
+        out.append(
+            {
+                "role": "system" if role == "developer" else role,
+                "content": _content(m.get("content"), f"{where}.content"),
+            }
+        )
     return out
 
 
@@ -266,8 +307,9 @@ def _content(value: Any, where: str) -> str:
         texts = []
         for j, part in enumerate(value):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(f"{where}[{j}] must be a text part ({{\"type\": \"text\", \"text\": ...}})",
-                               param=f"{where}[{j}]")
+                raise APIError(
+                    f'{where}[{j}] must be a text part ({{"type": "text", "text": ...}})', param=f"{where}[{j}]"
+                )
             texts.append(part["text"])
         return "".join(texts)
     raise APIError(f"{where} must be a string or an array of text parts, got {_kind(value)}", param=where)
@@ -305,8 +347,9 @@ def _integer(body: Dict[str, Any], name: str, default: Optional[int]) -> Optiona
     return value
 
 
-def _sampling(body: Dict[str, Any], *, max_tokens_default: Optional[int],
-              max_tokens_param: str = "max_tokens") -> SamplingOptions:
+def _sampling(
+    body: Dict[str, Any], *, max_tokens_default: Optional[int], max_tokens_param: str = "max_tokens"
+) -> SamplingOptions:
     n = _integer(body, "n", 1)
     if n != 1:
         raise APIError(f"n must be 1 (only one choice per request is supported), got {n}", param="n")
@@ -337,9 +380,16 @@ def _sampling(body: Dict[str, Any], *, max_tokens_default: Optional[int],
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise APIError(f"ignore_eos must be a boolean, got {_kind(ignore_eos)}", param="ignore_eos")
-    return SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                           ignore_eos=ignore_eos, stop=_stop(body.get("stop")),
-                           stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids"))
+    return SamplingOptions(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        ignore_eos=ignore_eos,
+        stop=_stop(body.get("stop")),
+        stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids"),
+    )
 
 
 def _stop(value: Any) -> List[str]:
@@ -390,30 +440,46 @@ def new_id(prefix: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
-def completion_response(rid: str, model: str, text: str, finish_reason: Optional[str],
-                        usage_: Dict[str, Any]) -> Dict[str, Any]:
+def completion_response(
+    rid: str, model: str, text: str, finish_reason: Optional[str], usage_: Dict[str, Any]
+) -> Dict[str, Any]:
     return _response(rid, "text_completion", model, {"text": text}, finish_reason, usage_)
 
 
-def completion_chunk(rid: str, model: str, text: str, finish_reason: Optional[str],
-                     usage_: Optional[Dict[str, Any]] = None,
-                     created: Optional[int] = None) -> Dict[str, Any]:
+def completion_chunk(
+    rid: str,
+    model: str,
+    text: str,
+    finish_reason: Optional[str],
+    usage_: Optional[Dict[str, Any]] = None,
+    created: Optional[int] = None,
+) -> Dict[str, Any]:
     return _chunk(rid, "text_completion", model, {"text": text}, finish_reason, usage_, created)
 
 
-def chat_response(rid: str, model: str, text: str, finish_reason: Optional[str],
-                  usage_: Dict[str, Any]) -> Dict[str, Any]:
+def chat_response(
+    rid: str, model: str, text: str, finish_reason: Optional[str], usage_: Dict[str, Any]
+) -> Dict[str, Any]:
     message = {"message": {"role": "assistant", "content": text}}
     return _response(rid, "chat.completion", model, message, finish_reason, usage_)
 
 
-def chat_chunk(rid: str, model: str, delta: Dict[str, Any], finish_reason: Optional[str],
-               usage_: Optional[Dict[str, Any]] = None, created: Optional[int] = None) -> Dict[str, Any]:
+def chat_chunk(
+    rid: str,
+    model: str,
+    delta: Dict[str, Any],
+    finish_reason: Optional[str],
+    usage_: Optional[Dict[str, Any]] = None,
+    created: Optional[int] = None,
+) -> Dict[str, Any]:
     return _chunk(rid, "chat.completion.chunk", model, {"delta": delta}, finish_reason, usage_, created)
 
 
@@ -422,17 +488,36 @@ def _choice(content: Dict[str, Any], finish_reason: Optional[str]) -> Dict[str, 
     return {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}
 
 
-def _response(rid: str, object_: str, model: str, content: Dict[str, Any], finish_reason: Optional[str],
-              usage_: Dict[str, Any]) -> Dict[str, Any]:
-    return {"id": rid, "object": object_, "created": int(time.time()), "model": model,
-            "choices": [_choice(content, finish_reason)], "usage": usage_}
+def _response(
+    rid: str, object_: str, model: str, content: Dict[str, Any], finish_reason: Optional[str], usage_: Dict[str, Any]
+) -> Dict[str, Any]:
+    return {
+        "id": rid,
+        "object": object_,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [_choice(content, finish_reason)],
+        "usage": usage_,
+    }
 
 
-def _chunk(rid: str, object_: str, model: str, content: Dict[str, Any], finish_reason: Optional[str],
-           usage_: Optional[Dict[str, Any]], created: Optional[int]) -> Dict[str, Any]:
+def _chunk(
+    rid: str,
+    object_: str,
+    model: str,
+    content: Dict[str, Any],
+    finish_reason: Optional[str],
+    usage_: Optional[Dict[str, Any]],
+    created: Optional[int],
+) -> Dict[str, Any]:
     """A stream chunk; the usage chunk (`usage_` given) has no choices."""
-    chunk = {"id": rid, "object": object_, "created": created or int(time.time()), "model": model,
-             "choices": [] if usage_ is not None else [_choice(content, finish_reason)]}
+    chunk = {
+        "id": rid,
+        "object": object_,
+        "created": created or int(time.time()),
+        "model": model,
+        "choices": [] if usage_ is not None else [_choice(content, finish_reason)],
+    }
     if usage_ is not None:
         chunk["usage"] = usage_
     return chunk

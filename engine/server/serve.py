@@ -98,13 +98,22 @@ def _serve(config: EngineConfig, options: ServerOptions, sock: socket.socket) ->
     name = options.served_model_name or model_name_for(config.model)
     app = create_app(worker, model_name=name, api_key=options.api_key, body_timeout=options.timeout_body)
     level = options.log_level
-    http = uvicorn.Config(app, http=with_header_timeout(options.timeout_header), log_level=level,
-                          access_log=level in ("info", "debug"), limit_concurrency=options.max_connections,
-                          timeout_keep_alive=options.timeout_keep_alive, timeout_graceful_shutdown=5)
+    http = uvicorn.Config(
+        app,
+        http=with_header_timeout(options.timeout_header),
+        log_level=level,
+        access_log=level in ("info", "debug"),
+        limit_concurrency=options.max_connections,
+        timeout_keep_alive=options.timeout_keep_alive,
+        timeout_graceful_shutdown=5,
+    )
     server = DrainingServer(http, worker, options.drain_timeout)
     verify = " with --verify (every cache operation shadowed in the reference model)" if config.verify else ""
-    print(f"kvledger serve: {name} on http://{options.host}:{sock.getsockname()[1]}/v1{verify}",
-          file=sys.stderr, flush=True)
+    print(
+        f"kvledger serve: {name} on http://{options.host}:{sock.getsockname()[1]}/v1{verify}",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         server.run(sockets=[sock])
     finally:

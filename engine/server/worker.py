@@ -134,8 +134,7 @@ class EngineStats:
 
 
 class EngineWorker:
-    def __init__(self, llm, *, max_waiting: int = 1024,
-                 on_fault: Optional[Callable[[str], None]] = None) -> None:
+    def __init__(self, llm, *, max_waiting: int = 1024, on_fault: Optional[Callable[[str], None]] = None) -> None:
         self.llm = llm
         self.engine = llm.engine
         self.limits = self.engine.limits
@@ -144,8 +143,15 @@ class EngineWorker:
         # the LLM may have run requests before (a warm-up): uids must stay new to the engine
         self._uids = itertools.count(self.engine.next_uid())
         self._open: Dict[int, OpenRequest] = {}  # accepted and not yet ended
-        self._counts = {"finished": 0, "aborted": 0, "rejected": 0, "failed": 0, "prompt_tokens": 0,
-                        "prefix_hit_tokens": 0, "generated_tokens": 0}
+        self._counts = {
+            "finished": 0,
+            "aborted": 0,
+            "rejected": 0,
+            "failed": 0,
+            "prompt_tokens": 0,
+            "prefix_hit_tokens": 0,
+            "generated_tokens": 0,
+        }
         self._rate: Deque[Tuple[float, int]] = deque()
         self._dirty = False  # something ran since the last idle check
         self._stop = threading.Event()
@@ -239,19 +245,27 @@ class EngineWorker:
             log.warning("drain window over: aborting %d open request(s)", len(self._open))
             for uid, sink in [(uid, o.sink) for uid, o in self._open.items()]:
                 self._abort(uid, counter="failed")
-                _send(sink, Failed("the server is shutting down; the request was stopped before it finished",
-                                   503, code="shutting_down"))
+                _send(
+                    sink,
+                    Failed(
+                        "the server is shutting down; the request was stopped before it finished",
+                        503,
+                        code="shutting_down",
+                    ),
+                )
         self.drained.set()
 
     def _submit(self, uid: int, ids: List[int], params: SamplingParams, sink: Sink) -> None:
         if self.fatal is not None:
-            return self._reject(sink, Failed("the engine stopped after an internal error; the server is restarting",
-                                             503))
+            return self._reject(
+                sink, Failed("the engine stopped after an internal error; the server is restarting", 503)
+            )
         if self._drain_until is not None:
             return self._reject(sink, Failed("the server is shutting down", 503, code="shutting_down"))
         if self.engine.waiting_requests >= self.max_waiting:
-            return self._reject(sink, Failed(f"the server is overloaded ({self.max_waiting} requests waiting); "
-                                             "retry later", 503))
+            return self._reject(
+                sink, Failed(f"the server is overloaded ({self.max_waiting} requests waiting); retry later", 503)
+            )
         try:
             self.engine.add_request(ids, params, uid)
         except RequestError as e:  # the request can never run: e.param names the field
@@ -307,8 +321,7 @@ class EngineWorker:
         # the scheduler's state can no longer be trusted, so the engine stops serving
         first = self.fatal is None
         self.fatal = self.fatal or f"{type(exc).__name__}: {exc}"
-        log.error("engine fault, failing %d open request(s) and stopping the engine", len(self._open),
-                  exc_info=exc)
+        log.error("engine fault, failing %d open request(s) and stopping the engine", len(self._open), exc_info=exc)
         self._fail_all(f"engine fault: {self.fatal}", 500)
         if first and self.on_fault is not None:
             self.on_fault(self.fatal)
@@ -330,8 +343,17 @@ class EngineWorker:
             error = f"{type(e).__name__}: {e}"
         pages = self.engine.page_stats()
         ok = error is None and pages.owned == 0 and pages.locked_tokens == 0
-        self.integrity = IntegrityReport(ok, time.time(), self.integrity.checks + 1, pages.total, pages.free,
-                                         pages.cached, pages.owned, pages.locked_tokens, error)
+        self.integrity = IntegrityReport(
+            ok,
+            time.time(),
+            self.integrity.checks + 1,
+            pages.total,
+            pages.free,
+            pages.cached,
+            pages.owned,
+            pages.locked_tokens,
+            error,
+        )
         if not ok:
             log.error("idle integrity check failed: %s", self.integrity)
 
@@ -344,13 +366,26 @@ class EngineWorker:
         span = max(1.0, now - self._rate[0][0]) if self._rate else RATE_WINDOW_S
         c = self._counts
         self.stats = EngineStats(
-            running=engine.running_requests, waiting=engine.waiting_requests, total_pages=pages.total,
-            free_pages=pages.free, cached_pages=pages.cached, owned_pages=pages.owned, locked_tokens=pages.locked_tokens,
-            prompt_tokens=c["prompt_tokens"], prefix_hit_tokens=c["prefix_hit_tokens"],
-            generated_tokens=c["generated_tokens"], tokens_per_s=sum(n for _, n in self._rate) / span,
-            cache_ops=engine.operations, finished=c["finished"], aborted=c["aborted"], rejected=c["rejected"],
-            failed=c["failed"], verified_ops=self.llm.shadow.steps if self.llm.shadow is not None else None,
-            preemptions=engine.preemptions, recomputed_tokens=engine.recomputed_tokens)
+            running=engine.running_requests,
+            waiting=engine.waiting_requests,
+            total_pages=pages.total,
+            free_pages=pages.free,
+            cached_pages=pages.cached,
+            owned_pages=pages.owned,
+            locked_tokens=pages.locked_tokens,
+            prompt_tokens=c["prompt_tokens"],
+            prefix_hit_tokens=c["prefix_hit_tokens"],
+            generated_tokens=c["generated_tokens"],
+            tokens_per_s=sum(n for _, n in self._rate) / span,
+            cache_ops=engine.operations,
+            finished=c["finished"],
+            aborted=c["aborted"],
+            rejected=c["rejected"],
+            failed=c["failed"],
+            verified_ops=self.llm.shadow.steps if self.llm.shadow is not None else None,
+            preemptions=engine.preemptions,
+            recomputed_tokens=engine.recomputed_tokens,
+        )
 
 
 def _send(sink: Sink, event: Event) -> None:

@@ -38,8 +38,20 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from kvledger.bench.bandwidth_floor import param_count
-from kvledger.bench.runner import BenchOptions, EngineRun, PrintFn, build_llm, device_name, engine_kwargs, \
-    free_memory, model_source, print_lines, run_workload, versions, write_report
+from kvledger.bench.runner import (
+    BenchOptions,
+    EngineRun,
+    PrintFn,
+    build_llm,
+    device_name,
+    engine_kwargs,
+    free_memory,
+    model_source,
+    print_lines,
+    run_workload,
+    versions,
+    write_report,
+)
 from kvledger.bench.workloads import EARLY_STOP, EARLY_STOP_RATIOS, Workload, early_stop, pages, warmup
 from kvledger.engine.options import ADMISSION_POLICIES
 
@@ -102,8 +114,7 @@ class PolicyRun:
 
     @property
     def ok(self) -> bool:
-        return (not self.mismatched_requests and not self.errors
-                and self.output_tokens == self.expected_output_tokens)
+        return not self.mismatched_requests and not self.errors and self.output_tokens == self.expected_output_tokens
 
     @property
     def label(self) -> str:
@@ -112,22 +123,41 @@ class PolicyRun:
     def as_dict(self) -> Dict[str, Any]:
         d = asdict(self)
         d["errors"] = {str(k): v for k, v in self.errors.items()}
-        d.update(tok_per_s=self.tok_per_s, mean_batch=self.mean_batch,
-                 recomputed_fraction=self.recomputed_fraction, token_counts_ok=self.ok)
+        d.update(
+            tok_per_s=self.tok_per_s,
+            mean_batch=self.mean_batch,
+            recomputed_fraction=self.recomputed_fraction,
+            token_counts_ok=self.ok,
+        )
         return d
 
     @classmethod
     def of(cls, policy: str, ratio: Optional[float], run: EngineRun, workload: Workload) -> PolicyRun:
         b = run.batches
         by_length = len(workload) - run.stopped_early - len(run.errors)
-        return cls(policy, ratio, run.output_tokens, workload.output_tokens, run.seconds,
-                   run.mismatched(workload), run.errors, b.decode_steps, b.prefill_steps, b.batch_sum, b.peak,
-                   run.stats.preemptions, run.stats.recomputed_tokens, run.stopped_early, by_length,
-                   {**run.stats.host_seconds, "abort": run.abort_seconds})
+        return cls(
+            policy,
+            ratio,
+            run.output_tokens,
+            workload.output_tokens,
+            run.seconds,
+            run.mismatched(workload),
+            run.errors,
+            b.decode_steps,
+            b.prefill_steps,
+            b.batch_sum,
+            b.peak,
+            run.stats.preemptions,
+            run.stats.recomputed_tokens,
+            run.stopped_early,
+            by_length,
+            {**run.stats.host_seconds, "abort": run.abort_seconds},
+        )
 
 
-def run_policy(llm: Any, workload: Workload, policy: str, ratio: Optional[float], warm: Workload,
-               device: str) -> PolicyRun:
+def run_policy(
+    llm: Any, workload: Workload, policy: str, ratio: Optional[float], warm: Workload, device: str
+) -> PolicyRun:
     return PolicyRun.of(policy, ratio, run_workload(llm, workload, warm, device), workload)
 
 
@@ -163,13 +193,11 @@ class EarlyStopOptions(BenchOptions):
         policies = [p.strip() for p in self.policies.split(",") if p.strip()]
         for p in policies:
             if p not in ADMISSION_POLICIES:
-                raise ValueError(f"policies: {p!r} is not an admission policy "
-                                 f"({', '.join(ADMISSION_POLICIES)})")
+                raise ValueError(f"policies: {p!r} is not an admission policy ({', '.join(ADMISSION_POLICIES)})")
         try:
             ratios = [float(r) for r in self.ratios.split(",") if r.strip()]
         except ValueError:
-            raise ValueError(f"ratios: expected comma-separated numbers in [0, 1], "
-                             f"got {self.ratios!r}") from None
+            raise ValueError(f"ratios: expected comma-separated numbers in [0, 1], got {self.ratios!r}") from None
         if any(not 0.0 <= r <= 1.0 for r in ratios):
             raise ValueError(f"ratios: each must be in [0, 1], got {self.ratios!r}")
         runs: List[Tuple[str, Optional[float]]] = [("reserve", None)]
@@ -200,26 +228,41 @@ def format_workload(d: Dict[str, Any]) -> List[str]:
 
 def format_table(runs: Sequence[PolicyRun]) -> List[str]:
     base = next((r for r in runs if r.policy == "reserve"), None)
-    header = (f"{'policy':<16} {'output tokens':>13} {'time (s)':>9} {'tok/s':>10} {'mean batch':>10} "
-              f"{'peak batch':>10} {'decode steps':>12} {'preemptions':>11} {'recomputed':>10} {'recomp/out':>10} "
-              f"{'vs reserve':>10}")
+    header = (
+        f"{'policy':<16} {'output tokens':>13} {'time (s)':>9} {'tok/s':>10} {'mean batch':>10} "
+        f"{'peak batch':>10} {'decode steps':>12} {'preemptions':>11} {'recomputed':>10} {'recomp/out':>10} "
+        f"{'vs reserve':>10}"
+    )
     lines = [header, "-" * len(header)]
     for r in runs:
         speedup = r.tok_per_s / base.tok_per_s if base is not None and base.tok_per_s else float("nan")
-        lines.append(f"{r.label:<16} {r.output_tokens:>13,} {r.seconds:>9.2f} {r.tok_per_s:>10,.1f} "
-                     f"{r.mean_batch:>10.1f} {r.peak_batch:>10,} {r.decode_steps:>12,} {r.preemptions:>11,} "
-                     f"{r.recomputed_tokens:>10,} {100 * r.recomputed_fraction:>9.2f}% {speedup:>9.2f}x")
+        lines.append(
+            f"{r.label:<16} {r.output_tokens:>13,} {r.seconds:>9.2f} {r.tok_per_s:>10,.1f} "
+            f"{r.mean_batch:>10.1f} {r.peak_batch:>10,} {r.decode_steps:>12,} {r.preemptions:>11,} "
+            f"{r.recomputed_tokens:>10,} {100 * r.recomputed_fraction:>9.2f}% {speedup:>9.2f}x"
+        )
     for r in runs:
-        status = "OK" if r.ok else (f"MISMATCH ({r.mismatched_requests} requests off, {len(r.errors)} failed"
-                                    + (f": {next(iter(r.errors.values()))}" if r.errors else "") + ")")
-        lines.append(f"token counts {r.label}: {status} ({r.output_tokens:,} of {r.expected_output_tokens:,}; "
-                     f"{r.stopped_early} stopped early by the bench, {r.finished_by_length} by max_tokens; "
-                     f"{r.prefill_steps:,} prefill steps)")
+        status = (
+            "OK"
+            if r.ok
+            else (
+                f"MISMATCH ({r.mismatched_requests} requests off, {len(r.errors)} failed"
+                + (f": {next(iter(r.errors.values()))}" if r.errors else "")
+                + ")"
+            )
+        )
+        lines.append(
+            f"token counts {r.label}: {status} ({r.output_tokens:,} of {r.expected_output_tokens:,}; "
+            f"{r.stopped_early} stopped early by the bench, {r.finished_by_length} by max_tokens; "
+            f"{r.prefill_steps:,} prefill steps)"
+        )
     for r in runs:
         n = max(1, r.decode_steps + r.prefill_steps)
         parts = ", ".join(f"{k} {1000 * v / n:.2f}" for k, v in r.host_seconds.items())
-        lines.append(f"per step {r.label}: {1000 * r.seconds / n:.2f} ms wall; host ms: {parts} (land includes wait, "
-                     f"the host blocked on the device)")
+        lines.append(
+            f"per step {r.label}: {1000 * r.seconds / n:.2f} ms wall; host ms: {parts} (land includes wait, "
+            f"the host blocked on the device)"
+        )
     return lines
 
 
@@ -230,8 +273,9 @@ def run_early_stop_bench(opts: EarlyStopOptions, print_fn: PrintFn = print) -> D
     opts.resolve()
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    workload = early_stop(opts.num_requests, opts.max_input_len, opts.max_tokens, opts.output_median,
-                          opts.output_sigma, opts.seed)
+    workload = early_stop(
+        opts.num_requests, opts.max_input_len, opts.max_tokens, opts.output_median, opts.output_sigma, opts.seed
+    )
     n_warm, warm_tokens = WARMUP["cuda" if opts.cuda else "cpu"]
     warm = warmup(opts.max_input_len, n_warm, opts.seed, warm_tokens)
     d = workload.describe()
@@ -247,16 +291,23 @@ def run_early_stop_bench(opts: EarlyStopOptions, print_fn: PrintFn = print) -> D
         raise ValueError(f"kv_cache_tokens {kv_tokens} is under one request's worst case ({worst} tokens)")
     longest = max(len(p) for p in workload.prompts + warm.prompts) + max(opts.max_tokens, warm_tokens)
     source, dummy, model_desc = model_source(opts.model, opts.model_config)
-    kwargs = engine_kwargs(opts, dummy_weights=dummy, kv_cache_tokens=kv_tokens,
-                           max_seq_len=pages(longest + 1, page) * page)
+    kwargs = engine_kwargs(
+        opts, dummy_weights=dummy, kv_cache_tokens=kv_tokens, max_seq_len=pages(longest + 1, page) * page
+    )
     mean_prompt = workload.input_tokens / len(workload)
-    pool = {"tokens": kv_tokens, "worst_case_tokens": worst,
-            "reserve_fits_worst_cases": kv_tokens // worst,
-            "rule": "given" if opts.kv_cache_tokens is not None else
-            f"ceil(min(max_running_reqs, requests) / {POOL_DIVISOR}) worst cases (longest prompt + max_tokens)"}
-    print_fn(f"KV pool {kv_tokens:,} tokens ({pool['rule']}): {kv_tokens // worst} worst cases of {worst:,} tokens; "
-             f"reserve admits about {kv_tokens / (mean_prompt + opts.max_tokens):.1f} requests of a mean "
-             f"prompt at once; max_running_reqs {opts.max_running_reqs}, same pool for every run")
+    pool = {
+        "tokens": kv_tokens,
+        "worst_case_tokens": worst,
+        "reserve_fits_worst_cases": kv_tokens // worst,
+        "rule": "given"
+        if opts.kv_cache_tokens is not None
+        else f"ceil(min(max_running_reqs, requests) / {POOL_DIVISOR}) worst cases (longest prompt + max_tokens)",
+    }
+    print_fn(
+        f"KV pool {kv_tokens:,} tokens ({pool['rule']}): {kv_tokens // worst} worst cases of {worst:,} tokens; "
+        f"reserve admits about {kv_tokens / (mean_prompt + opts.max_tokens):.1f} requests of a mean "
+        f"prompt at once; max_running_reqs {opts.max_running_reqs}, same pool for every run"
+    )
 
     runs: List[PolicyRun] = []
     config = None
@@ -265,8 +316,10 @@ def run_early_stop_bench(opts: EarlyStopOptions, print_fn: PrintFn = print) -> D
         llm = build_llm(source, kwargs, admission=policy, **per_run)
         if config is None:
             config = llm.config
-            print_fn(f"model {model_desc}: {param_count(config):,} params, {opts.dtype} on {opts.device} "
-                     f"({device_name(opts.device)}); torch {torch.__version__}")
+            print_fn(
+                f"model {model_desc}: {param_count(config):,} params, {opts.dtype} on {opts.device} "
+                f"({device_name(opts.device)}); torch {torch.__version__}"
+            )
         try:
             run = run_policy(llm, workload, policy, ratio, warm, opts.device)
         finally:
@@ -287,8 +340,9 @@ def run_early_stop_bench(opts: EarlyStopOptions, print_fn: PrintFn = print) -> D
         "versions": versions(),
         "engine_kwargs": kwargs,
         "kv_pool": pool,
-        "runs": [dict(r.as_dict(), speedup_vs_reserve=r.tok_per_s / base.tok_per_s if base.tok_per_s else None)
-                 for r in runs],
+        "runs": [
+            dict(r.as_dict(), speedup_vs_reserve=r.tok_per_s / base.tok_per_s if base.tok_per_s else None) for r in runs
+        ],
         "ok": all(r.ok for r in runs),
     }
     write_report(report, opts.output, print_fn)

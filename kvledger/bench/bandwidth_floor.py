@@ -20,11 +20,14 @@ from kvledger.engine.model.config import ModelConfig
 def param_count(c: ModelConfig) -> int:
     """Parameters of the model (the engine's shapes; tied embeddings counted once)."""
     h = c.hidden_size
-    layer = (2 * h  # input and post-attention norms
-             + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim * h  # q, k, v
-             + h * c.num_heads * c.head_dim  # o
-             + (2 * c.head_dim if c.qk_norm else 0)
-             + 2 * c.intermediate_size * h + h * c.intermediate_size)  # gate+up, down
+    layer = (
+        2 * h  # input and post-attention norms
+        + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim * h  # q, k, v
+        + h * c.num_heads * c.head_dim  # o
+        + (2 * c.head_dim if c.qk_norm else 0)
+        + 2 * c.intermediate_size * h
+        + h * c.intermediate_size
+    )  # gate+up, down
     vocab = c.vocab_size * h * (1 if c.tie_word_embeddings else 2)
     return vocab + h + c.num_layers * layer
 
@@ -42,7 +45,11 @@ def kv_bytes_per_token(c: ModelConfig, itemsize: int) -> int:
 
 
 def decode_floor(
-    c: ModelConfig, itemsize: int, prompt_lens: Sequence[int], max_tokens: Sequence[int], bytes_per_s: float,
+    c: ModelConfig,
+    itemsize: int,
+    prompt_lens: Sequence[int],
+    max_tokens: Sequence[int],
+    bytes_per_s: float,
     kv_itemsize: Optional[int] = None,
 ) -> Dict[str, Any]:
     """The memory-bandwidth floor of the workload's decode (`kv_itemsize`: bytes per KV value when
@@ -60,9 +67,17 @@ def decode_floor(
     seconds = total / bytes_per_s if bytes_per_s > 0 else float("nan")
     out_tokens = sum(max_tokens)
     return {
-        "params": param_count(c), "itemsize": itemsize, "weight_bytes_per_step": w, "kv_bytes_per_token": kvb,
-        "decode_steps": steps, "kv_tokens_read": kv_tokens, "weight_bytes": steps * w, "kv_bytes": kv_tokens * kvb,
-        "total_bytes": total, "bandwidth_bytes_per_s": bytes_per_s, "seconds": seconds,
+        "params": param_count(c),
+        "itemsize": itemsize,
+        "weight_bytes_per_step": w,
+        "kv_bytes_per_token": kvb,
+        "decode_steps": steps,
+        "kv_tokens_read": kv_tokens,
+        "weight_bytes": steps * w,
+        "kv_bytes": kv_tokens * kvb,
+        "total_bytes": total,
+        "bandwidth_bytes_per_s": bytes_per_s,
+        "seconds": seconds,
         "tok_per_s": out_tokens / seconds if seconds and seconds > 0 else float("nan"),
     }
 
@@ -90,8 +105,13 @@ def measure_bandwidth(device: str, nbytes: int, repeats: int = 5) -> Dict[str, A
     del src, dst
     if cuda:
         torch.cuda.empty_cache()
-    return {"source": "measured", "method": f"{dev.type} copy of {nbytes} bytes, read+write, best of {repeats}",
-            "copy_bytes": nbytes, "seconds": best, "bytes_per_s": 2 * nbytes / best}
+    return {
+        "source": "measured",
+        "method": f"{dev.type} copy of {nbytes} bytes, read+write, best of {repeats}",
+        "copy_bytes": nbytes,
+        "seconds": best,
+        "bytes_per_s": 2 * nbytes / best,
+    }
 
 
 def _fmt_bytes(n: float) -> str:
@@ -113,6 +133,8 @@ def format_floor(floor: Dict[str, Any], bandwidth: Dict[str, Any], our_seconds: 
         f"  bandwidth             {bandwidth['bytes_per_s'] / 1e9:,.1f} GB/s ({bandwidth['method']})",
     ]
     frac = floor["seconds"] / our_seconds if our_seconds else float("nan")
-    lines.append(f"  floor                 {floor['seconds']:.3f} s = {floor['tok_per_s']:,.0f} tok/s; "
-                 f"kvledger reaches {frac:.3f} of it (floor s / our s)")
+    lines.append(
+        f"  floor                 {floor['seconds']:.3f} s = {floor['tok_per_s']:,.0f} tok/s; "
+        f"kvledger reaches {frac:.3f} of it (floor s / our s)"
+    )
     return lines

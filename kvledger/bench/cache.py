@@ -12,12 +12,10 @@ import random
 import time
 from typing import Callable, List
 
-from kvledger import fast
-from kvledger import reference
-
+from kvledger import fast, reference
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler
-from kvledger.properties.lockstep import Lockstep
 from kvledger.engine.ledger.trace import Header
+from kvledger.properties.lockstep import Lockstep
 
 
 def _timeit(fn: Callable[[], None], repeat: int) -> float:
@@ -29,8 +27,15 @@ def _timeit(fn: Callable[[], None], repeat: int) -> float:
 
 
 def decode_step_cost(impl, page_size: int, batch: int = 256, steps: int = 200) -> float:
-    d = CacheScheduler(impl, num_pages=batch * (64 + steps) // page_size + batch, page_size=page_size,
-               cache_type="radix", table_slots=batch, max_seq_len=64 + steps + 8, track_provenance=False)
+    d = CacheScheduler(
+        impl,
+        num_pages=batch * (64 + steps) // page_size + batch,
+        page_size=page_size,
+        cache_type="radix",
+        table_slots=batch,
+        max_seq_len=64 + steps + 8,
+        track_provenance=False,
+    )
     for uid in range(batch):
         d.submit(uid, [uid % 7] * 8 + [uid] * 56, steps + 4)
     while d.waiting:
@@ -59,8 +64,14 @@ def random_ops(seed: int, n: int) -> List[dict]:
         r = rng.random()
         if r < 0.25:
             base = [rng.randrange(3)] * rng.randrange(1, 30)
-            ops.append({"op": "submit", "uid": uid, "tokens": base + [rng.randrange(4) for _ in range(rng.randrange(4))],
-                        "max_tokens": rng.randrange(1, 16)})
+            ops.append(
+                {
+                    "op": "submit",
+                    "uid": uid,
+                    "tokens": base + [rng.randrange(4) for _ in range(rng.randrange(4))],
+                    "max_tokens": rng.randrange(1, 16),
+                }
+            )
             uid += 1
         elif r < 0.5:
             ops.append({"op": "prefill", "budget": rng.choice([4, 16, 64]), "sample": [rng.randrange(4)]})
@@ -91,5 +102,6 @@ def main() -> None:
     for pages in (1_000, 8_000, 64_000):
         for impl in (fast, reference):
             repeat = 50 if impl is fast else max(3, 50_000 // pages)
-            print(f"  {pages:>6} cached pages  {impl.__name__:<9} {eviction_cost(impl, pages, repeat) * 1e6:10.1f} us/evict")
+            cost = eviction_cost(impl, pages, repeat) * 1e6
+            print(f"  {pages:>6} cached pages  {impl.__name__:<9} {cost:10.1f} us/evict")
     print(f"lockstep harness: {harness_ops_per_second():,.0f} operations/s (both sides, state compared after each)")

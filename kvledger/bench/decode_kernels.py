@@ -65,8 +65,11 @@ def sweep_plain(batch: int = 256, context: int = 600) -> None:
         nbytes = batch * context * KV_HEADS * HEAD_DIM * 2 * k.element_size()
         print(f"plain decode, {dtype} KV: {nbytes / 1e6:.0f} MB per layer")
         for block_n, warps, stages in itertools.product((16, 32, 64), (2, 4), (1, 2, 3, 4)):
-            us = time_us(lambda: decode_attention(q, k, v, 1, table, rows, seq, ws, 1, block_n=block_n,
-                                                  num_warps=warps, num_stages=stages))
+            us = time_us(
+                lambda: decode_attention(
+                    q, k, v, 1, table, rows, seq, ws, 1, block_n=block_n, num_warps=warps, num_stages=stages
+                )
+            )
             print(f"  block {block_n:3d} warps {warps} stages {stages}: {us:7.1f} us  {nbytes / us / 1e3:6.0f} GB/s")
 
 
@@ -92,21 +95,45 @@ def sweep_cascade(groups: int = 32, per_group: int = 8, prefix: int = 2048, own:
     flat = time_us(lambda: decode_attention(q, k, v, 1, table, rows, seq, flat_ws, 1))
     reference = decode_attention(q, k, v, 1, table, rows, seq, flat_ws, 1).float()
     prefix_bytes = groups * prefix * KV_HEADS * HEAD_DIM * 4
-    print(f"cascade shape: {groups} groups x {per_group}, {prefix}-token prefix, {own} own tokens; flat decode "
-          f"{flat:.1f} us per layer; the prefix kernel reads {prefix_bytes / 1e6:.0f} MB per layer")
+    print(
+        f"cascade shape: {groups} groups x {per_group}, {prefix}-token prefix, {own} own tokens; flat decode "
+        f"{flat:.1f} us per layer; the prefix kernel reads {prefix_bytes / 1e6:.0f} MB per layer"
+    )
     for splits in (2, 4, 8):
         ws = DecodeWorkspace(batch, HEADS, HEAD_DIM, 16, "cuda", prefix_splits=splits)
         out = decode_attention(q, k, v, 1, table, rows, seq, ws, 1, groups=groups_found).float()
         err = float((out - reference).norm() / reference.norm())
         whole = time_us(lambda: decode_attention(q, k, v, 1, table, rows, seq, ws, 1, groups=groups_found))
-        print(f"  {splits} prefix splits: whole cascade {whole:.1f} us per layer (relative difference from flat "
-              f"{err:.1e})")
+        print(
+            f"  {splits} prefix splits: whole cascade {whole:.1f} us per layer (relative difference from flat "
+            f"{err:.1e})"
+        )
         for block_n, warps, stages in itertools.product((16, 32, 64), (2, 4), (1, 2, 3)):
-            us = time_us(lambda: shared_prefix_partials(
-                q, k, v, 1, table, rows, groups_found, ws.part_o, ws.part_lse, 1, splits, HEAD_DIM ** -0.5, 1.0,
-                dot_dtype(q.dtype, k.dtype), block_n=block_n, num_warps=warps, num_stages=stages))
-            print(f"    prefix kernel block {block_n:3d} warps {warps} stages {stages}: {us:7.1f} us  "
-                  f"{prefix_bytes / us / 1e3:6.0f} GB/s")
+            us = time_us(
+                lambda: shared_prefix_partials(
+                    q,
+                    k,
+                    v,
+                    1,
+                    table,
+                    rows,
+                    groups_found,
+                    ws.part_o,
+                    ws.part_lse,
+                    1,
+                    splits,
+                    HEAD_DIM**-0.5,
+                    1.0,
+                    dot_dtype(q.dtype, k.dtype),
+                    block_n=block_n,
+                    num_warps=warps,
+                    num_stages=stages,
+                )
+            )
+            print(
+                f"    prefix kernel block {block_n:3d} warps {warps} stages {stages}: {us:7.1f} us  "
+                f"{prefix_bytes / us / 1e3:6.0f} GB/s"
+            )
 
 
 def main(argv=None) -> int:

@@ -18,10 +18,24 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-
 _ATTENTION = ("attention", "attn", "_fwd_kernel", "paged", "flash", "fmha", "scaled_dot_product", "sdpa")
-_GEMM = ("gemm", "gemv", "linear_pointwise", "cutlass", "sm90", "nvjet", "cublas", "matmul", "xmma", "splitk",
-         "aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::baddbmm")
+_GEMM = (
+    "gemm",
+    "gemv",
+    "linear_pointwise",
+    "cutlass",
+    "sm90",
+    "nvjet",
+    "cublas",
+    "matmul",
+    "xmma",
+    "splitk",
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::linear",
+    "aten::baddbmm",
+)
 _COLLECTIVE = ("nccl", "allreduce", "all_reduce", "allgather", "all_gather", "c10d::", "gloo")
 _SAMPLING = ("argmax", "argmin", "topk", "top_k", "sort", "softmax", "multinomial", "sampl", "gumbel")
 
@@ -88,15 +102,21 @@ def summarize_profile(events, decode_steps: int, wall_s: float, cuda: bool) -> D
         "decode_steps": decode_steps,
         "device_activity": "cuda kernels" if cuda else "cpu ops (self time; CUDA activity unavailable)",
         "wall_ms_per_step": wall_ms,
-        "categories": {c: {"ms_per_step": per(us), "percent": 100.0 * us / kernel_total if kernel_total else 0.0}
-                       for c, us in cats.items()},
+        "categories": {
+            c: {"ms_per_step": per(us), "percent": 100.0 * us / kernel_total if kernel_total else 0.0}
+            for c, us in cats.items()
+        },
         "device_total_ms_per_step": per(kernel_total),
         "device_busy_ms_per_step": per(_union_us(kernels)) if cuda else None,
-        "host_ranges": {n: {"ms_per_step": per(us), "percent_of_wall": 100.0 * per(us) / wall_ms if wall_ms else 0.0}
-                        for n, us in sorted(host.items())},
+        "host_ranges": {
+            n: {"ms_per_step": per(us), "percent_of_wall": 100.0 * per(us) / wall_ms if wall_ms else 0.0}
+            for n, us in sorted(host.items())
+        },
         "host_total_ms_per_step": per(_union_us(host_intervals)),
-        "top_kernels": [{"name": n, "ms_per_step": per(us), "category": classify_kernel(n)}
-                        for n, us in sorted(top.items(), key=lambda kv: -kv[1])[:15]],
+        "top_kernels": [
+            {"name": n, "ms_per_step": per(us), "category": classify_kernel(n)}
+            for n, us in sorted(top.items(), key=lambda kv: -kv[1])[:15]
+        ],
     }
 
 
@@ -154,15 +174,23 @@ def profile_decode(llm, prompts: List[List[int]], max_tokens: List[int], device:
         if o.error is not None:
             raise o.error
     summary = summarize_profile(prof.events(), steps, wall, cuda)
-    summary.update({"scope": scope, "requests": len(prompts),
-                    "prompt_tokens": sum(len(p) for p in prompts), "max_tokens": max(max_tokens)})
+    summary.update(
+        {
+            "scope": scope,
+            "requests": len(prompts),
+            "prompt_tokens": sum(len(p) for p in prompts),
+            "max_tokens": max(max_tokens),
+        }
+    )
     return summary
 
 
 def format_breakdown(b: Dict[str, Any], top: int = 8) -> List[str]:
-    lines = [f"decode profile (kvledger): {b['requests']} requests, {b['decode_steps']} steps profiled "
-             f"({b['scope']}); {b['device_activity']}",
-             f"  {'kind':<22} {'ms/step':>9} {'%':>7}"]
+    lines = [
+        f"decode profile (kvledger): {b['requests']} requests, {b['decode_steps']} steps profiled "
+        f"({b['scope']}); {b['device_activity']}",
+        f"  {'kind':<22} {'ms/step':>9} {'%':>7}",
+    ]
     for c in CATEGORIES:
         d = b["categories"][c]
         lines.append(f"  {c:<22} {d['ms_per_step']:>9.3f} {d['percent']:>6.1f}%")
@@ -170,8 +198,10 @@ def format_breakdown(b: Dict[str, Any], top: int = 8) -> List[str]:
     wall = b["wall_ms_per_step"]
     if b.get("device_busy_ms_per_step") is not None:
         busy = b["device_busy_ms_per_step"]
-        lines.append(f"  GPU busy {busy:.3f} ms of {wall:.3f} ms wall per step "
-                     f"({100 * busy / wall if wall else 0:.1f}%; wall includes profiler overhead)")
+        lines.append(
+            f"  GPU busy {busy:.3f} ms of {wall:.3f} ms wall per step "
+            f"({100 * busy / wall if wall else 0:.1f}%; wall includes profiler overhead)"
+        )
     else:
         lines.append(f"  wall {wall:.3f} ms per step (profiler overhead included)")
     lines.append(f"  {'host range':<22} {'ms/step':>9} {'% wall':>7}")
@@ -185,8 +215,9 @@ def format_breakdown(b: Dict[str, Any], top: int = 8) -> List[str]:
     tot = b["host_total_ms_per_step"]
     lines.append(f"  {'kvledger.* (union)':<22} {tot:>9.3f} {100 * tot / wall if wall else 0:>6.1f}%")
     if b["device_activity"].startswith("cuda") and not b["device_total_ms_per_step"]:
-        lines.append("  no GPU kernels were recorded (kernels replayed from CUDA graphs untraced?): "
-                     "try --no-cuda-graphs")
+        lines.append(
+            "  no GPU kernels were recorded (kernels replayed from CUDA graphs untraced?): try --no-cuda-graphs"
+        )
     lines.append("  top kernels (ops on the CPU), ms/step and kind:")
     for k in b["top_kernels"][:top]:
         lines.append(f"    {k['ms_per_step']:>9.3f}  {k['category']:<9}  {_shorten(k['name'])}")

@@ -40,15 +40,18 @@ class BenchReport:
 def run_engine(workload: Workload, dtype: str, model_path: Optional[str] = None) -> SystemRun:
     page = 16
     n = workload.uniform_max_tokens
-    llm = build_llm(model_path, dict(
-        dtype=dtype,
-        page_size=page,
-        kv_cache_tokens=max(workload.kv_tokens(page, spare=0), 4 * page),
-        max_running_reqs=max(64, len(workload)),
-        max_prefill_tokens=ENGINE_PREFILL_TOKENS,
-        # a multiple of the page size: the scheduler's page table is max_seq_len wide
-        max_seq_len=pages(max(len(p) for p in workload.prompts) + n + 1, page) * page,
-    ))
+    llm = build_llm(
+        model_path,
+        dict(
+            dtype=dtype,
+            page_size=page,
+            kv_cache_tokens=max(workload.kv_tokens(page, spare=0), 4 * page),
+            max_running_reqs=max(64, len(workload)),
+            max_prefill_tokens=ENGINE_PREFILL_TOKENS,
+            # a multiple of the page size: the scheduler's page table is max_seq_len wide
+            max_seq_len=pages(max(len(p) for p in workload.prompts) + n + 1, page) * page,
+        ),
+    )
     warm = Workload("warm-up", [p[:8] for p in workload.prompts[:2]], [2] * min(2, len(workload)))
     return SystemRun.of(ENGINE_ROW, run_workload(llm, workload, warm, "cpu"), workload)
 
@@ -103,9 +106,7 @@ def format_report(report: BenchReport) -> List[str]:
         if report.dtype == "float32":
             mine, theirs = ours.outputs or [], hf.outputs or []
             same = sum(a == b for a, b in zip(mine, theirs))
-            lines.append(f"greedy match vs {HF_GENERATE}: {same}/{len(mine)} sequences identical "
-                         f"(informational)")
+            lines.append(f"greedy match vs {HF_GENERATE}: {same}/{len(mine)} sequences identical (informational)")
         else:
             lines.append(f"greedy match vs {HF_GENERATE}: skipped ({report.dtype}; float32 only)")
     return lines
-

@@ -59,8 +59,7 @@ def load_hf_model(dtype: str, model_path: Optional[str] = None, attn_implementat
             return AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
         cached = cache_dir_for(path) / "transformers-float32"
         if not (cached / "config.json").is_file():
-            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                         dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
             # The weights are already dequantized; drop the GGUF marker so save_pretrained accepts them.
             model.hf_quantizer = None
             if hasattr(model.config, "quantization_config"):
@@ -75,8 +74,13 @@ def load_hf_model(dtype: str, model_path: Optional[str] = None, attn_implementat
         return AutoModelForCausalLM.from_pretrained(str(cached), **kwargs).eval()
 
 
-def build_hf_model(dtype: str, device: str, attn_implementation: str, model: Optional[str] = None,
-                   hf_config: Optional[Dict[str, Any]] = None) -> Any:
+def build_hf_model(
+    dtype: str,
+    device: str,
+    attn_implementation: str,
+    model: Optional[str] = None,
+    hf_config: Optional[Dict[str, Any]] = None,
+) -> Any:
     """transformers' model: random weights from the engine's config.json (`hf_config`), or `model`'s
     real weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -89,8 +93,9 @@ def build_hf_model(dtype: str, device: str, attn_implementation: str, model: Opt
         cfg.pop("dtype", None)
         config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
         with torch.device(device):
-            built = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype],
-                                                     attn_implementation=attn_implementation)
+            built = AutoModelForCausalLM.from_config(
+                config, dtype=DTYPES[dtype], attn_implementation=attn_implementation
+            )
         return built.to(device).eval()
 
 
@@ -139,11 +144,16 @@ def run_hf_generate(model: Any, workload: Workload) -> SystemRun:
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros(len(prompts), width, dtype=torch.long)
         for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-            pad_token_id=0, num_beams=1,
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            num_beams=1,
         )
         return out[:, width:].tolist()
 
@@ -167,7 +177,10 @@ def run_hf_generate_batch(model: Any, workload: Workload, max_batch_tokens: int)
         )
         # warmup=False: on CPU there are no CUDA graphs to capture, only a dummy max-size forward.
         results = model.generate_batch(
-            inputs=prompts, generation_config=config, continuous_batching_config=cb, progress_bar=False,
+            inputs=prompts,
+            generation_config=config,
+            continuous_batching_config=cb,
+            progress_bar=False,
             warmup=False,
         )
         outs = list(results.values())
@@ -185,11 +198,9 @@ def _collect(manager: Any, ids: Sequence[str], timeout_s: float) -> Dict[str, An
         r = manager.get_result(timeout=1)
         if r is None:
             if not manager.is_running():
-                raise RuntimeError(f"transformers' generation loop stopped with {len(pending)} requests "
-                                   "unfinished")
+                raise RuntimeError(f"transformers' generation loop stopped with {len(pending)} requests unfinished")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"transformers: {len(pending)} requests unfinished after "
-                                   f"{timeout_s:.0f} s")
+                raise TimeoutError(f"transformers: {len(pending)} requests unfinished after {timeout_s:.0f} s")
             continue
         if r.request_id in pending and r.is_finished():
             if r.error:
@@ -200,8 +211,9 @@ def _collect(manager: Any, ids: Sequence[str], timeout_s: float) -> Dict[str, An
 
 
 @torch.no_grad()
-def run_continuous_batching(model: Any, workload: Workload, warmup: Workload, device: str,
-                            max_batch_tokens: Optional[int] = None) -> SystemRun:
+def run_continuous_batching(
+    model: Any, workload: Workload, warmup: Workload, device: str, max_batch_tokens: Optional[int] = None
+) -> SystemRun:
     """transformers continuous batching, each request with its own max_new_tokens (add_request)."""
     from transformers import GenerationConfig
 
@@ -217,16 +229,20 @@ def run_continuous_batching(model: Any, workload: Workload, warmup: Workload, de
         page = 64
         blocks = sum(pages(len(p) + m, page) for p, m in zip(workload.prompts, workload.max_tokens))
         blocks += sum(pages(len(p) + m, page) for p, m in zip(warmup.prompts, warmup.max_tokens)) + 2
-        cb = make_cb_config(page_size=page, num_blocks=blocks, max_batch_tokens=max_batch_tokens or 2048,
-                            auto_switch_to_flash=False)
-    cm_kwargs: Dict[str, Any] = dict(generation_config=gen, continuous_batching_config=cb, block=True,
-                                     timeout=60, warmup=cuda)
+        cb = make_cb_config(
+            page_size=page, num_blocks=blocks, max_batch_tokens=max_batch_tokens or 2048, auto_switch_to_flash=False
+        )
+    cm_kwargs: Dict[str, Any] = dict(
+        generation_config=gen, continuous_batching_config=cb, block=True, timeout=60, warmup=cuda
+    )
     try:
         from transformers.generation.continuous_batching.utils import WorkloadHints
 
         cm_kwargs["workload_hints"] = WorkloadHints(
-            max_prompt_length=max(len(p) for p in workload.prompts), max_generated_length=longest,
-            num_requests=len(workload.prompts))
+            max_prompt_length=max(len(p) for p in workload.prompts),
+            max_generated_length=longest,
+            num_requests=len(workload.prompts),
+        )
     except ImportError:  # pragma: no cover - releases without hints
         pass
     cm_kwargs = _accepted(model.continuous_batching_context_manager, cm_kwargs)
@@ -254,5 +270,12 @@ def run_continuous_batching(model: Any, workload: Workload, warmup: Workload, de
         attn = getattr(model.config, "_attn_implementation", None)
     lens = [len(results[rid].generated_tokens) for rid in ids]
     bad = sum(n != m for n, m in zip(lens, workload.max_tokens))
-    return SystemRun(HF_CONTINUOUS, workload.input_tokens, sum(lens), workload.output_tokens, seconds, bad,
-                     {"attn_implementation": attn})
+    return SystemRun(
+        HF_CONTINUOUS,
+        workload.input_tokens,
+        sum(lens),
+        workload.output_tokens,
+        seconds,
+        bad,
+        {"attn_implementation": attn},
+    )

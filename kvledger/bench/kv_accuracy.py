@@ -26,7 +26,7 @@ from kvledger.engine.runtime.llm import LLM
 
 
 def chunks(ids: Sequence[int], size: int) -> List[List[int]]:
-    return [list(ids[i:i + size]) for i in range(0, len(ids) - 1, size) if len(ids[i:i + size]) > 1]
+    return [list(ids[i : i + size]) for i in range(0, len(ids) - 1, size) if len(ids[i : i + size]) > 1]
 
 
 @torch.inference_mode()
@@ -39,8 +39,9 @@ def chunk_logits(model, pool: KVPool, ids: List[int]) -> torch.Tensor:
     return model(torch.tensor(ids), attn.positions, attn, all_logits=True)
 
 
-def compare(texts: Sequence[str], model=None, chunk: int = 512, min_positions: int = 10_000,
-            threads: int | None = None) -> dict:
+def compare(
+    texts: Sequence[str], model=None, chunk: int = 512, min_positions: int = 10_000, threads: int | None = None
+) -> dict:
     llm = LLM(model, kv_cache_tokens=chunk, kv_cache_dtype="fp8_e4m3", threads=threads)  # calibrates its scales
     fp8 = llm.model.kv_pool
     bf16 = KVPool.for_model(llm.config, fp8.num_tokens, torch.float32, kv_dtype=torch.bfloat16)
@@ -56,9 +57,15 @@ def compare(texts: Sequence[str], model=None, chunk: int = 512, min_positions: i
     n = len(kls)
     if n < min_positions:
         raise ValueError(f"the text gives {n} positions, fewer than {min_positions}: pass more --text")
-    return {"positions": n, "top1_agreement": agree / n, "bf16_vs_float32_top1_agreement": agree_bf16 / n,
-            "kl_mean": statistics.fmean(kls),
-            "kl_p99": statistics.quantiles(kls, n=100)[98], "k_scales": fp8.k_scale, "v_scales": fp8.v_scale}
+    return {
+        "positions": n,
+        "top1_agreement": agree / n,
+        "bf16_vs_float32_top1_agreement": agree_bf16 / n,
+        "kl_mean": statistics.fmean(kls),
+        "kl_p99": statistics.quantiles(kls, n=100)[98],
+        "k_scales": fp8.k_scale,
+        "v_scales": fp8.v_scale,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -78,12 +85,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"kv_accuracy: {e}", file=sys.stderr)
         return 2
-    print(f"FP8 (e4m3, calibrated per-layer scales) vs bf16 KV, float32 weights and activations: "
-          f"{r['positions']:,} positions of real text, teacher-forced in {args.chunk}-token chunks")
+    print(
+        f"FP8 (e4m3, calibrated per-layer scales) vs bf16 KV, float32 weights and activations: "
+        f"{r['positions']:,} positions of real text, teacher-forced in {args.chunk}-token chunks"
+    )
     print(f"  top-1 agreement      {100 * r['top1_agreement']:.2f}%")
     print(f"  KL(bf16 || fp8)      mean {r['kl_mean']:.5f} nats, p99 {r['kl_p99']:.5f}")
-    print(f"  for scale: a bf16 cache against a float32 one, top-1 agreement "
-          f"{100 * r['bf16_vs_float32_top1_agreement']:.2f}%")
+    print(
+        f"  for scale: a bf16 cache against a float32 one, top-1 agreement "
+        f"{100 * r['bf16_vs_float32_top1_agreement']:.2f}%"
+    )
     return 0
 
 

@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from kvledger.engine.ledger import trace
-from kvledger.tools.fuzz import Case, Walker, case_seed, make_case, walk
-from kvledger.properties.lockstep import Divergence, Lockstep
-from kvledger.tools.minimize import _copy, fingerprint_of, minimize
 from kvledger.engine.ledger.trace import Header
+from kvledger.properties.lockstep import Divergence, Lockstep
+from kvledger.tools.fuzz import Case, Walker, case_seed, make_case, walk
+from kvledger.tools.minimize import _copy, fingerprint_of, minimize
 from kvledger.tools.zoo import BUGS, patched
 
 _log = logging.getLogger(__name__)  # `log` is the minimizer's callback
@@ -51,8 +51,9 @@ def _alarm(signum, frame):
     raise _Hang
 
 
-def _walk_limited(lock: Lockstep, case: Case, rng_seed: int, length: int, drain: bool,
-                  seconds: float = WALK_LIMIT_S) -> Lockstep:
+def _walk_limited(
+    lock: Lockstep, case: Case, rng_seed: int, length: int, drain: bool, seconds: float = WALK_LIMIT_S
+) -> Lockstep:
     old = signal.signal(signal.SIGALRM, _alarm)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
@@ -87,7 +88,7 @@ def _walk(lock: Lockstep, case: Case, rng_seed: int, length: int, drain: bool) -
     walker.next_uid = len(lock.ref.known)  # uids stay unique across segments
     done = 0
     try:
-        for done in range(length):
+        for done in range(length):  # noqa: B007 (read after the loop when the walk raises)
             op = walker.next_op(lock.ref)
             walker.observe(op, lock.apply(op), lock.ref)
         done = length
@@ -145,8 +146,7 @@ def load_or_build(bug: str, n_ops: int = 1000, rebuild: bool = False) -> Tuple[H
     return header, ops
 
 
-def measure(bug: str, n_ops: int = 1000, budget: float = 60.0, rebuild: bool = False,
-            verbose: bool = False) -> Dict:
+def measure(bug: str, n_ops: int = 1000, budget: float = 60.0, rebuild: bool = False, verbose: bool = False) -> Dict:
     header, ops = load_or_build(bug, n_ops, rebuild)
     log = (lambda line: _log.info("    %s", line)) if verbose else None
     with patched(bug):
@@ -154,8 +154,15 @@ def measure(bug: str, n_ops: int = 1000, budget: float = 60.0, rebuild: bool = F
         start = time.monotonic()
         m_header, m_ops, fingerprint = minimize(header, ops, budget=budget, log=log)
         seconds = time.monotonic() - start
-    return {"bug": bug, "ops": len(ops), "step": step, "pool": f"{header.num_pages}x{header.page_size}",
-            "min_ops": len(m_ops), "seconds": seconds, "fingerprint": fingerprint}
+    return {
+        "bug": bug,
+        "ops": len(ops),
+        "step": step,
+        "pool": f"{header.num_pages}x{header.page_size}",
+        "min_ops": len(m_ops),
+        "seconds": seconds,
+        "fingerprint": fingerprint,
+    }
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -177,10 +184,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         worst = max(worst, r["seconds"])
         if r["min_ops"] > 10 or r["seconds"] >= args.budget:
             over.append(bug)
-        print(f"{r['bug']:30s} {r['pool']:>7s} {r['ops']:5d} {r['min_ops']:4d} {r['seconds']:7.1f}  "
-              f"{r['fingerprint']}", flush=True)
-    print(f"slowest {worst:.1f}s; {len(bugs) - len(over)}/{len(bugs)} bugs at <= 10 ops within the budget"
-          + (f" (not: {', '.join(over)})" if over else ""))
+        print(
+            f"{r['bug']:30s} {r['pool']:>7s} {r['ops']:5d} {r['min_ops']:4d} {r['seconds']:7.1f}  {r['fingerprint']}",
+            flush=True,
+        )
+    print(
+        f"slowest {worst:.1f}s; {len(bugs) - len(over)}/{len(bugs)} bugs at <= 10 ops within the budget"
+        + (f" (not: {', '.join(over)})" if over else "")
+    )
     return 1 if over else 0
 
 

@@ -32,11 +32,25 @@ import torch
 from kvledger.bench.bandwidth_floor import decode_floor, format_floor, measure_bandwidth, param_count
 from kvledger.bench.decode_profile import format_breakdown, profile_decode
 from kvledger.bench.hf import build_hf_model, run_continuous_batching
-from kvledger.bench.runner import DTYPES, ENGINE_ROW, BenchOptions, PrintFn, SystemRun, build_llm, \
-    device_name, engine_kwargs, format_host_line, free_memory, model_source, print_lines, \
-    resolve_model_config, run_workload, versions, write_report
-from kvledger.bench.workloads import NANO_MAX_LEN, NANO_NUM_REQUESTS, NANO_VLLM, Workload, nano_vllm, pages, \
-    warmup
+from kvledger.bench.runner import (
+    DTYPES,
+    ENGINE_ROW,
+    BenchOptions,
+    PrintFn,
+    SystemRun,
+    build_llm,
+    device_name,
+    engine_kwargs,
+    format_host_line,
+    free_memory,
+    model_source,
+    print_lines,
+    resolve_model_config,
+    run_workload,
+    versions,
+    write_report,
+)
+from kvledger.bench.workloads import NANO_MAX_LEN, NANO_NUM_REQUESTS, NANO_VLLM, Workload, nano_vllm, pages, warmup
 from kvledger.engine.engine_config import EngineConfig
 
 
@@ -80,13 +94,17 @@ class NanoOptions(BenchOptions):
 
 def format_table(runs: Sequence[SystemRun]) -> List[str]:
     ours = next((r for r in runs if r.name.startswith(ENGINE_ROW)), None)
-    header = (f"{'system':<34} {'input tokens':>12} {'output tokens':>13} {'time (s)':>9} "
-              f"{'throughput (tok/s)':>18} {'ours/this':>9}")
+    header = (
+        f"{'system':<34} {'input tokens':>12} {'output tokens':>13} {'time (s)':>9} "
+        f"{'throughput (tok/s)':>18} {'ours/this':>9}"
+    )
     lines = [header, "-" * len(header)]
     for r in runs:
         ratio = ours.tok_per_s / r.tok_per_s if ours and r.tok_per_s else float("nan")
-        lines.append(f"{r.name:<34} {r.input_tokens:>12,} {r.output_tokens:>13,} {r.seconds:>9.2f} "
-                     f"{r.tok_per_s:>18,.1f} {ratio:>8.2f}x")
+        lines.append(
+            f"{r.name:<34} {r.input_tokens:>12,} {r.output_tokens:>13,} {r.seconds:>9.2f} "
+            f"{r.tok_per_s:>18,.1f} {ratio:>8.2f}x"
+        )
     for r in runs:
         status = "OK" if r.ok else f"MISMATCH ({r.mismatched_requests} requests off)"
         lines.append(f"token counts {r.name}: {status} ({r.output_tokens:,} of {r.expected_output_tokens:,})")
@@ -114,9 +132,11 @@ def run_nano_bench(opts: NanoOptions, print_fn: PrintFn = print) -> Dict[str, An
         _, opts.hf_config, opts.model_config_path = resolve_model_config(opts.model_config)
     source, dummy, model_desc = model_source(opts.model, opts.model_config)
     d = workload.describe()
-    print_fn(f"workload {NANO_VLLM}: {d['num_requests']} requests, input {d['input_len_range'][0]}-"
-             f"{d['input_len_range'][1]} tokens ({d['input_tokens']:,} total), output {d['output_len_range'][0]}-"
-             f"{d['output_len_range'][1]} tokens ({d['output_tokens']:,} total), greedy, ignore EOS, seed {opts.seed}")
+    print_fn(
+        f"workload {NANO_VLLM}: {d['num_requests']} requests, input {d['input_len_range'][0]}-"
+        f"{d['input_len_range'][1]} tokens ({d['input_tokens']:,} total), output {d['output_len_range'][0]}-"
+        f"{d['output_len_range'][1]} tokens ({d['output_tokens']:,} total), greedy, ignore EOS, seed {opts.seed}"
+    )
 
     # bandwidth first, while the device memory is free
     if opts.bandwidth_gbs:
@@ -142,15 +162,26 @@ def run_nano_bench(opts: NanoOptions, print_fn: PrintFn = print) -> Dict[str, An
         try:
             config = llm.config
             if not runs:
-                print_fn(f"model {model_desc}: {param_count(config):,} params, {opts.dtype} on {opts.device} "
-                         f"({device_name(opts.device)}); torch {torch.__version__}, transformers "
-                         f"{versions()['transformers']}")
+                print_fn(
+                    f"model {model_desc}: {param_count(config):,} params, {opts.dtype} on {opts.device} "
+                    f"({device_name(opts.device)}); torch {torch.__version__}, transformers "
+                    f"{versions()['transformers']}"
+                )
             run = run_workload(llm, workload, warm, opts.device)
             name = f"{ENGINE_ROW} tp={size}" if len(sizes) > 1 else ENGINE_ROW
             # the scheduler's own counters: host seconds per part of a step, steps per phase
             pool = llm.engine.config.pool_tokens
-            runs.append(SystemRun.of(name, run, workload, host_seconds=run.stats.host_seconds,
-                                     steps=run.stats.steps, tensor_parallel_size=size, kv_pool_tokens=pool))
+            runs.append(
+                SystemRun.of(
+                    name,
+                    run,
+                    workload,
+                    host_seconds=run.stats.host_seconds,
+                    steps=run.stats.steps,
+                    tensor_parallel_size=size,
+                    kv_pool_tokens=pool,
+                )
+            )
             if k and opts.profile_output_len > 1:  # rank 0's GPU: its kernels and its all-reduces
                 breakdowns[size] = profile_decode(llm, profiled.prompts, profiled.max_tokens, opts.device)
         finally:
@@ -174,8 +205,9 @@ def run_nano_bench(opts: NanoOptions, print_fn: PrintFn = print) -> Dict[str, An
     print_lines(format_floor(floor, bandwidth, runs[0].seconds), print_fn)
     fp8_floor = None
     if opts.kv_cache_dtype == "fp8_e4m3":  # the cache stores 1 byte per value: the floor moves
-        fp8_floor = decode_floor(config, itemsize, prompt_lens, workload.max_tokens, bandwidth["bytes_per_s"],
-                                 kv_itemsize=1)
+        fp8_floor = decode_floor(
+            config, itemsize, prompt_lens, workload.max_tokens, bandwidth["bytes_per_s"], kv_itemsize=1
+        )
         print_fn("with the FP8 KV cache (1 byte per K/V value):")
         print_lines(format_floor(fp8_floor, bandwidth, runs[0].seconds), print_fn)
     for size, b in breakdowns.items():
@@ -196,7 +228,10 @@ def run_nano_bench(opts: NanoOptions, print_fn: PrintFn = print) -> Dict[str, An
         "systems": [r.as_dict() for r in runs],
         "ratio_ours_over_transformers": (runs[0].tok_per_s / runs[1].tok_per_s) if len(runs) > 1 else None,
         "bandwidth": bandwidth,
-        "floor": {**floor, "fraction_of_floor_reached": floor["seconds"] / runs[0].seconds if runs[0].seconds else None},
+        "floor": {
+            **floor,
+            "fraction_of_floor_reached": floor["seconds"] / runs[0].seconds if runs[0].seconds else None,
+        },
         "fp8_kv_floor": fp8_floor,
         "breakdown": breakdown,
         "breakdown_per_tp_size": breakdowns,

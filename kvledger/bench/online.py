@@ -43,11 +43,17 @@ class RequestResult:
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: List[int],
-               max_tokens: int) -> RequestResult:
+async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: List[int], max_tokens: int) -> RequestResult:
     result = RequestResult(prompt_len=len(prompt))
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", url, json=body) as resp:
@@ -57,7 +63,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: List[int
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
                     continue
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
@@ -98,9 +104,18 @@ async def _fetch_metrics(client: httpx.AsyncClient, base: str) -> Dict[str, floa
         return {}
 
 
-async def run_online(base_url: str, workload: Workload, *, request_rate: float = math.inf,
-                     max_concurrency: Optional[int] = None, api_key: Optional[str] = None, model: Optional[str] = None,
-                     seed: int = 0, progress: bool = True, timeout: float = 600.0) -> Dict:
+async def run_online(
+    base_url: str,
+    workload: Workload,
+    *,
+    request_rate: float = math.inf,
+    max_concurrency: Optional[int] = None,
+    api_key: Optional[str] = None,
+    model: Optional[str] = None,
+    seed: int = 0,
+    progress: bool = True,
+    timeout: float = 600.0,
+) -> Dict:
     """Send the workload's requests (streaming completions, greedy, EOS ignored) to the server at
     base_url; the summary of the run."""
     base = base_url.rstrip("/")
@@ -129,8 +144,9 @@ async def run_online(base_url: str, workload: Workload, *, request_rate: float =
             return res
 
         start = time.perf_counter()
-        tasks = [asyncio.create_task(limited(i))
-                 async for i in _arrivals(len(workload), request_rate, random.Random(seed))]
+        tasks = [
+            asyncio.create_task(limited(i)) async for i in _arrivals(len(workload), request_rate, random.Random(seed))
+        ]
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         if bar is not None:
@@ -161,8 +177,15 @@ def _dist(values: Sequence[float]) -> Dict[str, float]:
     return {"mean": sum(ms) / len(ms) if ms else 0.0, "p50": _pct(ms, 50), "p90": _pct(ms, 90), "p99": _pct(ms, 99)}
 
 
-def summarize(results: Sequence[RequestResult], duration: float, request_rate: float,
-              max_concurrency: Optional[int], model: str, before: Dict[str, float], after: Dict[str, float]) -> Dict:
+def summarize(
+    results: Sequence[RequestResult],
+    duration: float,
+    request_rate: float,
+    max_concurrency: Optional[int],
+    model: str,
+    before: Dict[str, float],
+    after: Dict[str, float],
+) -> Dict:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
@@ -211,10 +234,12 @@ def format_report(s: Dict) -> str:
     row("Output token throughput (tok/s):", s["output_throughput"])
     if s["prefix_hit_rate"] is not None:
         row("Prefix cache hit rate (server):", f"{100 * s['prefix_hit_rate']:.1f}%")
-    for key, short, title in (("ttft_ms", "TTFT", "Time to First Token"),
-                              ("tpot_ms", "TPOT", "Time per Output Token (excl. 1st token)"),
-                              ("itl_ms", "ITL", "Inter-token Latency"),
-                              ("e2e_latency_ms", "E2EL", "End-to-end Latency")):
+    for key, short, title in (
+        ("ttft_ms", "TTFT", "Time to First Token"),
+        ("tpot_ms", "TPOT", "Time per Output Token (excl. 1st token)"),
+        ("itl_ms", "ITL", "Inter-token Latency"),
+        ("e2e_latency_ms", "E2EL", "End-to-end Latency"),
+    ):
         lines.append("{s:{c}^{n}}".format(s=f" {title} ", n=w + 12, c="-"))
         d = s[key]
         row(f"Mean {short} (ms):", d["mean"])

@@ -30,9 +30,21 @@ from kvledger.engine.model.config import BUILTIN_CONFIG_DIR, ModelConfig
 ENGINE_ROW = "kvledger"  # this engine's row in the tables
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # LLM's options a benchmark's options may carry; engine_kwargs passes on those they have
-ENGINE_OPTIONS = ("device", "dtype", "page_size", "kv_cache_dtype", "kv_cache_tokens", "max_running_reqs",
-                  "max_prefill_tokens", "seed", "cuda_graphs", "overlap", "attention", "threads",
-                  "tensor_parallel_size")
+ENGINE_OPTIONS = (
+    "device",
+    "dtype",
+    "page_size",
+    "kv_cache_dtype",
+    "kv_cache_tokens",
+    "max_running_reqs",
+    "max_prefill_tokens",
+    "seed",
+    "cuda_graphs",
+    "overlap",
+    "attention",
+    "threads",
+    "tensor_parallel_size",
+)
 PrintFn = Callable[[str], None]
 
 
@@ -85,8 +97,7 @@ def resolve_model_config(name_or_path: str) -> Tuple[ModelConfig, Dict[str, Any]
         p = BUILTIN_CONFIG_DIR / f"{name_or_path}.json"
     if not p.is_file():
         shipped = sorted(f.stem for f in BUILTIN_CONFIG_DIR.glob("*.json"))
-        raise FileNotFoundError(f"no model config {name_or_path!r} (shipped: {', '.join(shipped)}, or a "
-                                "config .json)")
+        raise FileNotFoundError(f"no model config {name_or_path!r} (shipped: {', '.join(shipped)}, or a config .json)")
     hf = json.loads(p.read_text())
     return ModelConfig.from_hf_config(hf), hf, p
 
@@ -139,14 +150,15 @@ class EngineStats:
     @classmethod
     def of(cls, llm: Any) -> EngineStats:
         engine = llm.engine
-        return cls(dict(engine.steps), dict(engine.host_seconds), engine.preemptions,
-                   engine.recomputed_tokens)
+        return cls(dict(engine.steps), dict(engine.host_seconds), engine.preemptions, engine.recomputed_tokens)
 
     def since(self, before: EngineStats) -> EngineStats:
-        return EngineStats({k: v - before.steps.get(k, 0) for k, v in self.steps.items()},
-                           {k: v - before.host_seconds.get(k, 0.0) for k, v in self.host_seconds.items()},
-                           self.preemptions - before.preemptions,
-                           self.recomputed_tokens - before.recomputed_tokens)
+        return EngineStats(
+            {k: v - before.steps.get(k, 0) for k, v in self.steps.items()},
+            {k: v - before.host_seconds.get(k, 0.0) for k, v in self.host_seconds.items()},
+            self.preemptions - before.preemptions,
+            self.recomputed_tokens - before.recomputed_tokens,
+        )
 
 
 @dataclass
@@ -292,23 +304,40 @@ class SystemRun:
 
     @classmethod
     def of(cls, name: str, run: EngineRun, workload: Workload, **extra: Any) -> SystemRun:
-        return cls(name, workload.input_tokens, run.output_tokens, workload.output_tokens, run.seconds,
-                   run.mismatched(workload), extra, run.outputs)
+        return cls(
+            name,
+            workload.input_tokens,
+            run.output_tokens,
+            workload.output_tokens,
+            run.seconds,
+            run.mismatched(workload),
+            extra,
+            run.outputs,
+        )
 
     def as_dict(self) -> Dict[str, Any]:
-        return {"name": self.name, "input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
-                "expected_output_tokens": self.expected_output_tokens, "seconds": self.seconds,
-                "tok_per_s": self.tok_per_s, "token_counts_ok": self.ok,
-                "mismatched_requests": self.mismatched_requests, **self.extra}
+        return {
+            "name": self.name,
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "expected_output_tokens": self.expected_output_tokens,
+            "seconds": self.seconds,
+            "tok_per_s": self.tok_per_s,
+            "token_counts_ok": self.ok,
+            "mismatched_requests": self.mismatched_requests,
+            **self.extra,
+        }
 
 
 def format_host_line(name: str, seconds: float, steps: Dict[str, int], host: Dict[str, float]) -> str:
     """Steps by phase, wall ms per step, and the scheduler's host seconds per step by part."""
     n = max(1, sum(steps.values()))
     parts = ", ".join(f"{k} {1000 * v / n:.3f}" for k, v in host.items())
-    return (f"{name} steps: {steps.get('prefill', 0):,} prefill + {steps.get('decode', 0):,} decode, "
-            f"{1000 * seconds / n:.3f} ms per step; host ms per step: {parts} "
-            f"(land includes wait, the host blocked on the GPU)")
+    return (
+        f"{name} steps: {steps.get('prefill', 0):,} prefill + {steps.get('decode', 0):,} decode, "
+        f"{1000 * seconds / n:.3f} ms per step; host ms per step: {parts} "
+        f"(land includes wait, the host blocked on the GPU)"
+    )
 
 
 def print_lines(lines: Sequence[str], print_fn: PrintFn = print) -> None:
@@ -323,8 +352,12 @@ def versions() -> Dict[str, Optional[str]]:
         tv: Optional[str] = transformers.__version__
     except ImportError:
         tv = None
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": tv,
-            "cuda": torch.version.cuda}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": tv,
+        "cuda": torch.version.cuda,
+    }
 
 
 def device_name(device: str) -> str:

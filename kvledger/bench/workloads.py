@@ -77,8 +77,7 @@ class Workload:
     def kv_tokens(self, page_size: int, spare: int = 1) -> int:
         """KV tokens for every request to run at once at its longest, whole pages each (`spare`
         tokens more per request)."""
-        return sum(pages(len(p) + m + spare, page_size) * page_size
-                   for p, m in zip(self.prompts, self.max_tokens))
+        return sum(pages(len(p) + m + spare, page_size) * page_size for p, m in zip(self.prompts, self.max_tokens))
 
 
 def pages(tokens: int, page_size: int) -> int:
@@ -100,23 +99,36 @@ def _len_range(values: Sequence[int]) -> List[int]:
 
 
 # -- the named workloads ----------------------------------------------------------------------------
-def nano_vllm(num_requests: int = NANO_NUM_REQUESTS, max_input_len: int = NANO_MAX_LEN,
-              max_output_len: int = NANO_MAX_LEN, seed: int = 0, min_input_len: Optional[int] = None,
-              min_output_len: Optional[int] = None) -> Workload:
+def nano_vllm(
+    num_requests: int = NANO_NUM_REQUESTS,
+    max_input_len: int = NANO_MAX_LEN,
+    max_output_len: int = NANO_MAX_LEN,
+    seed: int = 0,
+    min_input_len: Optional[int] = None,
+    min_output_len: Optional[int] = None,
+) -> Workload:
     """nano-vllm's workload, drawn in nano-vllm's order (all prompts, then all max_tokens)."""
     lo_in = scaled_min_len(max_input_len) if min_input_len is None else min_input_len
     lo_out = scaled_min_len(max_output_len) if min_output_len is None else min_output_len
     if num_requests < 1 or not 1 <= lo_in <= max_input_len or not 1 <= lo_out <= max_output_len:
-        raise ValueError(f"bad workload shape: {num_requests=} input {lo_in}-{max_input_len} "
-                         f"output {lo_out}-{max_output_len}")
+        raise ValueError(
+            f"bad workload shape: {num_requests=} input {lo_in}-{max_input_len} output {lo_out}-{max_output_len}"
+        )
     rng = random.Random(seed)  # the same stream as random.seed(seed) + the module-level randint
-    prompts = [[rng.randint(0, NANO_VOCAB_MAX) for _ in range(rng.randint(lo_in, max_input_len))]
-               for _ in range(num_requests)]
+    prompts = [
+        [rng.randint(0, NANO_VOCAB_MAX) for _ in range(rng.randint(lo_in, max_input_len))] for _ in range(num_requests)
+    ]
     max_tokens = [rng.randint(lo_out, max_output_len) for _ in range(num_requests)]
     w = Workload(NANO_VLLM, prompts, max_tokens)
-    w.info = {"name": NANO_VLLM, "num_requests": num_requests, "seed": seed, "input_tokens": w.input_tokens,
-              "output_tokens": w.output_tokens, "input_len_range": _len_range([len(p) for p in prompts]),
-              "output_len_range": _len_range(max_tokens)}
+    w.info = {
+        "name": NANO_VLLM,
+        "num_requests": num_requests,
+        "seed": seed,
+        "input_tokens": w.input_tokens,
+        "output_tokens": w.output_tokens,
+        "input_len_range": _len_range([len(p) for p in prompts]),
+        "output_len_range": _len_range(max_tokens),
+    }
     return w
 
 
@@ -124,44 +136,66 @@ def draw_output_len(rng: random.Random, median: float, sigma: float, max_tokens:
     return max(1, min(max_tokens, round(rng.lognormvariate(math.log(median), sigma))))
 
 
-def early_stop(num_requests: int, max_input_len: int, max_tokens: int, output_median: float,
-               output_sigma: float = 1.0, seed: int = 0, min_input_len: Optional[int] = None) -> Workload:
+def early_stop(
+    num_requests: int,
+    max_input_len: int,
+    max_tokens: int,
+    output_median: float,
+    output_sigma: float = 1.0,
+    seed: int = 0,
+    min_input_len: Optional[int] = None,
+) -> Workload:
     """Prompts in nano-vllm's bounds, then one lognormal output length per request (in that order,
     from `random.Random(seed)` alone); every request asks `max_tokens`."""
     lo = scaled_min_len(max_input_len) if min_input_len is None else min_input_len
     if num_requests < 1 or not 1 <= lo <= max_input_len or max_tokens < 1:
         raise ValueError(f"bad workload shape: {num_requests=} input {lo}-{max_input_len} {max_tokens=}")
     if output_median <= 0 or output_sigma < 0:
-        raise ValueError(f"the output lengths need a median > 0 and a sigma >= 0, got {output_median}, "
-                         f"{output_sigma}")
+        raise ValueError(f"the output lengths need a median > 0 and a sigma >= 0, got {output_median}, {output_sigma}")
     rng = random.Random(seed)
-    prompts = [[rng.randint(0, NANO_VOCAB_MAX) for _ in range(rng.randint(lo, max_input_len))]
-               for _ in range(num_requests)]
+    prompts = [
+        [rng.randint(0, NANO_VOCAB_MAX) for _ in range(rng.randint(lo, max_input_len))] for _ in range(num_requests)
+    ]
     lens = [draw_output_len(rng, output_median, output_sigma, max_tokens) for _ in range(num_requests)]
     w = Workload(EARLY_STOP, prompts, [max_tokens] * num_requests, output_lens=lens)
     outs = sorted(lens)
     w.info = {
-        "name": EARLY_STOP, "num_requests": num_requests, "seed": seed,
-        "input_tokens": w.input_tokens, "input_len_range": _len_range([len(p) for p in prompts]),
+        "name": EARLY_STOP,
+        "num_requests": num_requests,
+        "seed": seed,
+        "input_tokens": w.input_tokens,
+        "input_len_range": _len_range([len(p) for p in prompts]),
         "max_tokens": max_tokens,
-        "output_distribution": {"kind": "lognormal", "median": output_median, "sigma": output_sigma,
-                                "clamp": [1, max_tokens]},
+        "output_distribution": {
+            "kind": "lognormal",
+            "median": output_median,
+            "sigma": output_sigma,
+            "clamp": [1, max_tokens],
+        },
         "output_tokens": w.output_tokens,
-        "output_len_mean": statistics.fmean(outs), "output_len_median": statistics.median(outs),
-        "output_len_p90": percentile(outs, 0.9), "output_len_max": outs[-1],
+        "output_len_mean": statistics.fmean(outs),
+        "output_len_median": statistics.median(outs),
+        "output_len_p90": percentile(outs, 0.9),
+        "output_len_max": outs[-1],
         "requests_at_max_tokens": sum(n == max_tokens for n in outs),
         "output_fraction_of_max_tokens": w.output_tokens / (max_tokens * len(outs)),
-        "prompt_lens": [len(p) for p in prompts], "output_lens": list(lens),
+        "prompt_lens": [len(p) for p in prompts],
+        "output_lens": list(lens),
     }
     return w
 
 
-def shared_prefix(groups: int, group_size: int, prefix_len: int, question_len: int, answer_len: int,
-                  vocab: int, seed: int = 0) -> Workload:
+def shared_prefix(
+    groups: int, group_size: int, prefix_len: int, question_len: int, answer_len: int, vocab: int, seed: int = 0
+) -> Workload:
     """`groups` x `group_size` requests: the group's `prefix_len` random token ids, then the request's
     own `question_len`; each generates `answer_len`. Shuffled with `seed`: a group arrives spread out."""
-    for name, value in (("groups", groups), ("group_size", group_size), ("question_len", question_len),
-                        ("answer_len", answer_len)):
+    for name, value in (
+        ("groups", groups),
+        ("group_size", group_size),
+        ("question_len", question_len),
+        ("answer_len", answer_len),
+    ):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
     if prefix_len < 0:
@@ -174,51 +208,76 @@ def shared_prefix(groups: int, group_size: int, prefix_len: int, question_len: i
         for _ in range(group_size):
             requests.append((g, prefix + [rng.randint(0, high) for _ in range(question_len)]))
     rng.shuffle(requests)
-    w = Workload(SHARED_PREFIX, [p for _, p in requests], [answer_len] * len(requests),
-                 group_of=[g for g, _ in requests])
-    w.info = {"name": SHARED_PREFIX, "groups": groups, "group_size": group_size, "prefix_len": prefix_len,
-              "question_len": question_len, "answer_len": answer_len, "prompt_tokens": w.input_tokens,
-              "output_tokens": w.output_tokens, "seed": seed}
+    w = Workload(
+        SHARED_PREFIX, [p for _, p in requests], [answer_len] * len(requests), group_of=[g for g, _ in requests]
+    )
+    w.info = {
+        "name": SHARED_PREFIX,
+        "groups": groups,
+        "group_size": group_size,
+        "prefix_len": prefix_len,
+        "question_len": question_len,
+        "answer_len": answer_len,
+        "prompt_tokens": w.input_tokens,
+        "output_tokens": w.output_tokens,
+        "seed": seed,
+    }
     return w
 
 
-def random_prompts(num_prompts: int, min_len: int, max_len: int, output_len: int, seed: int = 0,
-                   vocab_size: int = 10000) -> Workload:
+def random_prompts(
+    num_prompts: int, min_len: int, max_len: int, output_len: int, seed: int = 0, vocab_size: int = 10000
+) -> Workload:
     """Seeded random prompts of token ids in [0, vocab_size), lengths in [min_len, max_len]; each
     request generates exactly output_len tokens."""
     if not 1 <= min_len <= max_len:
         raise ValueError(f"need 1 <= min_len <= max_len, got {min_len=} {max_len=}")
     rng = random.Random(seed)
-    prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(min_len, max_len))]
-               for _ in range(num_prompts)]
+    prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_prompts)]
     w = Workload("random", prompts, [output_len] * num_prompts)
-    w.info = {"name": "random", "num_requests": num_prompts, "seed": seed, "input_tokens": w.input_tokens,
-              "output_tokens": w.output_tokens}
+    w.info = {
+        "name": "random",
+        "num_requests": num_prompts,
+        "seed": seed,
+        "input_tokens": w.input_tokens,
+        "output_tokens": w.output_tokens,
+    }
     return w
 
 
-def online(num: int, min_len: int, max_len: int, output_len: int, shared_prefix_len: int = 0,
-           prefix_groups: int = 1, seed: int = 0) -> Workload:
+def online(
+    num: int,
+    min_len: int,
+    max_len: int,
+    output_len: int,
+    shared_prefix_len: int = 0,
+    prefix_groups: int = 1,
+    seed: int = 0,
+) -> Workload:
     """Each prompt: its group's shared prefix (request i is in group i % prefix_groups), then a random
     suffix of min_len..max_len tokens."""
     if num < 1 or not 1 <= min_len <= max_len or output_len < 1 or shared_prefix_len < 0 or prefix_groups < 1:
-        raise ValueError("need prompts >= 1, 1 <= min_len <= max_len, output_len >= 1, "
-                         "shared_prefix_len >= 0, prefix_groups >= 1")
+        raise ValueError(
+            "need prompts >= 1, 1 <= min_len <= max_len, output_len >= 1, shared_prefix_len >= 0, prefix_groups >= 1"
+        )
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(*ONLINE_TOKEN_RANGE) for _ in range(shared_prefix_len)]
-                for _ in range(prefix_groups)]
+    prefixes = [[rng.randrange(*ONLINE_TOKEN_RANGE) for _ in range(shared_prefix_len)] for _ in range(prefix_groups)]
     prompts = []
     for i in range(num):
         suffix = [rng.randrange(*ONLINE_TOKEN_RANGE) for _ in range(rng.randint(min_len, max_len))]
         prompts.append(prefixes[i % prefix_groups] + suffix)
-    return Workload("online", prompts, [output_len] * num, group_of=[i % prefix_groups for i in range(num)],
-                    info={"name": "online", "num_requests": num, "seed": seed})
+    return Workload(
+        "online",
+        prompts,
+        [output_len] * num,
+        group_of=[i % prefix_groups for i in range(num)],
+        info={"name": "online", "num_requests": num, "seed": seed},
+    )
 
 
 def warmup(max_input_len: int, n: int = 8, seed: int = 0, max_tokens: int = 8) -> Workload:
     """A few short requests of varied lengths, not prefixes of a workload's (no prefix-cache hits)."""
     rng = random.Random(f"warmup-{seed}")
     top = max(1, min(max_input_len, 256))
-    prompts = [[rng.randint(0, NANO_VOCAB_MAX) for _ in range(rng.randint(max(1, top // 8), top))]
-               for _ in range(n)]
+    prompts = [[rng.randint(0, NANO_VOCAB_MAX) for _ in range(rng.randint(max(1, top // 8), top))] for _ in range(n)]
     return Workload("warm-up", prompts, [max_tokens] * n)

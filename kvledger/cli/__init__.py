@@ -19,10 +19,20 @@ def commands() -> Tuple[Tuple[str, Callable[[argparse._SubParsersAction], None]]
     module here imports only light modules at the top: building the parser never imports torch."""
     from kvledger.cli import bench, checks, generate, mutation, serve
 
-    return (("check", checks.add_check), ("replay", checks.add_replay), ("generate", generate.add_parser),
-            ("serve", serve.add_parser), ("bench", bench.add_parser), ("zoo", checks.add_zoo),
-            ("fuzz", checks.add_fuzz), ("minimize", checks.add_minimize), ("subjects", checks.add_subjects),
-            ("show", checks.add_show), ("coverage", checks.add_coverage), ("mutation", mutation.add_parser))
+    return (
+        ("check", checks.add_check),
+        ("replay", checks.add_replay),
+        ("generate", generate.add_parser),
+        ("serve", serve.add_parser),
+        ("bench", bench.add_parser),
+        ("zoo", checks.add_zoo),
+        ("fuzz", checks.add_fuzz),
+        ("minimize", checks.add_minimize),
+        ("subjects", checks.add_subjects),
+        ("show", checks.add_show),
+        ("coverage", checks.add_coverage),
+        ("mutation", mutation.add_parser),
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,4 +57,3 @@ def main(argv: List[str] | None = None) -> int:
 
         configure_logging(log_level(args))
     return args.func(args)
-

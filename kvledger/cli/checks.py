@@ -7,9 +7,11 @@ import argparse
 import os
 import sys
 
-SUBJECT_HELP = ("judge mode on this cache manager instead of reference vs fast: fast, reference, vllm, "
-                "sglang, minisgl[:PATH], nanovllm[:PATH|@COMMIT], or package.module:factory (kvledger "
-                "subjects lists them)")
+SUBJECT_HELP = (
+    "judge mode on this cache manager instead of reference vs fast: fast, reference, vllm, "
+    "sglang, minisgl[:PATH], nanovllm[:PATH|@COMMIT], or package.module:factory (kvledger "
+    "subjects lists them)"
+)
 
 
 def _subject_error(command: str, e: Exception) -> int:
@@ -20,23 +22,27 @@ def _subject_error(command: str, e: Exception) -> int:
 def _add_subject(p: argparse.ArgumentParser) -> None:
     """--subject SPEC and --fix NAME: judge mode on another cache manager, optionally fixed first."""
     p.add_argument("--subject", default=None, metavar="SPEC", help=SUBJECT_HELP)
-    p.add_argument("--fix", default=None,
-                   help="with --subject: apply this upstream-style fix to a copy first")
+    p.add_argument("--fix", default=None, help="with --subject: apply this upstream-style fix to a copy first")
 
 
 # -- check ------------------------------------------------------------------------------------------
 def add_check(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("check", help="run the lockstep Hypothesis property run (reference vs fast), or judge "
-                                     "mode on another cache manager (--subject)")
-    p.add_argument("--profile", default="ci", choices=["ci", "deep", "dev"],
-                   help="Hypothesis profile: ci (1500 sequences of up to 60 operations), deep (5000 of up to "
-                        "120), dev (40 of up to 30)")
+    p = sub.add_parser(
+        "check",
+        help="run the lockstep Hypothesis property run (reference vs fast), or judge "
+        "mode on another cache manager (--subject)",
+    )
+    p.add_argument(
+        "--profile",
+        default="ci",
+        choices=["ci", "deep", "dev"],
+        help="Hypothesis profile: ci (1500 sequences of up to 60 operations), deep (5000 of up to "
+        "120), dev (40 of up to 30)",
+    )
     p.add_argument("--examples", type=int, default=None, help="override the profile's number of examples")
     _add_subject(p)
-    p.add_argument("--bug", default=None,
-                   help="with --subject: apply this zoo bug of the subject to a copy first")
-    p.add_argument("--out-dir", default=".kvledger/failures", metavar="DIR",
-                   help="where a failing trace goes")
+    p.add_argument("--bug", default=None, help="with --subject: apply this zoo bug of the subject to a copy first")
+    p.add_argument("--out-dir", default=".kvledger/failures", metavar="DIR", help="where a failing trace goes")
     p.set_defaults(func=_check)
 
 
@@ -63,8 +69,11 @@ def add_replay(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("replay", help="replay a trace on reference and fast in lockstep")
     p.add_argument("trace", help="the trace file (.jsonl)")
     p.add_argument("--device", default="cpu", help="where fast's tensors live: cpu or cuda")
-    p.add_argument("--bug", default=None, help="patch this bug-zoo bug into fast first (see kvledger zoo); "
-                                                "with --subject, one of the subject's zoo")
+    p.add_argument(
+        "--bug",
+        default=None,
+        help="patch this bug-zoo bug into fast first (see kvledger zoo); with --subject, one of the subject's zoo",
+    )
     _add_subject(p)
     p.set_defaults(func=_replay)
 
@@ -98,13 +107,16 @@ def add_zoo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("zoo", help="run the bug zoo: which property run catches each known bug")
     p.add_argument("--bugs", default=None, help="comma-separated bug names (default: all)")
     p.add_argument("--fuzz-seconds", type=float, default=10.0, help="fuzzer time per bug (0: skip)")
-    p.add_argument("--hypothesis-seconds", type=float, default=45.0,
-                   help="time cap per bug for the CI profile")
-    p.add_argument("--out-dir", default=None, metavar="DIR",
-                   help="where to keep each bug's failing traces (default: a temp dir)")
-    p.add_argument("--subject", default=None, metavar="SPEC",
-                   help="judge mode on this subject's own zoo (fast: kvledger's 39 bugs); --fuzz-seconds "
-                        "caps each bug")
+    p.add_argument("--hypothesis-seconds", type=float, default=45.0, help="time cap per bug for the CI profile")
+    p.add_argument(
+        "--out-dir", default=None, metavar="DIR", help="where to keep each bug's failing traces (default: a temp dir)"
+    )
+    p.add_argument(
+        "--subject",
+        default=None,
+        metavar="SPEC",
+        help="judge mode on this subject's own zoo (fast: kvledger's 39 bugs); --fuzz-seconds caps each bug",
+    )
     p.add_argument("--max-cases", type=int, default=2000, help="with --subject: cases per bug at most")
     p.set_defaults(func=_zoo)
 
@@ -129,22 +141,34 @@ def _zoo(args: argparse.Namespace) -> int:
 
 # -- fuzz -------------------------------------------------------------------------------------------
 def add_fuzz(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("fuzz", help="random-walk differential fuzzing of reference vs fast, or of one "
-                                    "subject in judge mode (--subject)")
+    p = sub.add_parser(
+        "fuzz",
+        help="random-walk differential fuzzing of reference vs fast, or of one subject in judge mode (--subject)",
+    )
     p.add_argument("--seconds", type=float, required=True, help="how long to fuzz")
     p.add_argument("--workers", type=int, default=1, help="worker processes")
     p.add_argument("--seed", type=int, default=0, help="same seed and workers give the same cases")
     p.add_argument("--out-dir", default=".kvledger/fuzz", metavar="DIR", help="where failing traces go")
     p.add_argument("--bug", default=None, help="patch a bug-zoo bug into fast in every worker")
     p.add_argument("--minimize-budget", type=float, default=60.0, help="seconds to minimize a failure")
-    p.add_argument("--minimize-replays", type=int, default=None,
-                   help="also stop minimizing after this many candidate replays (the same result on any "
-                        "machine)")
-    p.add_argument("--max-cases", type=int, default=None,
-                   help="each worker stops after this many cases (the same cases on any machine)")
-    p.add_argument("--admission", default=None, choices=["reserve", "optimistic"],
-                   help="run every case under this admission policy (default: drawn per case, 40%% "
-                        "optimistic)")
+    p.add_argument(
+        "--minimize-replays",
+        type=int,
+        default=None,
+        help="also stop minimizing after this many candidate replays (the same result on any machine)",
+    )
+    p.add_argument(
+        "--max-cases",
+        type=int,
+        default=None,
+        help="each worker stops after this many cases (the same cases on any machine)",
+    )
+    p.add_argument(
+        "--admission",
+        default=None,
+        choices=["reserve", "optimistic"],
+        help="run every case under this admission policy (default: drawn per case, 40%% optimistic)",
+    )
     _add_subject(p)
     p.set_defaults(func=_fuzz)
 
@@ -158,9 +182,17 @@ def _fuzz(args: argparse.Namespace) -> int:
 
         try:
             edits = edits_for(parse_spec(args.subject), fix=args.fix, bug=args.bug)
-            report = fuzz_subject(args.subject, args.seconds, workers=args.workers, seed=args.seed,
-                                  out_dir=args.out_dir, edits=edits, minimize_budget=args.minimize_budget,
-                                  max_cases=args.max_cases, minimize_replays=args.minimize_replays)
+            report = fuzz_subject(
+                args.subject,
+                args.seconds,
+                workers=args.workers,
+                seed=args.seed,
+                out_dir=args.out_dir,
+                edits=edits,
+                minimize_budget=args.minimize_budget,
+                max_cases=args.max_cases,
+                minimize_replays=args.minimize_replays,
+            )
         except (SpecError, SubjectUnavailable, KeyError) as e:
             return _subject_error("fuzz", e)
         print_report(args.subject, report, args.workers)
@@ -168,9 +200,17 @@ def _fuzz(args: argparse.Namespace) -> int:
     from kvledger.tools.fuzz import fuzz
 
     try:
-        result = fuzz(args.seconds, workers=args.workers, seed=args.seed, out_dir=args.out_dir, bug=args.bug,
-                      minimize_budget=args.minimize_budget, admission=args.admission,
-                      max_cases=args.max_cases, minimize_replays=args.minimize_replays)
+        result = fuzz(
+            args.seconds,
+            workers=args.workers,
+            seed=args.seed,
+            out_dir=args.out_dir,
+            bug=args.bug,
+            minimize_budget=args.minimize_budget,
+            admission=args.admission,
+            max_cases=args.max_cases,
+            minimize_replays=args.minimize_replays,
+        )
     except (KeyError, ValueError) as e:
         return _subject_error("fuzz", e)
     return result.exit_code
@@ -182,11 +222,19 @@ def add_minimize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("trace", help="the failing trace (.jsonl)")
     p.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the minimized trace")
     p.add_argument("--budget", type=float, default=60.0, help="time budget in seconds")
-    p.add_argument("--max-replays", type=int, default=None,
-                   help="also stop after this many candidate replays (the same result on any machine)")
+    p.add_argument(
+        "--max-replays",
+        type=int,
+        default=None,
+        help="also stop after this many candidate replays (the same result on any machine)",
+    )
     p.add_argument("--bug", default=None, help="patch a bug-zoo bug into fast first")
-    p.add_argument("--subject", default=None, metavar="SPEC",
-                   help="minimize on this subject (default: the one the trace's header names, if any)")
+    p.add_argument(
+        "--subject",
+        default=None,
+        metavar="SPEC",
+        help="minimize on this subject (default: the one the trace's header names, if any)",
+    )
     p.set_defaults(func=_minimize)
 
 
@@ -210,8 +258,7 @@ def _minimize(args: argparse.Namespace) -> int:
 
 # -- subjects, show, coverage -----------------------------------------------------------------------
 def add_subjects(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("subjects",
-                       help="the cache managers kvledger can check, and whether each is installed")
+    p = sub.add_parser("subjects", help="the cache managers kvledger can check, and whether each is installed")
     p.set_defaults(func=_subjects)
 
 

@@ -16,14 +16,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt, streaming to the terminal")
     p.add_argument("prompt", help="the text to continue (or, with --chat, the user's message)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    p.add_argument("--max-tokens", dest="max_tokens", type=int, default=128,
-                   help="tokens to generate at most")
+    p.add_argument("--max-tokens", dest="max_tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-k", dest="top_k", type=int, default=-1,
-                   help="sample from the k most likely tokens (-1: all)")
+    p.add_argument("--top-k", dest="top_k", type=int, default=-1, help="sample from the k most likely tokens (-1: all)")
     p.add_argument("--top-p", dest="top_p", type=float, default=1.0, help="nucleus sampling mass")
-    p.add_argument("--ignore-eos", dest="ignore_eos", action="store_true",
-                   help="keep generating past end-of-sequence")
+    p.add_argument("--ignore-eos", dest="ignore_eos", action="store_true", help="keep generating past end-of-sequence")
     EngineConfig.add_arguments(p)
     p.set_defaults(func=generate_command)
 
@@ -39,8 +36,14 @@ def generate_command(args: argparse.Namespace) -> int:
         return option_error("kvledger generate", e)
     try:
         prompt = llm.chat(args.prompt) if args.chat else args.prompt
-        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, seed=args.seed)
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            max_tokens=args.max_tokens,
+            ignore_eos=args.ignore_eos,
+            seed=args.seed,
+        )
         for piece in llm.stream(prompt, params):
             sys.stdout.write(piece)
             sys.stdout.flush()

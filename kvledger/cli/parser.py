@@ -25,8 +25,13 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if ("default" in text.lower() or default is None or default is argparse.SUPPRESS or action.nargs == 0
-                or not (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE))):
+        if (
+            "default" in text.lower()
+            or default is None
+            or default is argparse.SUPPRESS
+            or action.nargs == 0
+            or not (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE))
+        ):
             return text
         return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
 
@@ -61,12 +66,23 @@ def add_logging_options(p: argparse.ArgumentParser) -> None:
     subcommand do not overwrite what was given before it: `kvledger -q fuzz` and `kvledger fuzz -q`
     both work; `log_level(args)` reads the result."""
     g = p.add_argument_group("logging (diagnostics on stderr; results stay on stdout)")
-    g.add_argument("--log-level", dest="log_level", choices=LOG_LEVELS, default=argparse.SUPPRESS,
-                   help=f"level of kvledger's messages (default: {DEFAULT_LOG_LEVEL}: progress shown; "
-                        "other libraries' messages: warning and above)")
-    g.add_argument("-q", "--quiet", dest="log_level", action="store_const", const="warning",
-                   default=argparse.SUPPRESS, help="warnings and errors only, no progress (--log-level "
-                                                   "warning)")
+    g.add_argument(
+        "--log-level",
+        dest="log_level",
+        choices=LOG_LEVELS,
+        default=argparse.SUPPRESS,
+        help=f"level of kvledger's messages (default: {DEFAULT_LOG_LEVEL}: progress shown; "
+        "other libraries' messages: warning and above)",
+    )
+    g.add_argument(
+        "-q",
+        "--quiet",
+        dest="log_level",
+        action="store_const",
+        const="warning",
+        default=argparse.SUPPRESS,
+        help="warnings and errors only, no progress (--log-level warning)",
+    )
 
 
 def log_level(args: argparse.Namespace) -> str:

@@ -57,8 +57,7 @@ SERVER_FLAGS: Dict[str, Tuple[Callable[[str], Any], str]] = {
     "timeout_header": (_positive(float), "seconds a client has to send a request's line and headers"),
     "timeout_body": (_positive(float), "seconds a client has to send a request's body"),
     "timeout_keep_alive": (_positive(int), "seconds an idle keep-alive connection stays open"),
-    "drain_timeout": (_positive(float), "on SIGTERM, seconds open requests get to finish before they are "
-                                        "stopped"),
+    "drain_timeout": (_positive(float), "on SIGTERM, seconds open requests get to finish before they are stopped"),
 }
 
 
@@ -66,10 +65,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """`serve` on the `kvledger` command's subparsers; it has its own --log-level (uvicorn's levels)."""
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     for name, (kind, text) in SERVER_FLAGS.items():
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=getattr(DEFAULTS, name),
-                       help=text)
-    p.add_argument("--log-level", dest="log_level", default=DEFAULTS.log_level, choices=LOG_LEVELS,
-                   help="server log level")
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=getattr(DEFAULTS, name), help=text)
+    p.add_argument(
+        "--log-level", dest="log_level", default=DEFAULTS.log_level, choices=LOG_LEVELS, help="server log level"
+    )
     EngineConfig.add_arguments(p)
     p.set_defaults(func=serve_command)
 
@@ -80,8 +79,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from kvledger.engine.options import EngineOptionError
     from kvledger.engine.server.serve import StartupError, serve
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = EngineConfig.from_args(args)
     except EngineOptionError as e:

@@ -81,7 +81,11 @@ class SubjectSpec:
     def zoo_base(self) -> Tuple[SourceEdit, ...]:
         """The fixes every zoo entry runs on top of (a known bug that would mask the entry's own)."""
         fixes = self.fixes()
-        return tuple(e for name in getattr(self.adapter(), "ZOO_ON_FIXES", ()) for e in fixes[name]) if self.builtin else ()
+        return (
+            tuple(e for name in getattr(self.adapter(), "ZOO_ON_FIXES", ()) for e in fixes[name])
+            if self.builtin
+            else ()
+        )
 
 
 def _build(module: ModuleType, config: SubjectConfig, spec: SubjectSpec, edits: Sequence[SourceEdit]) -> Subject:
@@ -111,8 +115,10 @@ def parse_spec(text: str) -> SubjectSpec:
         return SubjectSpec(text, name, path)
     if sep and rest.isidentifier() and all(p.isidentifier() for p in head.split(".")):
         return SubjectSpec(text, text)
-    raise SpecError(f"unknown subject {text!r}: builtins are {', '.join(BUILTINS)}; a path goes after a colon "
-                    "(minisgl:PATH), a user's subject is package.module:factory")
+    raise SpecError(
+        f"unknown subject {text!r}: builtins are {', '.join(BUILTINS)}; a path goes after a colon "
+        "(minisgl:PATH), a user's subject is package.module:factory"
+    )
 
 
 def probe_all() -> List[Tuple[str, bool, str, str]]:

@@ -143,8 +143,10 @@ def probe(path: str | None = None) -> Tuple[bool, str, str]:
 
 def build(config: SubjectConfig, path: str | None = None, edits: Sequence[SourceEdit] = ()) -> "NanoVllmSubject":
     if config.page_size < MIN_PAGE_SIZE:
-        raise SubjectUnavailable(f"nanovllm: page size {config.page_size} is below {MIN_PAGE_SIZE}: its may_append "
-                                 "never adds a block when block_size is 1 (nano-vllm asserts a multiple of 256)")
+        raise SubjectUnavailable(
+            f"nanovllm: page size {config.page_size} is below {MIN_PAGE_SIZE}: its may_append "
+            "never adds a block when block_size is 1 (nano-vllm asserts a multiple of 256)"
+        )
     return NanoVllmSubject(config, _load(checkout(PEER, path, DEFAULT_COMMIT)), edits)
 
 
@@ -193,8 +195,10 @@ class NanoVllmSubject:
                 # on this subject's own subclass, never on nano-vllm's Sequence
                 setattr(self._seq_class, path[1], edited_function(edit, self.source.sequence))
             else:
-                raise EditError(f"{edit.name}: nanovllm edits target {BLOCK_MANAGER}:BlockManager.* or "
-                                f"{SEQUENCE}:Sequence.*, not {edit.target}")
+                raise EditError(
+                    f"{edit.name}: nanovllm edits target {BLOCK_MANAGER}:BlockManager.* or "
+                    f"{SEQUENCE}:Sequence.*, not {edit.target}"
+                )
 
     # -- the protocol --------------------------------------------------------------------------
     def submit(self, uid: int, prompt: Sequence[int], max_tokens: int) -> None:
@@ -224,8 +228,10 @@ class NanoVllmSubject:
             # Scheduler.schedule, prefill: the blocks exist since admission; a chunk only sets
             # num_scheduled_tokens (from num_cached_tokens, at most the rest of the sequence)
             if start != seq.num_cached_tokens or not start < end <= len(seq):
-                raise DriverMismatch(f"uid {uid}: prefill [{start}, {end}) but nano-vllm has computed "
-                                     f"{seq.num_cached_tokens} of {len(seq)} tokens")
+                raise DriverMismatch(
+                    f"uid {uid}: prefill [{start}, {end}) but nano-vllm has computed "
+                    f"{seq.num_cached_tokens} of {len(seq)} tokens"
+                )
             seq.num_scheduled_tokens = end - start
             return True
         # Scheduler.schedule, decode loop: can_append, else preempt (the driver preempts the newest
@@ -248,8 +254,10 @@ class NanoVllmSubject:
         # the same structures in the same way (hashing moves no block between free and used).
         seq = self.seqs[uid]
         if start != seq.num_cached_tokens or end - start != seq.num_scheduled_tokens:
-            raise DriverMismatch(f"uid {uid}: computed [{start}, {end}) but nano-vllm scheduled "
-                                 f"{seq.num_scheduled_tokens} tokens from {seq.num_cached_tokens}")
+            raise DriverMismatch(
+                f"uid {uid}: computed [{start}, {end}) but nano-vllm scheduled "
+                f"{seq.num_scheduled_tokens} tokens from {seq.num_cached_tokens}"
+            )
         self.bm.hash_blocks(seq)
         seq.num_cached_tokens += seq.num_scheduled_tokens
         seq.num_scheduled_tokens = 0
@@ -307,13 +315,25 @@ class NanoVllmSubject:
         # cached (a later hit finds the duplicate). A map entry pointing at a block that does not
         # carry its hash is an entry of its own: the judge then sees the page cached twice.
         cached = [
-            CachedEntry(locations=tuple(range(block.block_id * bs, block.block_id * bs + bs)), start=None,
-                        key=block.hash, lock=None, name=f"block {block.block_id}")
-            for block in bm.blocks if block.hash != -1
+            CachedEntry(
+                locations=tuple(range(block.block_id * bs, block.block_id * bs + bs)),
+                start=None,
+                key=block.hash,
+                lock=None,
+                name=f"block {block.block_id}",
+            )
+            for block in bm.blocks
+            if block.hash != -1
         ] + [
-            CachedEntry(locations=tuple(range(block_id * bs, block_id * bs + bs)), start=None, key=h,
-                        lock=None, name=f"hash_to_block_id entry of block {block_id}")
-            for h, block_id in bm.hash_to_block_id.items() if bm.blocks[block_id].hash != h
+            CachedEntry(
+                locations=tuple(range(block_id * bs, block_id * bs + bs)),
+                start=None,
+                key=h,
+                lock=None,
+                name=f"hash_to_block_id entry of block {block_id}",
+            )
+            for h, block_id in bm.hash_to_block_id.items()
+            if bm.blocks[block_id].hash != h
         ]
         return View(
             free=list(bm.free_block_ids),
@@ -329,7 +349,7 @@ class NanoVllmSubject:
         bs = self.block_size
         h = -1
         for i in range(len(tokens) // bs):
-            h = self._compute_hash([int(t) for t in tokens[i * bs:(i + 1) * bs]], h)
+            h = self._compute_hash([int(t) for t in tokens[i * bs : (i + 1) * bs]], h)
         return None if h == -1 else h
 
 
@@ -339,38 +359,70 @@ def _edit(name: str, method: str, old: str, new: str, why: str) -> SourceEdit:
 
 # Single edits to bb823b3's BlockManager (texts as in the method's dedented source).
 ZOO: Tuple[SourceEdit, ...] = (
-    _edit("nanovllm-deallocate-skips-first", "deallocate",
-          "reversed(seq.block_table)", "reversed(seq.block_table[1:])",
-          "an off-by-one slice when walking the table backwards: the first block of every finished or "
-          "preempted sequence keeps its reference and never returns to the free queue (a leak)"),
-    _edit("nanovllm-can-allocate-counts-last-block", "can_allocate",
-          "range(seq.num_blocks - 1)", "range(seq.num_blocks)",
-          "matching the last block too: a prompt of whole blocks that is fully cached is admitted with "
-          "nothing left to compute, so no forward pass produces its next token's logits"),
-    _edit("nanovllm-can-allocate-free-hit-costs-nothing", "can_allocate",
-          "if block_id in self.used_block_ids:\n            num_new_blocks -= 1", "num_new_blocks -= 1",
-          "treating every hit as free of cost, though a hit on a cached block in the free queue takes "
-          "that block out of it: admission overcommits and allocate pops an empty queue"),
-    _edit("nanovllm-hash-parent-off-by-one", "hash_blocks",
-          "seq.block_table[start - 1]", "seq.block_table[start]",
-          "chaining a step's first new block from itself (still unhashed) instead of the block before "
-          "it: after a chunk boundary or a prefix hit, the block is filed as if it started a prompt"),
-    _edit("nanovllm-may-append-late", "may_append",
-          "% self.block_size == 1", "% self.block_size == 0",
-          "the new-block test off by one: the token that starts a block gets none, and the model "
-          "runner writes its KV into the previous block"),
-    _edit("nanovllm-shared-hit-resets-ref", "allocate",
-          "block.ref_count += 1", "block.ref_count = 1",
-          "a hit on a block in use sets its reference count instead of incrementing it: the first of "
-          "its holders to finish frees it under the others"),
-    _edit("nanovllm-free-keeps-used", "_deallocate_block",
-          "self.used_block_ids.remove(block_id)", "pass",
-          "freeing a block without taking it out of the used set: a later hit on it counts as shared, "
-          "so it stays in the free queue while a sequence holds it"),
-    _edit("nanovllm-reuse-keeps-stale-hash", "_allocate_block",
-          "del self.hash_to_block_id[block.hash]", "pass",
-          "handing a cached block out again without unfiling its hash: the map keeps pointing at a "
-          "block whose KV is overwritten by another prefix"),
+    _edit(
+        "nanovllm-deallocate-skips-first",
+        "deallocate",
+        "reversed(seq.block_table)",
+        "reversed(seq.block_table[1:])",
+        "an off-by-one slice when walking the table backwards: the first block of every finished or "
+        "preempted sequence keeps its reference and never returns to the free queue (a leak)",
+    ),
+    _edit(
+        "nanovllm-can-allocate-counts-last-block",
+        "can_allocate",
+        "range(seq.num_blocks - 1)",
+        "range(seq.num_blocks)",
+        "matching the last block too: a prompt of whole blocks that is fully cached is admitted with "
+        "nothing left to compute, so no forward pass produces its next token's logits",
+    ),
+    _edit(
+        "nanovllm-can-allocate-free-hit-costs-nothing",
+        "can_allocate",
+        "if block_id in self.used_block_ids:\n            num_new_blocks -= 1",
+        "num_new_blocks -= 1",
+        "treating every hit as free of cost, though a hit on a cached block in the free queue takes "
+        "that block out of it: admission overcommits and allocate pops an empty queue",
+    ),
+    _edit(
+        "nanovllm-hash-parent-off-by-one",
+        "hash_blocks",
+        "seq.block_table[start - 1]",
+        "seq.block_table[start]",
+        "chaining a step's first new block from itself (still unhashed) instead of the block before "
+        "it: after a chunk boundary or a prefix hit, the block is filed as if it started a prompt",
+    ),
+    _edit(
+        "nanovllm-may-append-late",
+        "may_append",
+        "% self.block_size == 1",
+        "% self.block_size == 0",
+        "the new-block test off by one: the token that starts a block gets none, and the model "
+        "runner writes its KV into the previous block",
+    ),
+    _edit(
+        "nanovllm-shared-hit-resets-ref",
+        "allocate",
+        "block.ref_count += 1",
+        "block.ref_count = 1",
+        "a hit on a block in use sets its reference count instead of incrementing it: the first of "
+        "its holders to finish frees it under the others",
+    ),
+    _edit(
+        "nanovllm-free-keeps-used",
+        "_deallocate_block",
+        "self.used_block_ids.remove(block_id)",
+        "pass",
+        "freeing a block without taking it out of the used set: a later hit on it counts as shared, "
+        "so it stays in the free queue while a sequence holds it",
+    ),
+    _edit(
+        "nanovllm-reuse-keeps-stale-hash",
+        "_allocate_block",
+        "del self.hash_to_block_id[block.hash]",
+        "pass",
+        "handing a cached block out again without unfiling its hash: the map keeps pointing at a "
+        "block whose KV is overwritten by another prefix",
+    ),
 )
 
 # Upstream-style fixes of known bugs, for the commits that have them. At f64d821 a hit on a cached
@@ -378,10 +430,13 @@ ZOO: Tuple[SourceEdit, ...] = (
 # map entry ("fix cache hit", bb823b3, takes the block out of the free queue in place instead).
 FIXES: Dict[str, Tuple[SourceEdit, ...]] = {
     "nanovllm-f64d821-hit-resets-free-block": (
-        _edit("nanovllm-f64d821-fix-cache-hit", "allocate",
-              "else:\n            self._allocate_block(block_id)",
-              "else:\n            block.ref_count = 1\n            self.free_block_ids.remove(block_id)\n"
-              "            self.used_block_ids.add(block_id)",
-              "bb823b3's fix: a hit on a free cached block keeps its hash (f64d821 only)"),
+        _edit(
+            "nanovllm-f64d821-fix-cache-hit",
+            "allocate",
+            "else:\n            self._allocate_block(block_id)",
+            "else:\n            block.ref_count = 1\n            self.free_block_ids.remove(block_id)\n"
+            "            self.used_block_ids.add(block_id)",
+            "bb823b3's fix: a hit on a free cached block keeps its hash (f64d821 only)",
+        ),
     ),
 }

@@ -80,8 +80,10 @@ def checkout(name: str, path: str | None, commit: str | None = None) -> Path:
     found = peer_path(name, commit)
     if found is None:
         where = ", ".join(str(d) for d in search_dirs())
-        raise SubjectUnavailable(f"{name}: no checkout given and none found (looked for {name}-{commit or '*'} "
-                                 f"in {where}); pass {spec}:PATH or set KVLEDGER_PEERS")
+        raise SubjectUnavailable(
+            f"{name}: no checkout given and none found (looked for {name}-{commit or '*'} "
+            f"in {where}); pass {spec}:PATH or set KVLEDGER_PEERS"
+        )
     return unpack(found)
 
 

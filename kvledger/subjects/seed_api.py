@@ -62,8 +62,15 @@ class SeedModules:
 
 
 class SeedApiSubject:
-    def __init__(self, name: str, version: str, capabilities: Capabilities, mods: SeedModules,
-                 config: SubjectConfig, edits: Sequence[SourceEdit] = ()) -> None:
+    def __init__(
+        self,
+        name: str,
+        version: str,
+        capabilities: Capabilities,
+        mods: SeedModules,
+        config: SubjectConfig,
+        edits: Sequence[SourceEdit] = (),
+    ) -> None:
         self.name, self.version, self.capabilities, self.m = name, version, capabilities, mods
         self.cm, self.tm, self.dm = mods.managers(config)
         self._adder_edits = bind_edits([self.cm, self.tm, self.dm, self.cm.prefix_cache], edits, "PrefillAdder")
@@ -134,11 +141,19 @@ class SeedApiSubject:
     def view(self) -> View:
         ps, tolist, info, rows = self.cm.page_size, self.m.tolist, self.cm.prefix_cache.size_info, self.cm.page_table
         return View(  # a row's positions with KV ([0, cached_len), the hit included), the step's once allocated
-            free=[loc // ps for loc in tolist(self.cm.free_slots)], cached=self.m.cached(self.cm.prefix_cache),
-            requests={uid: tolist(rows[r.table_idx][: r.device_len if uid in self._allocated else r.cached_len])
-                      for uid, r in self.live.items()},
-            counters={"free_pages": len(self.cm.free_slots), "evictable_tokens": info.evictable_size,
-                      "protected_tokens": info.protected_size, "available_tokens": self.cm.available_size})
+            free=[loc // ps for loc in tolist(self.cm.free_slots)],
+            cached=self.m.cached(self.cm.prefix_cache),
+            requests={
+                uid: tolist(rows[r.table_idx][: r.device_len if uid in self._allocated else r.cached_len])
+                for uid, r in self.live.items()
+            },
+            counters={
+                "free_pages": len(self.cm.free_slots),
+                "evictable_tokens": info.evictable_size,
+                "protected_tokens": info.protected_size,
+                "available_tokens": self.cm.available_size,
+            },
+        )
 
     def cache_key(self, tokens: Sequence[int]) -> Hashable:
         raise NotImplementedError("a radix cache files prefixes by their path, not a key")
@@ -170,8 +185,11 @@ class SeedApiSubject:
 
     def _expect(self, uid: int, start: int, end: int, token: Any = ...) -> Any:
         req = self.live.get(uid)  # and computed's token is None for a ChunkedReq's chunk, only then
-        if req is None or (req.cached_len, req.device_len) != (start, end) or (
-                token is not ... and (token is None) != isinstance(req, self.m.ChunkedReq)):
+        if (
+            req is None
+            or (req.cached_len, req.device_len) != (start, end)
+            or (token is not ... and (token is None) != isinstance(req, self.m.ChunkedReq))
+        ):
             raise DriverMismatch(f"uid {uid}: the driver's [{start}, {end}) token {token} do not fit {req!r}")
         return req
 
@@ -188,13 +206,20 @@ def bind_edits(objects: Iterable[Any], edits: Sequence[SourceEdit], *later: str)
         elif cls in by_class:
             bind(by_class[cls], [edit])
         else:
-            raise EditError(f"{edit.name}: {edit.target} is not a method of {', '.join(sorted(by_class) + list(later))}")
+            raise EditError(
+                f"{edit.name}: {edit.target} is not a method of {', '.join(sorted(by_class) + list(later))}"
+            )
     return deferred
 
 
-def radix_entries(root: Any, children: Callable[[Any], Iterable[Any]], key: Callable[[Any], List[int]],
-                  value: Callable[[Any], List[int]], lock: Callable[[Any], int],
-                  name: Callable[[Any], str]) -> List[CachedEntry]:
+def radix_entries(
+    root: Any,
+    children: Callable[[Any], Iterable[Any]],
+    key: Callable[[Any], List[int]],
+    value: Callable[[Any], List[int]],
+    lock: Callable[[Any], int],
+    name: Callable[[Any], str],
+) -> List[CachedEntry]:
     """One entry per node below `root`, its tokens the whole path from the root."""
     entries: List[CachedEntry] = []
     stack: List[Tuple[Any, Tuple[int, ...]]] = [(root, ())]
@@ -202,7 +227,10 @@ def radix_entries(root: Any, children: Callable[[Any], Iterable[Any]], key: Call
         node, path = stack.pop()
         for child in children(node):
             tokens = path + tuple(key(child))
-            entries.append(CachedEntry(locations=tuple(value(child)), start=len(path), tokens=tokens,
-                                       lock=lock(child), name=name(child)))
+            entries.append(
+                CachedEntry(
+                    locations=tuple(value(child)), start=len(path), tokens=tokens, lock=lock(child), name=name(child)
+                )
+            )
             stack.append((child, tokens))
     return entries

@@ -58,11 +58,24 @@ def _modules(impl: ModuleType) -> SeedModules:
         return impl.PendingReq(uid, list(prompt), impl.SamplingParams(max_tokens=max_tokens))
 
     def cached(cache: Any) -> List:
-        return radix_entries(cache.root, lambda n: list(n.children.values()), lambda n: list(n.key),
-                             lambda n: _tolist(n.value), lambda n: n.ref_count, lambda n: f"node {n.id}")
+        return radix_entries(
+            cache.root,
+            lambda n: list(n.children.values()),
+            lambda n: list(n.key),
+            lambda n: _tolist(n.value),
+            lambda n: n.ref_count,
+            lambda n: f"node {n.id}",
+        )
 
-    return SeedModules(PrefillAdder=adder, ChunkedReq=impl.ChunkedReq, managers=managers, pending=pending,
-                       token=int, tolist=_tolist, cached=cached)
+    return SeedModules(
+        PrefillAdder=adder,
+        ChunkedReq=impl.ChunkedReq,
+        managers=managers,
+        pending=pending,
+        token=int,
+        tolist=_tolist,
+        cached=cached,
+    )
 
 
 def build(config: SubjectConfig, name: str | None = None, edits: Sequence[SourceEdit] = ()) -> SeedApiSubject:
@@ -70,7 +83,13 @@ def build(config: SubjectConfig, name: str | None = None, edits: Sequence[Source
     if name not in NAMES:
         raise SubjectUnavailable(f"no kvledger implementation {name!r}: one of {', '.join(NAMES)}")
     impl = importlib.import_module(f"kvledger.{name}")
-    caps = Capabilities(page_size=config.page_size, pages=tuple(range(config.num_pages)),
-                        worst_case_admission=True,  # the reserve policy: pages to max_device_len
-                        preempts=False, explicit_evict=True, cached_pages_in_free_pool=False, lockstep=True)
+    caps = Capabilities(
+        page_size=config.page_size,
+        pages=tuple(range(config.num_pages)),
+        worst_case_admission=True,  # the reserve policy: pages to max_device_len
+        preempts=False,
+        explicit_evict=True,
+        cached_pages_in_free_pool=False,
+        lockstep=True,
+    )
     return SeedApiSubject(name, _version(), caps, _modules(impl), config, edits)

@@ -53,8 +53,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Hashable, Iterator, List, Sequence, Tuple
 
 from kvledger.engine.ledger.subject import CachedEntry, Capabilities, SubjectConfig, View
-from kvledger.subjects.installed import InstalledPackage
 from kvledger.subjects.edits import EditError, SourceEdit, bind, edited_function
+from kvledger.subjects.installed import InstalledPackage
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +64,37 @@ VERSION = "0.5.23"  # the version the zoo's edit texts are written against
 # are in the `# sglang` section of subjects-constraints.txt. Never without --no-deps: sglang pins
 # a CUDA build of torch (and torchvision, which its import chain reaches: see _torchvision_stand_in).
 PACKAGES: Tuple[str, ...] = (
-    "sglang", "apache-tvm-ffi", "compressed-tensors", "dill", "ipython", "loguru", "msgspec", "orjson",
-    "partial-json-parser", "pybase64", "pyzmq", "sentencepiece", "traitlets", "triton",
+    "sglang",
+    "apache-tvm-ffi",
+    "compressed-tensors",
+    "dill",
+    "ipython",
+    "loguru",
+    "msgspec",
+    "orjson",
+    "partial-json-parser",
+    "pybase64",
+    "pyzmq",
+    "sentencepiece",
+    "traitlets",
+    "triton",
 )
 INSTALL = f"pip install --no-deps -c subjects-constraints.txt {' '.join(PACKAGES)}"
 _MODULES: Tuple[str, ...] = (
-    "sglang", "tvm_ffi", "compressed_tensors", "dill", "IPython", "loguru", "msgspec", "orjson",
-    "partial_json_parser", "pybase64", "zmq", "sentencepiece", "traitlets", "triton",
+    "sglang",
+    "tvm_ffi",
+    "compressed_tensors",
+    "dill",
+    "IPython",
+    "loguru",
+    "msgspec",
+    "orjson",
+    "partial_json_parser",
+    "pybase64",
+    "zmq",
+    "sentencepiece",
+    "traitlets",
+    "triton",
 )
 
 RADIX_CACHE = "sglang.srt.mem_cache.radix_cache"
@@ -83,8 +107,11 @@ SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch"
 # The module functions this adapter calls (the scheduler's calls). An edit of one of them is
 # compiled once and called in its place, by this subject alone (`SglangSubject._fn`).
 FUNCTIONS: Tuple[str, ...] = (
-    f"{COMMON}:checkpoint_kv_cache", f"{COMMON}:release_kv_cache", f"{COMMON}:evict_from_tree_cache",
-    f"{ALLOCATION}:alloc_for_extend", f"{ALLOCATION}:alloc_for_decode",
+    f"{COMMON}:checkpoint_kv_cache",
+    f"{COMMON}:release_kv_cache",
+    f"{COMMON}:evict_from_tree_cache",
+    f"{ALLOCATION}:alloc_for_extend",
+    f"{ALLOCATION}:alloc_for_decode",
 )
 
 
@@ -115,8 +142,10 @@ def _torchvision_stand_in() -> Iterator[None]:
 
     class _Unavailable:
         def __getattr__(self, name: str) -> Any:
-            raise ImportError("torchvision is not installed (kvledger stood in for it while importing sglang's "
-                              "KV cache, which never uses it)")
+            raise ImportError(
+                "torchvision is not installed (kvledger stood in for it while importing sglang's "
+                "KV cache, which never uses it)"
+            )
 
     names = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional")
     stand_ins = {}
@@ -171,13 +200,13 @@ class _Sglang:
         import transformers  # noqa: F401  (its torchvision probe runs before the stand-in exists)
 
         with _own_environment(root), _torchvision_stand_in():
+            from sglang.srt.environ import envs
             from sglang.srt.managers import schedule_batch, schedule_policy
             from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker
             from sglang.srt.mem_cache import allocation, common, memory_pool, radix_cache
             from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
             from sglang.srt.mem_cache.base_prefix_cache import EvictParams
             from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-            from sglang.srt.environ import envs
             from sglang.srt.runtime_context import publish, publish_role
             from sglang.srt.sampling.sampling_params import SamplingParams
             from sglang.srt.server_args import ServerArgs
@@ -254,18 +283,27 @@ class SglangSubject:
         torch = s.torch
         # ModelRunner sizes rows at the model's context length + 4 (kv_cache_configurator,
         # extra_max_context_len); here max_seq_len is that context length
-        self.req_to_token_pool = s.ReqToTokenPool(size=config.max_running, max_context_len=config.max_seq_len + 4,
-                                                  device="cpu", enable_memory_saver=False)
+        self.req_to_token_pool = s.ReqToTokenPool(
+            size=config.max_running, max_context_len=config.max_seq_len + 4, device="cpu", enable_memory_saver=False
+        )
         # dtype and kvcache size KV tensors the allocator never touches here; need_sort is for
         # disaggregation only (kv_cache_configurator)
         if ps == 1:
-            self.allocator = s.TokenToKVPoolAllocator(config.num_pages, dtype=torch.bfloat16, device="cpu",
-                                                      kvcache=None, need_sort=False)
+            self.allocator = s.TokenToKVPoolAllocator(
+                config.num_pages, dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=False
+            )
         else:
-            self.allocator = s.PagedTokenToKVPoolAllocator(config.num_pages * ps, page_size=ps, dtype=torch.bfloat16,
-                                                           device="cpu", kvcache=None, need_sort=False)
-        self.tree = s.RadixCache(s.CacheInitParams(disable=False, req_to_token_pool=self.req_to_token_pool,
-                                                   token_to_kv_pool_allocator=self.allocator, page_size=ps))
+            self.allocator = s.PagedTokenToKVPoolAllocator(
+                config.num_pages * ps, page_size=ps, dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=False
+            )
+        self.tree = s.RadixCache(
+            s.CacheInitParams(
+                disable=False,
+                req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool_allocator=self.allocator,
+                page_size=ps,
+            )
+        )
         # ScheduleBatch reads two fields of the model config on this path
         self._model_config = types.SimpleNamespace(vocab_size=1 << 31, is_encoder_decoder=False)
         # SGLang's knobs, read from the environment as its scheduler reads them at start
@@ -279,8 +317,9 @@ class SglangSubject:
         # this prefill pass's reservations (PrefillAdder._update_prefill_budget): uid -> (chunk, decode
         # tokens reserved, tokens its allocations have taken since)
         self._pass: Dict[int, List[int]] = {}
-        self._fn: Dict[str, Callable] = {t: getattr(importlib.import_module(t.split(":")[0]), t.split(":")[1])
-                                         for t in FUNCTIONS}
+        self._fn: Dict[str, Callable] = {
+            t: getattr(importlib.import_module(t.split(":")[0]), t.split(":")[1]) for t in FUNCTIONS
+        }
         self._req_edits: List[SourceEdit] = []
         self._bind(edits)
         self.capabilities = Capabilities(
@@ -303,8 +342,9 @@ class SglangSubject:
             module_name, path = edit.split()
             if len(path) == 1:
                 if edit.target not in self._fn:
-                    raise EditError(f"{edit.name}: {edit.target} is not a function this adapter calls "
-                                    f"({', '.join(FUNCTIONS)})")
+                    raise EditError(
+                        f"{edit.name}: {edit.target} is not a function this adapter calls ({', '.join(FUNCTIONS)})"
+                    )
                 self._fn[edit.target] = edited_function(edit)
                 continue
             owner_class: Any = importlib.import_module(module_name)
@@ -367,8 +407,9 @@ class SglangSubject:
         return min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), self.s.CLIP_MAX_NEW_TOKENS)
 
     def _batch(self, req: Any) -> Any:
-        return self.s.ScheduleBatch.init_new([req], self.req_to_token_pool, self.allocator, self.tree,
-                                             self._model_config, False, self.s.NONE)
+        return self.s.ScheduleBatch.init_new(
+            [req], self.req_to_token_pool, self.allocator, self.tree, self._model_config, False, self.s.NONE
+        )
 
     def _idle(self) -> None:
         # Scheduler.self_check_during_idle ends with new_token_ratio_tracker.reset()
@@ -409,8 +450,13 @@ class SglangSubject:
         pin = self.tree.lock(req.last_node)
         try:
             fits, _ = self._prefill_budget().check_prefill(
-                extend_input_len=extend, total_tokens=total_tokens, max_new_tokens=max_new,
-                input_tokens=len(req.full_untruncated_fill_ids), swa_host_hit_length=0, chunk_limit=budget)
+                extend_input_len=extend,
+                total_tokens=total_tokens,
+                max_new_tokens=max_new,
+                input_tokens=len(req.full_untruncated_fill_ids),
+                swa_host_hit_length=0,
+                chunk_limit=budget,
+            )
             if not fits:
                 log.debug("sglang: uid %d refused (hit %d, %d tokens wanted)", uid, req.prefix_len, total_tokens)
                 return None
@@ -434,12 +480,12 @@ class SglangSubject:
             # alloc_for_decode(batch, token_per_req=1), one request at a time here
             self._begin("decode", uid, "allocate")
             if start != req.kv.kv_committed_len or end != start + 1:
-                raise DriverMismatch(f"uid {uid}: decode [{start}, {end}) with {req.kv.kv_committed_len} positions "
-                                     "holding KV")
+                raise DriverMismatch(
+                    f"uid {uid}: decode [{start}, {end}) with {req.kv.kv_committed_len} positions holding KV"
+                )
             batch = self._batch(req)
             batch.seq_lens = batch.seq_lens_cpu = torch.tensor([start], dtype=torch.int64)
-            batch.req_pool_indices = batch.req_pool_indices_cpu = torch.tensor([req.kv.req_pool_idx],
-                                                                                dtype=torch.int64)
+            batch.req_pool_indices = batch.req_pool_indices_cpu = torch.tensor([req.kv.req_pool_idx], dtype=torch.int64)
             # check_decode_mem evicts until the step fits and says whether it does; nothing may
             # change when it does not, so the same question is asked first without evicting
             need = batch.new_tokens_required_next_decode()
@@ -452,8 +498,10 @@ class SglangSubject:
             raise DriverMismatch(f"uid {uid}: allocate while {r.phase}")
         self._begin("prefill", uid, "allocate")
         if start != req.prefix_len or end <= start or end > len(req.full_untruncated_fill_ids):
-            raise DriverMismatch(f"uid {uid}: allocate [{start}, {end}) with {req.prefix_len} positions computed "
-                                 f"of {len(req.full_untruncated_fill_ids)}")
+            raise DriverMismatch(
+                f"uid {uid}: allocate [{start}, {end}) with {req.prefix_len} positions computed "
+                f"of {len(req.full_untruncated_fill_ids)}"
+            )
         if uid not in self._pass:
             # the request mid-prefill: PrefillAdder.add_chunked_req reserves its next chunk, and
             # its decode tokens when the chunk ends the prompt
@@ -464,8 +512,11 @@ class SglangSubject:
         # allocates; it raises when the pool cannot serve the chunk (the adder promised it could):
         # the same question first, without evicting
         ps = self.page_size
-        new_pages = (self.s.get_num_new_pages(seq_lens=torch.tensor([end]), page_size=ps,
-                                              prefix_lens=torch.tensor([start])) if ps > 1 else end - start)
+        new_pages = (
+            self.s.get_num_new_pages(seq_lens=torch.tensor([end]), page_size=ps, prefix_lens=torch.tensor([start]))
+            if ps > 1
+            else end - start
+        )
         if int(new_pages) * ps > self._available_and_evictable():
             self._calls.discard((uid, "allocate"))  # retried after a retraction, in this step
             return False
@@ -492,8 +543,9 @@ class SglangSubject:
             req.update_finish_state()
             return
         if r.phase != "admitted" or end != req.extend_end:
-            raise DriverMismatch(f"uid {uid}: computed [{start}, {end}) while {r.phase}, extend ends at "
-                                 f"{req.extend_end}")
+            raise DriverMismatch(
+                f"uid {uid}: computed [{start}, {end}) while {r.phase}, extend ends at {req.extend_end}"
+            )
         if token is None:
             # a middle chunk: Scheduler.get_next_batch_to_run -> stash_chunked_request ->
             # checkpoint_kv_cache, before the next chunk is scheduled
@@ -560,7 +612,8 @@ class SglangSubject:
         r.phase = "waiting"
         self._pass.pop(uid, None)
         self.ratio.current = self.s.NewTokenRatioTracker.estimate_new_token_ratio_after_retract(
-            [o.req for o in remaining])
+            [o.req for o in remaining]
+        )
 
     def _release(self, req: Any) -> None:
         if req.kv.holds_kv:
@@ -623,8 +676,15 @@ class SglangSubject:
                 up = up.parent
             tokens = tuple(int(t) for part in reversed(path) for t in part)
             locations = tuple(node.value.tolist()) if node.value is not None else ()
-            entries.append(CachedEntry(locations=locations, start=len(tokens) - len(node.key), tokens=tokens,
-                                       lock=int(node.lock_ref), name=f"node {node.id}"))
+            entries.append(
+                CachedEntry(
+                    locations=locations,
+                    start=len(tokens) - len(node.key),
+                    tokens=tokens,
+                    lock=int(node.lock_ref),
+                    name=f"node {node.id}",
+                )
+            )
             stack.extend(node.children.values())
         return entries
 
@@ -636,48 +696,86 @@ class SglangSubject:
 # of a subject that runs it (the RadixCache, the allocator, every Req), or, for a module function,
 # replacing the function the adapter calls.
 ZOO: Tuple[SourceEdit, ...] = (
-    SourceEdit("sglang-split-node-drops-lock", f"{RADIX_CACHE}:RadixCache._split_node",
-          "new_node.lock_ref = child.lock_ref", "new_node.lock_ref = 0",
-          "splitting a locked node without copying its lock to the new parent: the shared head of a "
-          "path in use counts as evictable, and an allocation can evict it under its holder"),
-    SourceEdit("sglang-inc-lock-ref-leaf-only", f"{RADIX_CACHE}:RadixCache.inc_lock_ref",
-          "while node != self.root_node:", "if node != self.root_node:",
-          "locking only the matched node, not its ancestors: a match that ends below the first node "
-          "leaves the path above it evictable, and the unlock walks the whole path down past zero"),
-    SourceEdit("sglang-dec-lock-ref-keeps-protected", f"{RADIX_CACHE}:RadixCache.dec_lock_ref",
-          "if node.lock_ref == 1:", "if node.lock_ref == 0:",
-          "testing the count after the decrement as if before: a node its last holder unlocks is never "
-          "counted evictable again, so the cache's sizes drift from its nodes"),
-    SourceEdit("sglang-evict-forgets-free", f"{RADIX_CACHE}:RadixCache.evict",
-          "self.token_to_kv_pool_allocator.free_segment(x.value, start_pos=0)", "pass",
-          "deleting an evicted leaf without giving its pages back: every eviction leaks its pages"),
-    SourceEdit("sglang-insert-frees-from-zero", f"{RADIX_CACHE}:RadixCache._insert_cache",
-          "kv_indices[req.kv.cache_protected_len : result.prefix_len]", "kv_indices[: result.prefix_len]",
-          "freeing the duplicates a checkpoint found from the row's start instead of past the prefix the "
-          "tree already owns: the request's own matched pages, still cached and locked, go back to the "
-          "free list"),
-    SourceEdit("sglang-checkpoint-keeps-duplicate-row", f"{RADIX_CACHE}:RadixCache.checkpoint",
-          "self.req_to_token_pool.write(\n"
-          "        (req.kv.req_pool_idx, slice(req.kv.cache_protected_len, len(new_indices))),\n"
-          "        new_indices[req.kv.cache_protected_len :],\n"
-          "    )", "pass",
-          "freeing the request's duplicate pages without pointing its row at the tree's copies (the "
-          "mini-sglang bug of PR #142): a running request keeps reading pages that were freed"),
-    SourceEdit("sglang-free-segment-every-token", f"{PAGED}:PagedTokenToKVPoolAllocator.free_segment",
-          "reps = free_index[::ps]", "reps = free_index",
-          "dropping the page stride when turning a segment into pages: each freed page is put back once "
-          "per token it held"),
-    SourceEdit("sglang-release-frees-protected", f"{COMMON}:release_kv_cache",
-          "tree_cache.free_kv_row(req.kv, [(req.kv.cache_protected_len, owned_kv_len)])",
-          "tree_cache.free_kv_row(req.kv, [(0, owned_kv_len)])",
-          "freeing the whole row at release, the prefix the tree owns included: cached pages go back to "
-          "the free list while the tree (and any request that hits them) still uses them"),
-    SourceEdit("sglang-release-keeps-lock", f"{COMMON}:release_kv_cache",
-          "tree_cache.unlock(req.lock)\n", "\n",
-          "releasing a request without dropping its tree lock: its path stays locked after it ends, "
-          "never evictable"),
-    SourceEdit("sglang-hit-covers-last-token", f"{SCHEDULE_BATCH}:Req._compute_max_prefix_len",
-          "max_prefix_len = input_len - 1", "max_prefix_len = input_len",
-          "letting the match run to the end of the prompt: a fully cached prompt of whole pages is "
-          "admitted with nothing to compute, so no forward pass yields its next token"),
+    SourceEdit(
+        "sglang-split-node-drops-lock",
+        f"{RADIX_CACHE}:RadixCache._split_node",
+        "new_node.lock_ref = child.lock_ref",
+        "new_node.lock_ref = 0",
+        "splitting a locked node without copying its lock to the new parent: the shared head of a "
+        "path in use counts as evictable, and an allocation can evict it under its holder",
+    ),
+    SourceEdit(
+        "sglang-inc-lock-ref-leaf-only",
+        f"{RADIX_CACHE}:RadixCache.inc_lock_ref",
+        "while node != self.root_node:",
+        "if node != self.root_node:",
+        "locking only the matched node, not its ancestors: a match that ends below the first node "
+        "leaves the path above it evictable, and the unlock walks the whole path down past zero",
+    ),
+    SourceEdit(
+        "sglang-dec-lock-ref-keeps-protected",
+        f"{RADIX_CACHE}:RadixCache.dec_lock_ref",
+        "if node.lock_ref == 1:",
+        "if node.lock_ref == 0:",
+        "testing the count after the decrement as if before: a node its last holder unlocks is never "
+        "counted evictable again, so the cache's sizes drift from its nodes",
+    ),
+    SourceEdit(
+        "sglang-evict-forgets-free",
+        f"{RADIX_CACHE}:RadixCache.evict",
+        "self.token_to_kv_pool_allocator.free_segment(x.value, start_pos=0)",
+        "pass",
+        "deleting an evicted leaf without giving its pages back: every eviction leaks its pages",
+    ),
+    SourceEdit(
+        "sglang-insert-frees-from-zero",
+        f"{RADIX_CACHE}:RadixCache._insert_cache",
+        "kv_indices[req.kv.cache_protected_len : result.prefix_len]",
+        "kv_indices[: result.prefix_len]",
+        "freeing the duplicates a checkpoint found from the row's start instead of past the prefix the "
+        "tree already owns: the request's own matched pages, still cached and locked, go back to the "
+        "free list",
+    ),
+    SourceEdit(
+        "sglang-checkpoint-keeps-duplicate-row",
+        f"{RADIX_CACHE}:RadixCache.checkpoint",
+        "self.req_to_token_pool.write(\n"
+        "        (req.kv.req_pool_idx, slice(req.kv.cache_protected_len, len(new_indices))),\n"
+        "        new_indices[req.kv.cache_protected_len :],\n"
+        "    )",
+        "pass",
+        "freeing the request's duplicate pages without pointing its row at the tree's copies (the "
+        "mini-sglang bug of PR #142): a running request keeps reading pages that were freed",
+    ),
+    SourceEdit(
+        "sglang-free-segment-every-token",
+        f"{PAGED}:PagedTokenToKVPoolAllocator.free_segment",
+        "reps = free_index[::ps]",
+        "reps = free_index",
+        "dropping the page stride when turning a segment into pages: each freed page is put back once "
+        "per token it held",
+    ),
+    SourceEdit(
+        "sglang-release-frees-protected",
+        f"{COMMON}:release_kv_cache",
+        "tree_cache.free_kv_row(req.kv, [(req.kv.cache_protected_len, owned_kv_len)])",
+        "tree_cache.free_kv_row(req.kv, [(0, owned_kv_len)])",
+        "freeing the whole row at release, the prefix the tree owns included: cached pages go back to "
+        "the free list while the tree (and any request that hits them) still uses them",
+    ),
+    SourceEdit(
+        "sglang-release-keeps-lock",
+        f"{COMMON}:release_kv_cache",
+        "tree_cache.unlock(req.lock)\n",
+        "\n",
+        "releasing a request without dropping its tree lock: its path stays locked after it ends, never evictable",
+    ),
+    SourceEdit(
+        "sglang-hit-covers-last-token",
+        f"{SCHEDULE_BATCH}:Req._compute_max_prefix_len",
+        "max_prefix_len = input_len - 1",
+        "max_prefix_len = input_len",
+        "letting the match run to the end of the prompt: a fully cached prompt of whole pages is "
+        "admitted with nothing to compute, so no forward pass yields its next token",
+    ),
 )

@@ -31,8 +31,8 @@ import logging
 from typing import Any, Dict, Hashable, List, Sequence, Tuple
 
 from kvledger.engine.ledger.subject import CachedEntry, Capabilities, SubjectConfig, View
-from kvledger.subjects.installed import InstalledPackage
 from kvledger.subjects.edits import EditError, SourceEdit, bind
+from kvledger.subjects.installed import InstalledPackage
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +42,40 @@ VERSION = "0.33.0"  # the version the zoo's edit texts are written against
 # environment; the exact pins are in subjects-constraints.txt. Never without --no-deps: vllm
 # pins a CUDA build of torch.
 PACKAGES: Tuple[str, ...] = (
-    "vllm", "apache-tvm-ffi", "cachetools", "cbor2", "cloudpickle", "llguidance", "msgspec",
-    "oss-harmony", "partial-json-parser", "prometheus-client", "py-cpuinfo", "pybase64", "pyzmq",
-    "uvloop", "xgrammar",
+    "vllm",
+    "apache-tvm-ffi",
+    "cachetools",
+    "cbor2",
+    "cloudpickle",
+    "llguidance",
+    "msgspec",
+    "oss-harmony",
+    "partial-json-parser",
+    "prometheus-client",
+    "py-cpuinfo",
+    "pybase64",
+    "pyzmq",
+    "uvloop",
+    "xgrammar",
 )
 INSTALL = f"pip install --no-deps -c subjects-constraints.txt {' '.join(PACKAGES)}"
 # modules of those packages the import chain reaches (probe checks them without importing)
 _MODULES: Tuple[str, ...] = (
-    "vllm", "tvm_ffi", "cachetools", "cbor2", "cloudpickle", "llguidance", "msgspec", "openai_harmony",
-    "partial_json_parser", "prometheus_client", "cpuinfo", "pybase64", "zmq", "uvloop", "xgrammar",
+    "vllm",
+    "tvm_ffi",
+    "cachetools",
+    "cbor2",
+    "cloudpickle",
+    "llguidance",
+    "msgspec",
+    "openai_harmony",
+    "partial_json_parser",
+    "prometheus_client",
+    "cpuinfo",
+    "pybase64",
+    "zmq",
+    "uvloop",
+    "xgrammar",
 )
 
 KV_CACHE_MANAGER = "vllm.v1.core.kv_cache_manager"
@@ -70,7 +95,6 @@ class _Vllm:
 
     def __init__(self) -> None:
         import torch
-
         from vllm.sampling_params import SamplingParams
         from vllm.utils.hashing import sha256
         from vllm.v1.core import block_pool, kv_cache_manager, kv_cache_utils, single_type_kv_cache_manager
@@ -157,8 +181,14 @@ class VllmSubject:
     def _bind(self, edits: Sequence[SourceEdit]) -> None:
         """Each edit on the one object of this manager that runs the target's method."""
         coordinator = self.mgr.coordinator
-        owners = (self.mgr, coordinator, *coordinator.single_type_managers, self.pool,
-                  self.pool.free_block_queue, self.pool.cached_block_hash_to_block)
+        owners = (
+            self.mgr,
+            coordinator,
+            *coordinator.single_type_managers,
+            self.pool,
+            self.pool.free_block_queue,
+            self.pool.cached_block_hash_to_block,
+        )
         for edit in edits:
             module_name, path = edit.split()
             owner_class: Any = importlib.import_module(module_name)
@@ -175,7 +205,10 @@ class VllmSubject:
         # Scheduler.add_request gets the Request EngineCore built: its block hasher hashes every
         # full block of the prompt now, and of the output as tokens are appended
         self.requests[uid] = self.v.Request(
-            str(uid), [int(t) for t in prompt], self.v.SamplingParams(max_tokens=max_tokens), None,
+            str(uid),
+            [int(t) for t in prompt],
+            self.v.SamplingParams(max_tokens=max_tokens),
+            None,
             block_hasher=self._block_hasher,
         )
 
@@ -212,8 +245,10 @@ class VllmSubject:
     def allocate(self, uid: int, start: int, end: int) -> bool:
         req = self.requests[uid]
         if uid not in self.running or start != req.num_computed_tokens or end <= start:
-            raise DriverMismatch(f"uid {uid}: allocate [{start}, {end}) with {req.num_computed_tokens} computed "
-                                 f"({'running' if uid in self.running else 'not admitted'})")
+            raise DriverMismatch(
+                f"uid {uid}: allocate [{start}, {end}) with {req.num_computed_tokens} computed "
+                f"({'running' if uid in self.running else 'not admitted'})"
+            )
         if end <= self.allocated[uid]:
             return True  # the admission's allocate_slots already gave this chunk its slots
         # Scheduler.schedule, the RUNNING loop: allocate_slots(request, num_new_tokens); None makes
@@ -230,8 +265,10 @@ class VllmSubject:
         # cache manager: vLLM filed the full blocks when allocate_slots gave them slots.
         req = self.requests[uid]
         if start != req.num_computed_tokens or end > self.allocated.get(uid, -1):
-            raise DriverMismatch(f"uid {uid}: computed [{start}, {end}) but {req.num_computed_tokens} are computed "
-                                 f"and slots go up to {self.allocated.get(uid)}")
+            raise DriverMismatch(
+                f"uid {uid}: computed [{start}, {end}) but {req.num_computed_tokens} are computed "
+                f"and slots go up to {self.allocated.get(uid)}"
+            )
         req.num_computed_tokens = end
         if token is not None:
             req.append_output_token_ids(int(token))
@@ -292,10 +329,13 @@ class VllmSubject:
         # BlockHashToBlockMap._cache: a key maps to one block, or to {block_id: block} when
         # several blocks were filed under it (vLLM does not deduplicate)
         for key, blocks in pool.cached_block_hash_to_block._cache.items():
-            for block in (blocks.values() if isinstance(blocks, dict) else (blocks,)):
+            for block in blocks.values() if isinstance(blocks, dict) else (blocks,):
                 b = block.block_id
-                cached.append(CachedEntry(locations=tuple(range(b * bs, b * bs + bs)), start=None, key=key,
-                                          lock=None, name=f"block {b}"))
+                cached.append(
+                    CachedEntry(
+                        locations=tuple(range(b * bs, b * bs + bs)), start=None, key=key, lock=None, name=f"block {b}"
+                    )
+                )
         return View(
             free=self._free_queue(),
             requests=requests,
@@ -328,12 +368,12 @@ class VllmSubject:
         full = len(tokens) // bs
         if full == 0:
             return None
-        prefix = [int(t) for t in tokens[:full * bs]]
+        prefix = [int(t) for t in tokens[: full * bs]]
         utils = self.v.kv_cache_utils
         probe_req = None  # a plain text request of these tokens, for the extra keys
         parent: bytes | None = None
         for i in range(full):
-            block = tuple(prefix[i * bs:(i + 1) * bs])
+            block = tuple(prefix[i * bs : (i + 1) * bs])
             known = self._key_memo.get((parent, block))
             if known is None:
                 if probe_req is None:
@@ -348,42 +388,75 @@ class VllmSubject:
 # object of a KVCacheManager that runs it: the manager, its BlockPool, the FullAttentionManager,
 # the FreeKVCacheBlockQueue.
 ZOO: Tuple[SourceEdit, ...] = (
-    SourceEdit("vllm-free-blocks-frees-shared", f"{BLOCK_POOL}:BlockPool.free_blocks",
-          "if block.ref_cnt == 0:", "if block.ref_cnt <= 1:",
-          "testing the count against 1 as if before the decrement: a prefix block two requests share "
-          "goes back to the free queue when the first of them finishes, under the other"),
-    SourceEdit("vllm-free-blocks-drops-uncached", f"{BLOCK_POOL}:BlockPool.free_blocks",
-          "self.free_block_queue.prepend_n(blocks_to_evict_first)", "pass",
-          "losing the prepend of the blocks that carry no hash when splitting a free into the LRU "
-          "tail and the reuse-first head: every partial (unhashed) block leaks"),
-    SourceEdit("vllm-touch-increments-first", f"{BLOCK_POOL}:BlockPool.touch",
-          "if block.ref_cnt == 0:\n            self.free_block_queue.remove(block)\n        block.ref_cnt += 1",
-          "block.ref_cnt += 1\n        if block.ref_cnt == 0:\n            self.free_block_queue.remove(block)",
-          "taking the reference before testing whether the block is free: a hit on a cached block in "
-          "the free queue leaves it there, and get_new_blocks can hand it to another request"),
-    SourceEdit("vllm-reuse-keeps-stale-hash", f"{BLOCK_POOL}:BlockPool.get_new_blocks",
-          "self._maybe_evict_cached_block(block)", "pass",
-          "handing a cached block out again without unfiling its hash: the map keeps pointing at a "
-          "block whose KV is overwritten by another prefix, and a later prompt hits the wrong KV"),
-    SourceEdit("vllm-cache-full-blocks-hash-offset", f"{BLOCK_POOL}:BlockPool.cache_full_blocks",
-          "block_hash = new_block_hashes[i]", "block_hash = block_hashes[i]",
-          "indexing the request's hashes from its first block instead of the first newly full one: "
-          "after a prefix hit or an earlier chunk, a block is filed under an earlier block's hash"),
-    SourceEdit("vllm-hit-covers-last-token", f"{KV_CACHE_MANAGER}:KVCacheManager.get_computed_blocks",
-          "max_cache_hit_length = request.num_tokens - 1", "max_cache_hit_length = request.num_tokens",
-          "letting the hit run to the end of the prompt: a fully cached prompt of whole blocks is "
-          "admitted with nothing to compute, so no forward pass yields its next token"),
-    SourceEdit("vllm-allocate-new-blocks-floor", f"{SINGLE_TYPE}:SingleTypeKVCacheManager.allocate_new_blocks",
-          "num_required_blocks = cdiv(num_tokens, self.block_size)",
-          "num_required_blocks = num_tokens // self.block_size",
-          "rounding the block count down: the tokens past the last full block get no slot"),
-    SourceEdit("vllm-admission-ignores-evictable-hits",
-          f"{SINGLE_TYPE}:SingleTypeKVCacheManager.get_num_blocks_to_allocate",
-          "return num_new_blocks + num_evictable_blocks", "return num_new_blocks",
-          "not counting hit blocks that sit in the free queue, which touching them takes out of it: "
-          "the room check passes and get_new_blocks then lacks blocks"),
-    SourceEdit("vllm-free-queue-remove-keeps-count", f"{KV_CACHE_UTILS}:FreeKVCacheBlockQueue.remove",
-          "self.num_free_blocks -= 1", "pass",
-          "unlinking a block from the middle of the free queue without counting it out: the pool "
-          "reports a free block that is not there"),
+    SourceEdit(
+        "vllm-free-blocks-frees-shared",
+        f"{BLOCK_POOL}:BlockPool.free_blocks",
+        "if block.ref_cnt == 0:",
+        "if block.ref_cnt <= 1:",
+        "testing the count against 1 as if before the decrement: a prefix block two requests share "
+        "goes back to the free queue when the first of them finishes, under the other",
+    ),
+    SourceEdit(
+        "vllm-free-blocks-drops-uncached",
+        f"{BLOCK_POOL}:BlockPool.free_blocks",
+        "self.free_block_queue.prepend_n(blocks_to_evict_first)",
+        "pass",
+        "losing the prepend of the blocks that carry no hash when splitting a free into the LRU "
+        "tail and the reuse-first head: every partial (unhashed) block leaks",
+    ),
+    SourceEdit(
+        "vllm-touch-increments-first",
+        f"{BLOCK_POOL}:BlockPool.touch",
+        "if block.ref_cnt == 0:\n            self.free_block_queue.remove(block)\n        block.ref_cnt += 1",
+        "block.ref_cnt += 1\n        if block.ref_cnt == 0:\n            self.free_block_queue.remove(block)",
+        "taking the reference before testing whether the block is free: a hit on a cached block in "
+        "the free queue leaves it there, and get_new_blocks can hand it to another request",
+    ),
+    SourceEdit(
+        "vllm-reuse-keeps-stale-hash",
+        f"{BLOCK_POOL}:BlockPool.get_new_blocks",
+        "self._maybe_evict_cached_block(block)",
+        "pass",
+        "handing a cached block out again without unfiling its hash: the map keeps pointing at a "
+        "block whose KV is overwritten by another prefix, and a later prompt hits the wrong KV",
+    ),
+    SourceEdit(
+        "vllm-cache-full-blocks-hash-offset",
+        f"{BLOCK_POOL}:BlockPool.cache_full_blocks",
+        "block_hash = new_block_hashes[i]",
+        "block_hash = block_hashes[i]",
+        "indexing the request's hashes from its first block instead of the first newly full one: "
+        "after a prefix hit or an earlier chunk, a block is filed under an earlier block's hash",
+    ),
+    SourceEdit(
+        "vllm-hit-covers-last-token",
+        f"{KV_CACHE_MANAGER}:KVCacheManager.get_computed_blocks",
+        "max_cache_hit_length = request.num_tokens - 1",
+        "max_cache_hit_length = request.num_tokens",
+        "letting the hit run to the end of the prompt: a fully cached prompt of whole blocks is "
+        "admitted with nothing to compute, so no forward pass yields its next token",
+    ),
+    SourceEdit(
+        "vllm-allocate-new-blocks-floor",
+        f"{SINGLE_TYPE}:SingleTypeKVCacheManager.allocate_new_blocks",
+        "num_required_blocks = cdiv(num_tokens, self.block_size)",
+        "num_required_blocks = num_tokens // self.block_size",
+        "rounding the block count down: the tokens past the last full block get no slot",
+    ),
+    SourceEdit(
+        "vllm-admission-ignores-evictable-hits",
+        f"{SINGLE_TYPE}:SingleTypeKVCacheManager.get_num_blocks_to_allocate",
+        "return num_new_blocks + num_evictable_blocks",
+        "return num_new_blocks",
+        "not counting hit blocks that sit in the free queue, which touching them takes out of it: "
+        "the room check passes and get_new_blocks then lacks blocks",
+    ),
+    SourceEdit(
+        "vllm-free-queue-remove-keeps-count",
+        f"{KV_CACHE_UTILS}:FreeKVCacheBlockQueue.remove",
+        "self.num_free_blocks -= 1",
+        "pass",
+        "unlinking a block from the middle of the free queue without counting it out: the pool "
+        "reports a free block that is not there",
+    ),
 )

@@ -8,8 +8,15 @@ from typing import Dict, List, Sequence
 
 from hypothesis import settings
 
-from kvledger.properties.machine import (EXPECTED_EVENTS, FIRST_REACHED, REACHED, SEQUENCES, failures_dir,
-                                         reset_reached, run_machine)
+from kvledger.properties.machine import (
+    EXPECTED_EVENTS,
+    FIRST_REACHED,
+    REACHED,
+    SEQUENCES,
+    failures_dir,
+    reset_reached,
+    run_machine,
+)
 from kvledger.properties.profiles import register_profiles
 
 log = logging.getLogger(__name__)
@@ -28,8 +35,12 @@ def reach_report() -> str:
 def run_check(profile: str, examples: int | None = None) -> int:
     register_profiles(profile)
     chosen = settings(settings.default, max_examples=examples) if examples else settings.default
-    log.info("kvledger check: profile %s, %d sequences of up to %d operations, reference vs fast in lockstep",
-             profile, chosen.max_examples, chosen.stateful_step_count)
+    log.info(
+        "kvledger check: profile %s, %d sequences of up to %d operations, reference vs fast in lockstep",
+        profile,
+        chosen.max_examples,
+        chosen.stateful_step_count,
+    )
     reset_reached()
     start = time.perf_counter()
     try:
@@ -39,14 +50,17 @@ def run_check(profile: str, examples: int | None = None) -> int:
         print(f"the shrunk failing trace: {failures_dir()}/hypothesis-last-failure.jsonl (kvledger replay it)")
         return 1
     elapsed = time.perf_counter() - start
-    print(f"passed in {elapsed:.1f}s, {SEQUENCES[0]} sequences; rare branches reached "
-          f"({len(REACHED & EXPECTED_EVENTS)}/{len(EXPECTED_EVENTS)}), with the sequence that first reached each:")
+    print(
+        f"passed in {elapsed:.1f}s, {SEQUENCES[0]} sequences; rare branches reached "
+        f"({len(REACHED & EXPECTED_EVENTS)}/{len(EXPECTED_EVENTS)}), with the sequence that first reached each:"
+    )
     print(reach_report())
     return 0
 
 
-def sequences_to_reach(seeds: Sequence[int | None], examples: int | None = None, bug: str | None = None,
-                       profile: str = "ci") -> List[Dict]:
+def sequences_to_reach(
+    seeds: Sequence[int | None], examples: int | None = None, bug: str | None = None, profile: str = "ci"
+) -> List[Dict]:
     """For each seed (None: the profile's own, derandomized run), run `profile` without shrinking
     (under zoo bug `bug`, if given) and return what it reached: {"seed", "sequences" (run),
     "first" (event -> the sequence that first reached it), "caught" (the sequence that first
@@ -74,8 +88,9 @@ def sequences_to_reach(seeds: Sequence[int | None], examples: int | None = None,
         finally:
             if s is not None:  # what hypothesis.seed set on the class
                 delattr(LockstepMachine, "_hypothesis_internal_use_seed")
-        rows.append({"seed": s, "sequences": SEQUENCES[0], "first": dict(FIRST_REACHED), "caught": caught,
-                     "failure": failure})
+        rows.append(
+            {"seed": s, "sequences": SEQUENCES[0], "first": dict(FIRST_REACHED), "caught": caught, "failure": failure}
+        )
     return rows
 
 
@@ -94,8 +109,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for row in sequences_to_reach(seeds, args.examples, args.bug, args.profile):
         name = "ci" if row["seed"] is None else row["seed"]
         if args.bug:
-            print(f"seed {name}: {args.bug} " + (f"caught at sequence {row['caught']}" if row["caught"]
-                                                  else f"missed in {row['sequences']} sequences"))
+            print(
+                f"seed {name}: {args.bug} "
+                + (
+                    f"caught at sequence {row['caught']}"
+                    if row["caught"]
+                    else f"missed in {row['sequences']} sequences"
+                )
+            )
             continue
         print(f"seed {name}: {row['sequences']} sequences" + (f"; FAILED: {row['failure']}" if row["failure"] else ""))
         for event_name in sorted(EXPECTED_EVENTS):

@@ -47,8 +47,9 @@ def start_coverage(data_file: Path):
     """A started coverage.py measurement of the MEASURED files (branch coverage)."""
     import coverage
 
-    cov = coverage.Coverage(data_file=str(data_file), branch=True,
-                            include=[str(ROOT / pattern) for pattern in MEASURED])
+    cov = coverage.Coverage(
+        data_file=str(data_file), branch=True, include=[str(ROOT / pattern) for pattern in MEASURED]
+    )
     cov.start()
     return cov
 
@@ -84,8 +85,11 @@ def measure(examples: Optional[int] = None, data_file: Optional[Path] = None) ->
     cmd = [sys.executable, "-m", "kvledger.tools.coverage_report", "--run-suite", str(data_file)]
     if examples:
         cmd.append(str(examples))
-    env = {**os.environ, "HYPOTHESIS_PROFILE": "ci", "PYTHONPATH": os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    env = {
+        **os.environ,
+        "HYPOTHESIS_PROFILE": "ci",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+    }
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -94,6 +98,7 @@ def measure(examples: Optional[int] = None, data_file: Optional[Path] = None) ->
 
 
 # -- the reviewed list of lines the property run cannot reach ---------------------------------
+
 
 @dataclass(frozen=True)
 class Exclusion:
@@ -117,10 +122,18 @@ def read_exclusions(path: Path = EXCLUSIONS) -> List[Exclusion]:
         source, arrow, to = span.partition("->")
         first, dash, last = source.partition("-")
         last = last if dash else first
-        if not file or not reason.strip() or not first.isdigit() or not last.isdigit() or int(last) < int(first) \
-                or (arrow and (dash or not to.lstrip("-").isdigit())):
-            raise ValueError(f"{path.name}:{number}: expected 'path:line  reason', 'path:first-last  reason' or "
-                             f"'path:from->to  reason', got {raw!r}")
+        if (
+            not file
+            or not reason.strip()
+            or not first.isdigit()
+            or not last.isdigit()
+            or int(last) < int(first)
+            or (arrow and (dash or not to.lstrip("-").isdigit()))
+        ):
+            raise ValueError(
+                f"{path.name}:{number}: expected 'path:line  reason', 'path:first-last  reason' or "
+                f"'path:from->to  reason', got {raw!r}"
+            )
         if arrow:
             out.append(Exclusion(file, int(first), reason.strip(), int(to)))
         else:
@@ -143,9 +156,11 @@ class FileCoverage:
     def accounted(self) -> Tuple[float, float]:
         """Percent of statements, and of branches, covered or listed (a branch is listed when the
         line it starts or lands on is)."""
-        (lines, statements), (branches, total) = self.lines, self.branches
-        return (100.0 * (lines + len(self.listed)) / statements if statements else 100.0,
-                100.0 * (total - len(self.unlisted_branches)) / total if total else 100.0)
+        (lines, statements), (_, total) = self.lines, self.branches
+        return (
+            100.0 * (lines + len(self.listed)) / statements if statements else 100.0,
+            100.0 * (total - len(self.unlisted_branches)) / total if total else 100.0,
+        )
 
 
 def against_exclusions(report: Dict, exclusions: List[Exclusion]) -> List[FileCoverage]:
@@ -162,20 +177,33 @@ def against_exclusions(report: Dict, exclusions: List[Exclusion]) -> List[FileCo
         data = report["files"].get(name)
         listed, listed_branches = lines_of.get(name, set()), branches_of.get(name, set())
         if data is None:
-            out.append(FileCoverage(name, (0, 0), (0, 0), stale=[f"{n}" for n in sorted(listed)]
-                                    + [f"{a}->{b}" for a, b in sorted(listed_branches)]))
+            out.append(
+                FileCoverage(
+                    name,
+                    (0, 0),
+                    (0, 0),
+                    stale=[f"{n}" for n in sorted(listed)] + [f"{a}->{b}" for a, b in sorted(listed_branches)],
+                )
+            )
             continue
         s = data["summary"]
         missing = set(data["missing_lines"])
         branches = [tuple(b) for b in data.get("missing_branches", [])]
-        out.append(FileCoverage(
-            name, (s["covered_lines"], s["num_statements"]), (s["covered_branches"], s["num_branches"]),
-            listed=sorted(missing & listed), unlisted=sorted(missing - listed),
-            stale=[str(n) for n in sorted(listed - missing)]
-            + [f"{a}->{b}" for a, b in sorted(listed_branches - set(branches))],
-            missing_branches=branches,
-            unlisted_branches=[b for b in branches
-                               if b not in listed_branches and b[0] not in listed and b[1] not in listed]))
+        out.append(
+            FileCoverage(
+                name,
+                (s["covered_lines"], s["num_statements"]),
+                (s["covered_branches"], s["num_branches"]),
+                listed=sorted(missing & listed),
+                unlisted=sorted(missing - listed),
+                stale=[str(n) for n in sorted(listed - missing)]
+                + [f"{a}->{b}" for a, b in sorted(listed_branches - set(branches))],
+                missing_branches=branches,
+                unlisted_branches=[
+                    b for b in branches if b not in listed_branches and b[0] not in listed and b[1] not in listed
+                ],
+            )
+        )
     return out
 
 
@@ -186,10 +214,19 @@ def _pct(a: int, b: int) -> str:
 def format_files(files: List[FileCoverage]) -> str:
     rows = [("file", "lines", "", "branches", "", "listed", "with listed", "unlisted lines", "unlisted branches")]
     for f in files:
-        rows.append((f.path, f"{f.lines[0]}/{f.lines[1]}", _pct(*f.lines), f"{f.branches[0]}/{f.branches[1]}",
-                     _pct(*f.branches), str(len(f.listed)), "/".join(f"{p:.1f}%" for p in f.accounted),
-                     ",".join(map(str, f.unlisted)) or "-",
-                     ",".join(f"{a}->{b}" for a, b in f.unlisted_branches) or "-"))
+        rows.append(
+            (
+                f.path,
+                f"{f.lines[0]}/{f.lines[1]}",
+                _pct(*f.lines),
+                f"{f.branches[0]}/{f.branches[1]}",
+                _pct(*f.branches),
+                str(len(f.listed)),
+                "/".join(f"{p:.1f}%" for p in f.accounted),
+                ",".join(map(str, f.unlisted)) or "-",
+                ",".join(f"{a}->{b}" for a, b in f.unlisted_branches) or "-",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     stale = [f"{f.path}:{where}" for f in files for where in f.stale]
@@ -202,13 +239,19 @@ def format_totals(report: Dict) -> str:
     t = report["totals"]
     lines = (t["covered_lines"], t["num_statements"])
     branches = (t["covered_branches"], t["num_branches"])
-    return (f"line coverage:   {lines[0]}/{lines[1]} ({_pct(*lines).strip()})\n"
-            f"branch coverage: {branches[0]}/{branches[1]} ({_pct(*branches).strip()})")
+    return (
+        f"line coverage:   {lines[0]}/{lines[1]} ({_pct(*lines).strip()})\n"
+        f"branch coverage: {branches[0]}/{branches[1]} ({_pct(*branches).strip()})"
+    )
 
 
 def main_coverage(examples: Optional[int] = None) -> int:
-    log.info("kvledger coverage: the Hypothesis property run (ci profile%s) under coverage.py, line and branch "
-             "coverage of %s", f", {examples} examples" if examples else "", ", ".join(MEASURED))
+    log.info(
+        "kvledger coverage: the Hypothesis property run (ci profile%s) under coverage.py, line and branch "
+        "coverage of %s",
+        f", {examples} examples" if examples else "",
+        ", ".join(MEASURED),
+    )
     try:
         report = measure(examples)
     except RuntimeError as e:
@@ -219,8 +262,11 @@ def main_coverage(examples: Optional[int] = None) -> int:
     print(format_files(files))
     print(format_totals(report))
     gaps = sum(len(f.unlisted) for f in files)
-    print(f"{gaps} uncovered lines not in {EXCLUSIONS.relative_to(ROOT)}" if gaps else
-          f"every uncovered line is listed in {EXCLUSIONS.relative_to(ROOT)}")
+    print(
+        f"{gaps} uncovered lines not in {EXCLUSIONS.relative_to(ROOT)}"
+        if gaps
+        else f"every uncovered line is listed in {EXCLUSIONS.relative_to(ROOT)}"
+    )
     return 0
 
 

@@ -39,13 +39,20 @@ PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 _HAS_STOP = "stop" in inspect.signature(CacheScheduler.decode).parameters
 
 # events the fuzzer notes itself, on top of the model's `reference.events`
-FUZZ_EVENTS = frozenset({
-    "driver: rejected request admitted later", "driver: several requests prefill together",
-    "driver: abort mid-chunk", "driver: idle", "fuzz: pool exhausted (no free page)",
-    "fuzz: request larger than the pool", "fuzz: evict everything evictable",
-    "fuzz: every table slot in use",
-    "fuzz: preemption in a prefill step", "fuzz: preemption in a decode step",
-})
+FUZZ_EVENTS = frozenset(
+    {
+        "driver: rejected request admitted later",
+        "driver: several requests prefill together",
+        "driver: abort mid-chunk",
+        "driver: idle",
+        "fuzz: pool exhausted (no free page)",
+        "fuzz: request larger than the pool",
+        "fuzz: evict everything evictable",
+        "fuzz: every table slot in use",
+        "fuzz: preemption in a prefill step",
+        "fuzz: preemption in a decode step",
+    }
+)
 ADMISSIONS = ("reserve", "optimistic")
 OPTIMISTIC_SHARE = 0.4  # of the cases, when the policy is not forced
 RESERVE_RATIOS = (0.0, 0.0, 0.0, 0.25, 0.5, 0.75)  # 0 reserves least: most preemption
@@ -84,8 +91,7 @@ def make_case(seed: int, admission: Optional[str] = None) -> Case:
     max_seq_len = -(-(max_prompt + max_new) // ps) * ps
     alphabet = rng.choice([1, 2, 3, 4, 8])
     families = [[rng.randrange(alphabet) for _ in range(max_prompt)] for _ in range(rng.randint(1, 3))]
-    weights = {"submit": 3.0, "prefill": 3.0, "decode": 4.0, "finish": 0.5, "abort": 0.5, "evict": 0.5,
-               "probe": 0.5}
+    weights = {"submit": 3.0, "prefill": 3.0, "decode": 4.0, "finish": 0.5, "abort": 0.5, "evict": 0.5, "probe": 0.5}
     for name in ("finish", "evict", "probe"):
         weights[name] *= rng.choice([0.0, 1.0, 2.0, 4.0])
     weights["abort"] *= rng.choice([0.2, 1.0, 2.0, 4.0])  # aborts unblock a queue head that never fits
@@ -109,8 +115,16 @@ def make_case(seed: int, admission: Optional[str] = None) -> Case:
         num_pages = max(2, rng.randint(worst // 2, worst + 1))
         weights["decode"] *= 2  # requests outgrow their reservation by decoding
         policy = {"admission": "optimistic", "reserve_ratio": rng.choice(RESERVE_RATIOS)}
-    header = Header(num_pages=num_pages, page_size=ps, cache_type=cache_type, table_slots=table_slots,
-                    max_seq_len=max_seq_len, seed=seed, producer="fuzz", **policy)
+    header = Header(
+        num_pages=num_pages,
+        page_size=ps,
+        cache_type=cache_type,
+        table_slots=table_slots,
+        max_seq_len=max_seq_len,
+        seed=seed,
+        producer="fuzz",
+        **policy,
+    )
     return Case(header, families, alphabet, weights, budgets, max_prompt, max_new, length)
 
 
@@ -146,8 +160,15 @@ class Walker:
         running = ref.dm.running_reqs.uids()
         waiting = [p.uid for p in ref.waiting]
         evictable = ref.cm.prefix_cache.size_info.evictable_size
-        choices = {"submit": True, "prefill": bool(waiting), "decode": bool(running), "finish": bool(running),
-                   "abort": bool(running or waiting), "evict": evictable > 0, "probe": True}
+        choices = {
+            "submit": True,
+            "prefill": bool(waiting),
+            "decode": bool(running),
+            "finish": bool(running),
+            "abort": bool(running or waiting),
+            "evict": evictable > 0,
+            "probe": True,
+        }
         names = [n for n, ok in choices.items() if ok and case.weights[n] > 0]
         kind = rng.choices(names, [case.weights[n] for n in names])[0]
         if kind == "submit":
@@ -215,8 +236,14 @@ class Walker:
             self.note("fuzz: every table slot in use")
 
 
-def walk(seed: int, lock: Any, note: Callable[[str], None], keep_going: Callable[[], bool],
-         length: Optional[int] = None, admission: Optional[str] = None) -> Iterator[None]:
+def walk(
+    seed: int,
+    lock: Any,
+    note: Callable[[str], None],
+    keep_going: Callable[[], bool],
+    length: Optional[int] = None,
+    admission: Optional[str] = None,
+) -> Iterator[None]:
     """Run case `seed` on `lock` (a Lockstep built from make_case(seed, admission).header), one
     operation per iteration, for the case's length (or `length`); Divergence propagates."""
     case = make_case(seed, admission)
@@ -229,8 +256,9 @@ def walk(seed: int, lock: Any, note: Callable[[str], None], keep_going: Callable
         yield
 
 
-def case_trace(seed: int, worker: int, case: int, max_ops: Optional[int] = None,
-               admission: Optional[str] = None) -> Tuple[Header, List[Dict]]:
+def case_trace(
+    seed: int, worker: int, case: int, max_ops: Optional[int] = None, admission: Optional[str] = None
+) -> Tuple[Header, List[Dict]]:
     """Case `case` of worker `worker` under `seed` (and `admission`, if forced), run here (apply a
     bug with zoo.patched around it): the trace up to its end, `max_ops` (which may also lengthen
     the case), or its divergence (included)."""
@@ -239,8 +267,9 @@ def case_trace(seed: int, worker: int, case: int, max_ops: Optional[int] = None,
     cseed = case_seed(seed, worker, case)
     lock = Lockstep(make_case(cseed, admission).header)
     try:
-        for n, _ in enumerate(walk(cseed, lock, lambda name: None, lambda: True, length=max_ops,
-                                   admission=admission), 1):
+        for n, _ in enumerate(
+            walk(cseed, lock, lambda name: None, lambda: True, length=max_ops, admission=admission), 1
+        ):
             if max_ops is not None and n >= max_ops:
                 break
     except Divergence:
@@ -313,14 +342,22 @@ class WorkerFailure:
     step: Optional[int] = None
 
 
-def _worker(index: int, seed: int, seconds: float, bug: Optional[str], out: Any, stop: Any,
-            op_limit: float = OP_LIMIT_S, admission: Optional[str] = None, max_cases: Optional[int] = None) -> None:
+def _worker(
+    index: int,
+    seed: int,
+    seconds: float,
+    bug: Optional[str],
+    out: Any,
+    stop: Any,
+    op_limit: float = OP_LIMIT_S,
+    admission: Optional[str] = None,
+    max_cases: Optional[int] = None,
+) -> None:
     import torch
 
     torch.set_num_threads(1)  # tiny tensors; workers share the cores
-    from kvledger.reference import events
-
     from kvledger.properties.lockstep import Divergence, Lockstep
+    from kvledger.reference import events
     from kvledger.tools.zoo import patched
 
     reached: Set[str] = set()
@@ -363,13 +400,17 @@ def _worker(index: int, seed: int, seconds: float, bug: Optional[str], out: Any,
                 return
             except Divergence as e:
                 flush(force=True)
-                out.put(WorkerFailure("divergence", index, number, asdict(lock.header), list(lock.ops), e.detail,
-                                      e.kind, e.step))
+                out.put(
+                    WorkerFailure(
+                        "divergence", index, number, asdict(lock.header), list(lock.ops), e.detail, e.kind, e.step
+                    )
+                )
                 return
             except Exception:
                 flush(force=True)
-                out.put(WorkerFailure("crash", index, number, asdict(lock.header), list(lock.ops),
-                                      traceback.format_exc()))
+                out.put(
+                    WorkerFailure("crash", index, number, asdict(lock.header), list(lock.ops), traceback.format_exc())
+                )
                 return
             cases += 1
             optimistic_cases += lock.header.policy.preempts
@@ -424,17 +465,26 @@ def _expected_events() -> Set[str]:
     return set(EXPECTED_EVENTS - MACHINE_ONLY_EVENTS) | FUZZ_EVENTS
 
 
-def _progress_line(elapsed: float, seconds: float, ops: int, cases: int, reached: Set[str],
-                   expected: Set[str]) -> str:
+def _progress_line(elapsed: float, seconds: float, ops: int, cases: int, reached: Set[str], expected: Set[str]) -> str:
     rate = ops / elapsed if elapsed > 0 else 0.0
-    return (f"fuzz {elapsed:5.1f}/{seconds:g}s  {ops:,} ops ({rate:,.0f} ops/s)  {cases:,} cases  "
-            f"events {len(reached & expected)}/{len(expected)} (+{len(reached - expected)} other)")
+    return (
+        f"fuzz {elapsed:5.1f}/{seconds:g}s  {ops:,} ops ({rate:,.0f} ops/s)  {cases:,} cases  "
+        f"events {len(reached & expected)}/{len(expected)} (+{len(reached - expected)} other)"
+    )
 
 
-def fuzz(seconds: float, workers: int = 1, seed: int = 0, out_dir: str | Path = ".kvledger/fuzz",
-         bug: Optional[str] = None, progress: bool = True, minimize_budget: float = 60.0,
-         admission: Optional[str] = None, max_cases: Optional[int] = None,
-         minimize_replays: Optional[int] = None) -> FuzzResult:
+def fuzz(
+    seconds: float,
+    workers: int = 1,
+    seed: int = 0,
+    out_dir: str | Path = ".kvledger/fuzz",
+    bug: Optional[str] = None,
+    progress: bool = True,
+    minimize_budget: float = 60.0,
+    admission: Optional[str] = None,
+    max_cases: Optional[int] = None,
+    minimize_replays: Optional[int] = None,
+) -> FuzzResult:
     """Fuzz reference vs fast for `seconds` on `workers` processes; see the module docstring.
     `admission` forces every case's policy; `max_cases` stops each worker after that many cases
     (then the run is the same whatever the machine's speed, as long as `seconds` is not reached);
@@ -455,9 +505,12 @@ def fuzz(seconds: float, workers: int = 1, seed: int = 0, out_dir: str | Path = 
     messages = ctx.Queue()
     stop = ctx.Event()
     start = time.monotonic()
-    procs = [ctx.Process(target=_worker, args=(i, seed, seconds, bug, messages, stop, OP_LIMIT_S, admission, max_cases),
-                         daemon=True)
-             for i in range(workers)]
+    procs = [
+        ctx.Process(
+            target=_worker, args=(i, seed, seconds, bug, messages, stop, OP_LIMIT_S, admission, max_cases), daemon=True
+        )
+        for i in range(workers)
+    ]
     for p in procs:
         p.start()
     ops = cases = 0
@@ -498,8 +551,9 @@ def fuzz(seconds: float, workers: int = 1, seed: int = 0, out_dir: str | Path = 
     elapsed = time.monotonic() - (fuzz_start or start)
     result = FuzzResult(ops, cases, elapsed, workers, seed, bug, sorted(reached), seconds_to_find=found_at, **counts)
     if failure_msg is not None:
-        result.failure = _handle_failure(failure_msg, Path(out_dir), seed, bug, minimize_budget, progress,
-                                         minimize_replays)
+        result.failure = _handle_failure(
+            failure_msg, Path(out_dir), seed, bug, minimize_budget, progress, minimize_replays
+        )
     if progress:
         print(format_summary(result, expected))
     return result
@@ -510,8 +564,9 @@ def _count(counts: Dict[str, int], msg: Progress) -> None:
     counts["optimistic_cases"] += msg.optimistic_cases
 
 
-def _drain_and_join(procs: List[Any], messages: Any, ops: int, cases: int, reached: Set[str],
-                    counts: Optional[Dict[str, int]] = None) -> tuple:
+def _drain_and_join(
+    procs: List[Any], messages: Any, ops: int, cases: int, reached: Set[str], counts: Optional[Dict[str, int]] = None
+) -> tuple:
     # A process that has queued messages exits only once they are read: drain while joining.
     counts = counts if counts is not None else {"preemptions": 0, "optimistic_cases": 0}
     end = time.monotonic() + 10.0
@@ -531,8 +586,15 @@ def _drain_and_join(procs: List[Any], messages: Any, ops: int, cases: int, reach
     return ops, cases
 
 
-def _handle_failure(msg: WorkerFailure, out_dir: Path, seed: int, bug: Optional[str], budget: float,
-                    progress: bool, max_replays: Optional[int] = None) -> FuzzFailure:
+def _handle_failure(
+    msg: WorkerFailure,
+    out_dir: Path,
+    seed: int,
+    bug: Optional[str],
+    budget: float,
+    progress: bool,
+    max_replays: Optional[int] = None,
+) -> FuzzFailure:
     from kvledger.engine.ledger import trace
     from kvledger.tools.minimize import MinimizeError, minimize
     from kvledger.tools.zoo import patched
@@ -544,18 +606,35 @@ def _handle_failure(msg: WorkerFailure, out_dir: Path, seed: int, bug: Optional[
     trace.write(path, header, ops)
     if kind_of_msg in ("crash", "hang"):  # a hang is not minimized: each candidate could hang too
         if progress:
-            log.info("%s in worker %s, case %s: %s\n  trace: %s (%d ops)", kind_of_msg.upper(), worker, case_no,
-                     msg.detail.splitlines()[-1], path, len(ops))
+            log.info(
+                "%s in worker %s, case %s: %s\n  trace: %s (%d ops)",
+                kind_of_msg.upper(),
+                worker,
+                case_no,
+                msg.detail.splitlines()[-1],
+                path,
+                len(ops),
+            )
         return FuzzFailure(kind_of_msg, len(ops), msg.detail, worker, case_no, path)
     kind, step, detail = msg.divergence_kind, msg.step, msg.detail
     failure = FuzzFailure(kind, step, detail, worker, case_no, path)
     if progress:
-        log.info("DIVERGED in worker %s, case %s, step %s: %s\n  %s\n  trace: %s (%d ops); minimizing "
-                 "(budget %gs)...", worker, case_no, step, kind, detail, path, len(ops), budget)
+        log.info(
+            "DIVERGED in worker %s, case %s, step %s: %s\n  %s\n  trace: %s (%d ops); minimizing (budget %gs)...",
+            worker,
+            case_no,
+            step,
+            kind,
+            detail,
+            path,
+            len(ops),
+            budget,
+        )
     try:
         with patched(bug):
-            m_header, m_ops, m_kind = minimize(header, ops, budget=budget, log=log.info if progress else None,
-                                               max_replays=max_replays)
+            m_header, m_ops, m_kind = minimize(
+                header, ops, budget=budget, log=log.info if progress else None, max_replays=max_replays
+            )
     except MinimizeError as e:  # the divergence did not reproduce in this process
         failure.detail += f" (could not minimize: {e})"
         return failure
@@ -568,10 +647,13 @@ def _handle_failure(msg: WorkerFailure, out_dir: Path, seed: int, bug: Optional[
 def format_summary(result: FuzzResult, expected: Set[str] | None = None) -> str:
     expected = expected if expected is not None else _expected_events()
     reached = set(result.events)
-    lines = [f"{result.ops:,} operations in {result.cases:,} complete cases, {result.seconds:.1f}s on "
-             f"{result.workers} worker(s) (seed {result.seed}): {result.ops_per_s:,.0f} ops/s"]
-    lines.append(f"optimistic admission: {result.optimistic_cases:,} complete cases, "
-                 f"{result.preemptions:,} requests preempted")
+    lines = [
+        f"{result.ops:,} operations in {result.cases:,} complete cases, {result.seconds:.1f}s on "
+        f"{result.workers} worker(s) (seed {result.seed}): {result.ops_per_s:,.0f} ops/s"
+    ]
+    lines.append(
+        f"optimistic admission: {result.optimistic_cases:,} complete cases, {result.preemptions:,} requests preempted"
+    )
     lines.append(f"rare events reached ({len(reached & expected)}/{len(expected)}):")
     lines += [f"  [{'x' if name in reached else ' '}] {name}" for name in sorted(expected)]
     others = sorted(reached - expected)
@@ -593,6 +675,8 @@ def format_summary(result: FuzzResult, expected: Set[str] | None = None) -> str:
             lines.append(f"minimized ({f.minimized_ops} ops, {f.minimized_kind}): {f.minimized_path}")
         lines.append(f"replay it: kvledger replay {f.minimized_path or f.trace_path}")
         if result.bug is not None:
-            lines.append(f"  (it diverges only with bug {result.bug!r} patched in: "
-                         f"kvledger replay/minimize/show ... --bug {result.bug})")
+            lines.append(
+                f"  (it diverges only with bug {result.bug!r} patched in: "
+                f"kvledger replay/minimize/show ... --bug {result.bug})"
+            )
     return "\n".join(lines)

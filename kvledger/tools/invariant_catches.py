@@ -17,10 +17,8 @@ sequence (example) at which the first failure appeared, and what fired.
 from __future__ import annotations
 
 import argparse
-from typing import Dict, List, Optional, Tuple
-
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from kvledger import fast, reference
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvalidOp, InvariantViolation
@@ -33,10 +31,22 @@ Catch = Optional[Tuple[str, int]]  # (what fired, at which operation), or None
 # A radix match that checks an edge's first page (the child's dictionary key) and trusts the rest
 # of the edge, as the same edit on both sides.
 TRUSTS_WHOLE_EDGE = (
-    Bug("trusts-edge", "issue 15 trial", "", reference.RadixPrefixCache, "_walk",
-        (("child.key[common] == ids[matched + common]", "True"),)),
-    Bug("trusts-edge", "issue 15 trial", "", fast.radix_cache, "_common_prefix",
-        (("if key[:n] == ids[start : start + n]:", "if True:  # BUG: the edge's first page decides"),)),
+    Bug(
+        "trusts-edge",
+        "issue 15 trial",
+        "",
+        reference.RadixPrefixCache,
+        "_walk",
+        (("child.key[common] == ids[matched + common]", "True"),),
+    ),
+    Bug(
+        "trusts-edge",
+        "issue 15 trial",
+        "",
+        fast.radix_cache,
+        "_common_prefix",
+        (("if key[:n] == ids[start : start + n]:", "if True:  # BUG: the edge's first page decides"),),
+    ),
 )
 
 
@@ -55,7 +65,9 @@ def shared(bugs: Tuple[Bug, ...]) -> Iterator[None]:
             setattr(owner, attr, old)
 
 
-def property_catch(bugs: Tuple[Bug, ...], provenance: bool, examples: int = 1500) -> Tuple[Optional[int], Optional[str]]:
+def property_catch(
+    bugs: Tuple[Bug, ...], provenance: bool, examples: int = 1500
+) -> Tuple[Optional[int], Optional[str]]:
     """The CI profile's property run with `bugs` applied: the example (sequence) at which the first
     failure appeared, and its kind; (None, None) if none did."""
     from hypothesis import Phase, settings
@@ -88,9 +100,17 @@ def property_catch(bugs: Tuple[Bug, ...], provenance: bool, examples: int = 1500
         with shared(bugs):
             # no shrinking: only the first failure counts (shrinking took minutes, and could end
             # in several distinct failures raised together)
-            run_state_machine_as_test(LockstepMachine, settings=settings(
-                derandomize=True, max_examples=examples, stateful_step_count=60, deadline=None, database=None,
-                phases=[Phase.explicit, Phase.reuse, Phase.generate]))
+            run_state_machine_as_test(
+                LockstepMachine,
+                settings=settings(
+                    derandomize=True,
+                    max_examples=examples,
+                    stateful_step_count=60,
+                    deadline=None,
+                    database=None,
+                    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+                ),
+            )
     except Divergence:
         pass
     finally:
@@ -136,8 +156,11 @@ def measure(bug: str, cases: int, max_ops: int, seed: int = 0) -> Dict[str, Catc
     for case in range(cases):
         header, ops = case_trace(seed, 0, case, max_ops=max_ops)
         with patched(bug):
-            found = {"lockstep": lockstep_catch(header, ops), "alone": judged_alone(header, ops, False),
-                     "alone+provenance": judged_alone(header, ops, True)}
+            found = {
+                "lockstep": lockstep_catch(header, ops),
+                "alone": judged_alone(header, ops, False),
+                "alone+provenance": judged_alone(header, ops, True),
+            }
         for judge, catch in found.items():
             if catch is not None and (best[judge] is None or catch[1] < best[judge][1]):
                 best[judge] = catch
@@ -149,7 +172,9 @@ def _cell(catch: Catch) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvledger.tools.invariant_catches", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m kvledger.tools.invariant_catches", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--cases", type=int, default=6, help="fuzz walks per bug (default 6)")
     parser.add_argument("--ops", type=int, default=300, help="operations per walk (default 300)")
     parser.add_argument("--bugs", default=None, help="comma-separated zoo bugs (default: all)")
@@ -159,16 +184,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         for provenance in (True, False):
             first, kind = property_catch(TRUSTS_WHOLE_EDGE, provenance)
             label = "with invariant 7" if provenance else "without invariant 7"
-            print(f"shared trusts-whole-edge, CI profile {label}: " +
-                  (f"first failure in sequence {first}: {kind}" if first else "never caught"))
+            print(
+                f"shared trusts-whole-edge, CI profile {label}: "
+                + (f"first failure in sequence {first}: {kind}" if first else "never caught")
+            )
         return 0
     names = args.bugs.split(",") if args.bugs else sorted(BUGS)
-    print(f"| bug | lockstep | fast alone, invariants 1-6, 8 | fast alone, + invariant 7 |\n|---|---|---|---|")
+    print("| bug | lockstep | fast alone, invariants 1-6, 8 | fast alone, + invariant 7 |\n|---|---|---|---|")
     only, earlier = [], []
     for name in names:
         row = measure(name, args.cases, args.ops)
-        print(f"| {name} | {_cell(row['lockstep'])} | {_cell(row['alone'])} | {_cell(row['alone+provenance'])} |",
-              flush=True)
+        print(
+            f"| {name} | {_cell(row['lockstep'])} | {_cell(row['alone'])} | {_cell(row['alone+provenance'])} |",
+            flush=True,
+        )
         plain, prov = row["alone"], row["alone+provenance"]
         if prov is not None and plain is None:
             only.append(name)

@@ -33,12 +33,10 @@ import time
 from dataclasses import replace
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
-from kvledger import fast
-from kvledger import reference
-
+from kvledger import fast, reference
 from kvledger.engine.ledger.cache_scheduler import InvalidOp
-from kvledger.properties.lockstep import Divergence, Lockstep, replay
 from kvledger.engine.ledger.trace import Header, dumps
+from kvledger.properties.lockstep import Divergence, Lockstep, replay
 
 _log = logging.getLogger(__name__)  # `log` is the minimizer's callback
 
@@ -65,16 +63,19 @@ def fingerprint_of(header: Header, ops: Ops) -> Tuple[str, int]:
         return e.kind, e.step
     except InvalidOp as e:
         raise MinimizeError(f"the trace is invalid at operation {getattr(e, 'step', '?')}: {e}") from None
-    raise MinimizeError(f"the trace does not fail: its {len(ops)} operations replay with no divergence "
-                        "(nothing to minimize; a bug-zoo trace needs its bug patched in, e.g. --bug NAME)")
+    raise MinimizeError(
+        f"the trace does not fail: its {len(ops)} operations replay with no divergence "
+        "(nothing to minimize; a bug-zoo trace needs its bug patched in, e.g. --bug NAME)"
+    )
 
 
 def _key(header: Header, ops: Ops) -> str:
     return hashlib.sha1(dumps(header, ops).encode()).hexdigest()
 
 
-def _replay_repairing(header: Header, ops: Ops,
-                      on_step: Callable[[Lockstep], None] | None = None) -> Tuple[Optional[str], Ops]:
+def _replay_repairing(
+    header: Header, ops: Ops, on_step: Callable[[Lockstep], None] | None = None
+) -> Tuple[Optional[str], Ops]:
     """Replay, skipping operations the model rejects before changing anything. Returns the
     divergence kind (None if none) and the operations applied, up to and including the one
     that diverged. `on_step` sees the harness after each operation that applied cleanly."""
@@ -85,8 +86,7 @@ def _replay_repairing(header: Header, ops: Ops,
     return _continue(lock, ops, on_step)
 
 
-def _continue(lock: Lockstep, ops: Ops,
-              on_step: Callable[[Lockstep], None] | None = None) -> Tuple[Optional[str], Ops]:
+def _continue(lock: Lockstep, ops: Ops, on_step: Callable[[Lockstep], None] | None = None) -> Tuple[Optional[str], Ops]:
     for op in ops:
         try:
             lock.apply(op)
@@ -145,8 +145,15 @@ def _common_prefix(a: Ops, b: Ops) -> int:
 
 
 class _Minimizer:
-    def __init__(self, header: Header, ops: Ops, kind: str, deadline: float,
-                 log: Callable[[str], None], max_replays: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        header: Header,
+        ops: Ops,
+        kind: str,
+        deadline: float,
+        log: Callable[[str], None],
+        max_replays: Optional[int] = None,
+    ) -> None:
         self.header, self.ops, self.kind = header, ops, kind
         self.deadline = deadline
         self.max_replays = max_replays
@@ -349,9 +356,15 @@ class _Minimizer:
         """Returns True when the result is 1-minimal, False if the budget ran out first."""
         # the pool first (it can end a long trace sooner), the header early: smaller pages make
         # every later replay cheaper and many steps removable
-        passes = [("pool", self.shrink_pool), ("requests", self.remove_requests),
-                  ("header", self.shrink_header), ("ops", self.remove_ops),
-                  ("merge", self.merge_prefills), ("values", self.simplify_values), ("renumber", self.renumber)]
+        passes = [
+            ("pool", self.shrink_pool),
+            ("requests", self.remove_requests),
+            ("header", self.shrink_header),
+            ("ops", self.remove_ops),
+            ("merge", self.merge_prefills),
+            ("values", self.simplify_values),
+            ("renumber", self.renumber),
+        ]
         try:
             while True:
                 progress = False
@@ -378,16 +391,31 @@ def _size(header: Header, ops: Ops) -> tuple:
     passes terminate."""
     values = sum(_op_magnitude(op) for op in ops)
     uid_cost = sum(abs(uid - i) for i, uid in enumerate(_submitted_uids(ops)))
-    token_values = sum(sum(op.get("sample", ())) + (sum(op["tokens"]) if isinstance(op.get("tokens"), list) else 0)
-                       for op in ops)
-    return (len(ops), values, header.page_size, header.page_size * header.num_pages, header.num_pages,
-            header.table_slots, header.max_seq_len, uid_cost, token_values)
+    token_values = sum(
+        sum(op.get("sample", ())) + (sum(op["tokens"]) if isinstance(op.get("tokens"), list) else 0) for op in ops
+    )
+    return (
+        len(ops),
+        values,
+        header.page_size,
+        header.page_size * header.num_pages,
+        header.num_pages,
+        header.table_slots,
+        header.max_seq_len,
+        uid_cost,
+        token_values,
+    )
 
 
 def _op_magnitude(op: Dict) -> int:
     tokens = op.get("tokens", 0)
-    return ((len(tokens) if isinstance(tokens, list) else tokens) + op.get("max_tokens", 0)
-            + op.get("budget", 0) + len(op.get("sample", ())) + len(op.get("stop", ())))
+    return (
+        (len(tokens) if isinstance(tokens, list) else tokens)
+        + op.get("max_tokens", 0)
+        + op.get("budget", 0)
+        + len(op.get("sample", ()))
+        + len(op.get("stop", ()))
+    )
 
 
 def _tidy(op: Dict) -> Dict:
@@ -492,9 +520,13 @@ def _relabeled_tokens(ops: Ops) -> Ops:
     return out
 
 
-def minimize(header: Header, ops: Ops, budget: float = 60.0,
-             log: Callable[[str], None] | None = None,
-             max_replays: Optional[int] = None) -> Tuple[Header, Ops, str]:
+def minimize(
+    header: Header,
+    ops: Ops,
+    budget: float = 60.0,
+    log: Callable[[str], None] | None = None,
+    max_replays: Optional[int] = None,
+) -> Tuple[Header, Ops, str]:
     """Shrink a failing trace within `budget` seconds (math.inf: no time limit) and at most
     `max_replays` candidate replays; returns (header, ops, fingerprint). A replay count, unlike
     seconds, gives the same result on a loaded machine: tests bound the work with it.
@@ -515,14 +547,17 @@ def minimize(header: Header, ops: Ops, budget: float = 60.0,
             ops = stripped
     m = _Minimizer(header, ops, kind, start + budget, log, max_replays)
     complete = m.run()
-    log(f"{'1-minimal' if complete else 'budget exhausted (result may not be 1-minimal)'}: "
-        f"{len(m.ops)} ops after {m.tests} replays in {time.monotonic() - start:.1f}s")
+    log(
+        f"{'1-minimal' if complete else 'budget exhausted (result may not be 1-minimal)'}: "
+        f"{len(m.ops)} ops after {m.tests} replays in {time.monotonic() - start:.1f}s"
+    )
     out_header = replace(m.header, producer="minimize")
     return out_header, m.ops, kind
 
 
-def main_minimize(path: str, output: str, budget: float = 60.0, bug: str | None = None,
-                  max_replays: Optional[int] = None) -> int:
+def main_minimize(
+    path: str, output: str, budget: float = 60.0, bug: str | None = None, max_replays: Optional[int] = None
+) -> int:
     """`kvledger minimize TRACE -o OUT`: exit 0 with the minimized trace written, 2 on an error."""
     from kvledger.engine.ledger.trace import TraceError, read, write
     from kvledger.tools.zoo import patched

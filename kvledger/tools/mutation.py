@@ -129,9 +129,14 @@ class Config:
         return [paths] if isinstance(paths, str) else list(paths)
 
     def to_json(self) -> Dict[str, Any]:
-        return {"stages": self.stages, "fuzz_seed": self.fuzz_seed, "fuzz_cases": self.fuzz_cases,
-                "hypothesis_examples": self.hypothesis_examples, "hypothesis_steps": self.hypothesis_steps,
-                "pytest": self.pytest}
+        return {
+            "stages": self.stages,
+            "fuzz_seed": self.fuzz_seed,
+            "fuzz_cases": self.fuzz_cases,
+            "hypothesis_examples": self.hypothesis_examples,
+            "hypothesis_steps": self.hypothesis_steps,
+            "pytest": self.pytest,
+        }
 
 
 def load_config(path: str | Path, root: Path = ROOT) -> Config:
@@ -145,12 +150,18 @@ def load_config(path: str | Path, root: Path = ROOT) -> Config:
     if unknown:
         raise ValueError(f"{path}: unknown stages {unknown} (known: {', '.join(STAGES)})")
     equivalents = Path(own.get("equivalents", "properties/mutation-equivalents.txt"))
-    return Config(path=path, cosmic_ray=data["cosmic-ray"], stages=stages,
-                  equivalents=equivalents if equivalents.is_absolute() else root / equivalents,
-                  min_score=float(own.get("min-score", 0.95)), fuzz_seed=int(own.get("fuzz-seed", 0)),
-                  fuzz_cases=int(own.get("fuzz-cases", 20)),
-                  hypothesis_examples=int(own.get("hypothesis-examples", 150)),
-                  hypothesis_steps=int(own.get("hypothesis-steps", 60)), pytest=list(own.get("pytest", [])))
+    return Config(
+        path=path,
+        cosmic_ray=data["cosmic-ray"],
+        stages=stages,
+        equivalents=equivalents if equivalents.is_absolute() else root / equivalents,
+        min_score=float(own.get("min-score", 0.95)),
+        fuzz_seed=int(own.get("fuzz-seed", 0)),
+        fuzz_cases=int(own.get("fuzz-cases", 20)),
+        hypothesis_examples=int(own.get("hypothesis-examples", 150)),
+        hypothesis_steps=int(own.get("hypothesis-steps", 60)),
+        pytest=list(own.get("pytest", [])),
+    )
 
 
 # -- the kill stages (run with kvledger imported from the tree under test) -----------------------
@@ -165,8 +176,9 @@ def _stage_fuzz(spec: Dict[str, Any]) -> None:
             for _ in walk(seed, lock, lambda name: None, lambda: True):
                 pass
         except BaseException as e:
-            raise AssertionError(f"fuzz case {case} (seed {spec['fuzz_seed']}), step {lock.step}: "
-                                 f"{type(e).__name__}: {e}") from e
+            raise AssertionError(
+                f"fuzz case {case} (seed {spec['fuzz_seed']}), step {lock.step}: {type(e).__name__}: {e}"
+            ) from e
 
 
 def _stage_pytest(spec: Dict[str, Any]) -> None:
@@ -185,9 +197,16 @@ def _stage_hypothesis(spec: Dict[str, Any]) -> None:
 
     from kvledger.properties.machine import LockstepMachine
 
-    chosen = settings(max_examples=spec["hypothesis_examples"], stateful_step_count=spec["hypothesis_steps"],
-                      derandomize=True, deadline=None, database=None, print_blob=False,
-                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    chosen = settings(
+        max_examples=spec["hypothesis_examples"],
+        stateful_step_count=spec["hypothesis_steps"],
+        derandomize=True,
+        deadline=None,
+        database=None,
+        print_blob=False,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     run_state_machine_as_test(LockstepMachine, settings=chosen)
 
 
@@ -281,8 +300,11 @@ def run_forked(spec: Dict[str, Any], timeout: float, log_path: Path) -> Dict[str
     try:
         return json.loads(b"".join(chunks).decode())
     except ValueError:
-        return {"killed_by": "child", "detail": f"the child died without a result (wait status {status})",
-                "seconds": 0.0}
+        return {
+            "killed_by": "child",
+            "detail": f"the child died without a result (wait status {status})",
+            "seconds": 0.0,
+        }
 
 
 def _mutate_and_run(job: Dict[str, Any], spec: Dict[str, Any], timeout: float, log_path: Path) -> Dict[str, Any]:
@@ -294,9 +316,14 @@ def _mutate_and_run(job: Dict[str, Any], spec: Dict[str, Any], timeout: float, l
         if mutated is None:
             return {"no_test": True}
         result = run_forked(spec, timeout, log_path)
-    result["diff"] = "".join(difflib.unified_diff(original.splitlines(keepends=True),
-                                                  mutated.splitlines(keepends=True),
-                                                  f"a/{job['module_path']}", f"b/{job['module_path']}"))
+    result["diff"] = "".join(
+        difflib.unified_diff(
+            original.splitlines(keepends=True),
+            mutated.splitlines(keepends=True),
+            f"a/{job['module_path']}",
+            f"b/{job['module_path']}",
+        )
+    )
     return result
 
 
@@ -377,8 +404,10 @@ def describe(root: Path, mutants: Iterable[Mutant]) -> Dict[str, Tuple[str, str]
         a, b = source.splitlines(), mutated.splitlines()
         for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
             if tag != "equal":
-                out[m.job_id] = (" ".join(x.strip() for x in a[i1:i2]),
-                                 " ".join(x.strip() for x in b[j1:j2]) or "(removed)")
+                out[m.job_id] = (
+                    " ".join(x.strip() for x in a[i1:i2]),
+                    " ".join(x.strip() for x in b[j1:j2]) or "(removed)",
+                )
                 break
         else:
             out[m.job_id] = ("", "(no change)")
@@ -418,15 +447,22 @@ def _norm(code: str) -> str:
     return " ".join(code.split())
 
 
-def match_equivalents(entries: List[Equivalent], mutants: List[Mutant],
-                      described: Dict[str, Tuple[str, str]]) -> Tuple[Dict[str, Equivalent], List[Equivalent]]:
+def match_equivalents(
+    entries: List[Equivalent], mutants: List[Mutant], described: Dict[str, Tuple[str, str]]
+) -> Tuple[Dict[str, Equivalent], List[Equivalent]]:
     """(job_id -> its entry, the entries that match no mutant). An entry matches a mutant of the
     same file and operator whose mutated line reads the same; of several, the nearest line."""
     taken: Dict[str, Equivalent] = {}
     stale = []
     for entry in entries:
-        candidates = [m for m in mutants if m.path == entry.path and m.operator == entry.operator
-                      and m.job_id not in taken and _norm(described[m.job_id][1]) == entry.mutated]
+        candidates = [
+            m
+            for m in mutants
+            if m.path == entry.path
+            and m.operator == entry.operator
+            and m.job_id not in taken
+            and _norm(described[m.job_id][1]) == entry.mutated
+        ]
         if not candidates:
             stale.append(entry)
             continue
@@ -442,8 +478,10 @@ def annotation_spans(source: str) -> List[Tuple[Tuple[int, int], Tuple[int, int]
     import ast
 
     tree = ast.parse(source)
-    if not any(isinstance(n, ast.ImportFrom) and n.module == "__future__" and
-               any(a.name == "annotations" for a in n.names) for n in tree.body):
+    if not any(
+        isinstance(n, ast.ImportFrom) and n.module == "__future__" and any(a.name == "annotations" for a in n.names)
+        for n in tree.body
+    ):
         return []
     found = []
     for node in ast.walk(tree):
@@ -469,6 +507,7 @@ def equivalent_line(m: Mutant, mutated: str, reason: str = "REASON") -> str:
 # -- a session ---------------------------------------------------------------------------------
 def _select(items: List[Any], only: Sequence[str], limit: Optional[int]) -> List[Any]:
     """`only`: PATH, PATH::FUNCTION (cosmic-ray's definition name), PATH:LINE or PATH:FIRST-LAST."""
+
     def keep(item: Any) -> bool:
         if not only:
             return True
@@ -496,8 +535,15 @@ def _select(items: List[Any], only: Sequence[str], limit: Optional[int]) -> List
 
 def _mutant(item: Any) -> Mutant:
     m = item.mutations[0]
-    return Mutant(item.job_id, str(m.module_path), m.start_pos[0], m.start_pos[1], m.operator_name, m.occurrence,
-                  m.definition_name)
+    return Mutant(
+        item.job_id,
+        str(m.module_path),
+        m.start_pos[0],
+        m.start_pos[1],
+        m.operator_name,
+        m.occurrence,
+        m.definition_name,
+    )
 
 
 def init_session(cfg: Config, session: Path, root: Path, only: Sequence[str], limit: Optional[int]) -> None:
@@ -543,13 +589,25 @@ def _copy_tree(root: Path, dest: Path) -> None:
 class _Worker:
     def __init__(self, tree: Path, spec_path: Path) -> None:
         self.tree = tree
-        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-               "OMP_WAIT_POLICY": "PASSIVE"}
+        env = {
+            **os.environ,
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "OMP_WAIT_POLICY": "PASSIVE",
+        }
         env.pop("HYPOTHESIS_PROFILE", None)
         self.stderr = open(tree / ".worker.log", "w")
-        self.proc = subprocess.Popen([sys.executable, str(tree / "kvledger" / "tools" / "mutation.py"), "worker",
-                                      str(spec_path)], cwd=tree, env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.stderr, text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(tree / "kvledger" / "tools" / "mutation.py"), "worker", str(spec_path)],
+            cwd=tree,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+            bufsize=1,
+        )
 
     def ask(self, job: Dict[str, Any]) -> Dict[str, Any]:
         assert self.proc.stdin and self.proc.stdout
@@ -557,8 +615,9 @@ class _Worker:
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"worker in {self.tree} died; its log:\n"
-                               f"{(self.tree / '.worker.log').read_text()[-3000:]}")
+            raise RuntimeError(
+                f"worker in {self.tree} died; its log:\n{(self.tree / '.worker.log').read_text()[-3000:]}"
+            )
         return json.loads(line)
 
     def close(self) -> None:
@@ -576,24 +635,35 @@ def _work_result(answer: Dict[str, Any]) -> Any:
     from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
 
     if "error" in answer:
-        return WorkResult(worker_outcome=WorkerOutcome.EXCEPTION, output=answer["error"],
-                          test_outcome=TestOutcome.INCOMPETENT)
+        return WorkResult(
+            worker_outcome=WorkerOutcome.EXCEPTION, output=answer["error"], test_outcome=TestOutcome.INCOMPETENT
+        )
     if answer.get("no_test"):
         return WorkResult(worker_outcome=WorkerOutcome.NO_TEST)
     diff = answer.get("diff")
     if answer.get("timeout"):
-        return WorkResult(worker_outcome=WorkerOutcome.NORMAL, output=TIMEOUT_OUTPUT,
-                          test_outcome=TestOutcome.KILLED, diff=diff)
+        return WorkResult(
+            worker_outcome=WorkerOutcome.NORMAL, output=TIMEOUT_OUTPUT, test_outcome=TestOutcome.KILLED, diff=diff
+        )
     stage = answer.get("killed_by")
     if stage is None:
-        return WorkResult(worker_outcome=WorkerOutcome.NORMAL, output="survived every stage",
-                          test_outcome=TestOutcome.SURVIVED, diff=diff)
-    return WorkResult(worker_outcome=WorkerOutcome.NORMAL, output=f"killed by {stage}: {answer.get('detail', '')}",
-                      test_outcome=TestOutcome.KILLED, diff=diff)
+        return WorkResult(
+            worker_outcome=WorkerOutcome.NORMAL,
+            output="survived every stage",
+            test_outcome=TestOutcome.SURVIVED,
+            diff=diff,
+        )
+    return WorkResult(
+        worker_outcome=WorkerOutcome.NORMAL,
+        output=f"killed by {stage}: {answer.get('detail', '')}",
+        test_outcome=TestOutcome.KILLED,
+        diff=diff,
+    )
 
 
-def execute(cfg: Config, session: Path, work: Path, root: Path, workers: int, timeout: float,
-            log: Any = print) -> float:
+def execute(
+    cfg: Config, session: Path, work: Path, root: Path, workers: int, timeout: float, log: Any = print
+) -> float:
     """Run every pending mutant of `session`; returns the unmutated stages' time (seconds)."""
     from cosmic_ray.work_db import use_db
 
@@ -624,13 +694,17 @@ def execute(cfg: Config, session: Path, work: Path, root: Path, workers: int, ti
             t.join()
         for n, b in enumerate(baselines):
             if b.get("timeout") or b.get("killed_by") is not None or "error" in b or not b:
-                raise RuntimeError(f"the unmutated tree fails the kill stages (copy {n}): {b}; "
-                                   f"see {trees[n] / '.mutant.log'}")
+                raise RuntimeError(
+                    f"the unmutated tree fails the kill stages (copy {n}): {b}; see {trees[n] / '.mutant.log'}"
+                )
         base_s = max(b["seconds"] for b in baselines)
         stage_s = {k: max(b["stages"][k] for b in baselines) for k in cfg.stages}
-        log(f"unmutated: every stage passes in {base_s:.1f}s (" +
-            ", ".join(f"{k} {v:.1f}s" for k, v in stage_s.items()) + "); "
-            f"{len(pending)} mutants on {workers} workers, timeout {timeout:.0f}s each")
+        log(
+            f"unmutated: every stage passes in {base_s:.1f}s ("
+            + ", ".join(f"{k} {v:.1f}s" for k, v in stage_s.items())
+            + "); "
+            f"{len(pending)} mutants on {workers} workers, timeout {timeout:.0f}s each"
+        )
         if base_s * 3 > timeout:
             log(f"warning: the timeout ({timeout:.0f}s) is under 3x the unmutated run ({base_s:.1f}s)")
 
@@ -645,8 +719,13 @@ def execute(cfg: Config, session: Path, work: Path, root: Path, workers: int, ti
                     m = jobs.get_nowait()
                 except queue.Empty:
                     return
-                job = {"module_path": m.path, "operator": m.operator, "occurrence": m.occurrence,
-                       "operator_args": pending_args.get(m.job_id) or {}, "timeout": timeout}
+                job = {
+                    "module_path": m.path,
+                    "operator": m.operator,
+                    "occurrence": m.occurrence,
+                    "operator_args": pending_args.get(m.job_id) or {},
+                    "timeout": timeout,
+                }
                 try:
                     answer = worker.ask(job)
                 except Exception as e:
@@ -676,8 +755,10 @@ def execute(cfg: Config, session: Path, work: Path, root: Path, workers: int, ti
                     log(f"error on {m.path}:{m.line} {m.operator}: {answer['error'][-500:]}")
                 if time.perf_counter() - last > 15 or n + 1 == len(pending):
                     last = time.perf_counter()
-                    log(f"  {n + 1}/{len(pending)} done in {last - started:.0f}s: " +
-                        ", ".join(f"{k} {v}" for k, v in counts.items()))
+                    log(
+                        f"  {n + 1}/{len(pending)} done in {last - started:.0f}s: "
+                        + ", ".join(f"{k} {v}" for k, v in counts.items())
+                    )
         for t in threads:
             t.join()
         return base_s
@@ -703,8 +784,11 @@ def forget_results(session: Path, outcomes: Sequence[str]) -> int:
     from cosmic_ray.work_db import WorkResultStorage, use_db
 
     with use_db(str(session)) as db:
-        drop = [job_id for job_id, result in db.results
-                if result.worker_outcome.value != "skipped" and _outcome(result) in outcomes]
+        drop = [
+            job_id
+            for job_id, result in db.results
+            if result.worker_outcome.value != "skipped" and _outcome(result) in outcomes
+        ]
         with db._session_maker.begin() as s:  # cosmic-ray's WorkDB has no call to drop one result
             for job_id in drop:
                 s.query(WorkResultStorage).filter(WorkResultStorage.job_id == job_id).delete()
@@ -715,8 +799,9 @@ EQUIVALENT = "equivalent: "
 ANNOTATION = "annotation: inside an annotation that is never evaluated (from __future__ import annotations)"
 
 
-def mark_equivalents(cfg: Config, session: Path, root: Path, log: Any = print
-                     ) -> Tuple[Dict[str, Equivalent], List[Equivalent]]:
+def mark_equivalents(
+    cfg: Config, session: Path, root: Path, log: Any = print
+) -> Tuple[Dict[str, Equivalent], List[Equivalent]]:
     """Mark skipped the mutants inside annotations and those the equivalents file names (an
     entry no longer there makes its mutant pending again); returns (matched, stale entries)."""
     from cosmic_ray.work_db import WorkResultStorage, use_db
@@ -727,8 +812,9 @@ def mark_equivalents(cfg: Config, session: Path, root: Path, log: Any = print
         items = list(db.work_items)
         mutants = [_mutant(i) for i in items]
         spans = {path: annotation_spans((root / path).read_text()) for path in {m.path for m in mutants}}
-        notes = {i.job_id for i in items if in_annotation(spans[str(i.mutations[0].module_path)],
-                                                          i.mutations[0].start_pos)}
+        notes = {
+            i.job_id for i in items if in_annotation(spans[str(i.mutations[0].module_path)], i.mutations[0].start_pos)
+        }
         keys = {(e.path, e.operator) for e in entries}
         described = describe(root, [m for m in mutants if (m.path, m.operator) in keys and m.job_id not in notes])
         taken, stale = match_equivalents(entries, [m for m in mutants if m.job_id in described], described)
@@ -736,16 +822,19 @@ def mark_equivalents(cfg: Config, session: Path, root: Path, log: Any = print
         for m in mutants:
             old = results.get(m.job_id)
             was = old.output if old is not None and old.worker_outcome == WorkerOutcome.SKIPPED else None
-            now = ANNOTATION if m.job_id in notes else \
-                EQUIVALENT + taken[m.job_id].reason if m.job_id in taken else None
+            now = (
+                ANNOTATION if m.job_id in notes else EQUIVALENT + taken[m.job_id].reason if m.job_id in taken else None
+            )
             if now is not None and was != now:
                 db.set_result(m.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED, output=now))
             elif now is None and was is not None and (was.startswith(EQUIVALENT) or was == ANNOTATION):
                 with db._session_maker.begin() as s:  # no longer equivalent: run it again
                     s.query(WorkResultStorage).filter(WorkResultStorage.job_id == m.job_id).delete()
     for entry in stale:
-        log(f"stale equivalent ({cfg.equivalents.name}:{entry.source_line}, matches no mutant): "
-            f"{entry.path}:{entry.line} | {entry.operator} | {entry.mutated}")
+        log(
+            f"stale equivalent ({cfg.equivalents.name}:{entry.source_line}, matches no mutant): "
+            f"{entry.path}:{entry.line} | {entry.operator} | {entry.mutated}"
+        )
     return taken, stale
 
 
@@ -773,8 +862,11 @@ class Report:
         lines = [head, "|" + " --- |" * (len(self.COLUMNS) + 2)]
         for name, row in sorted(self.rows.items()) + [("**total**", self.total())]:
             s = self.score(row)
-            lines.append(f"| {name} | " + " | ".join(str(row[c]) for c in self.COLUMNS) +
-                         f" | {'-' if s is None else f'{100 * s:.1f}%'} |")
+            lines.append(
+                f"| {name} | "
+                + " | ".join(str(row[c]) for c in self.COLUMNS)
+                + f" | {'-' if s is None else f'{100 * s:.1f}%'} |"
+            )
         return "\n".join(lines)
 
 
@@ -821,9 +913,11 @@ def format_report(report: Report, cfg: Config, equivalents: int, stale: int) -> 
     out = [report.table(), ""]
     if report.killed_by:
         out.append("killed by stage: " + ", ".join(f"{k} {v}" for k, v in sorted(report.killed_by.items())))
-    out.append(f"score (killed + timeout) / (killed + timeout + survived), equivalents and annotations left out: "
-               f"{'-' if score is None else f'{100 * score:.2f}%'} (goal {100 * cfg.min_score:.0f}%); "
-               f"{equivalents} reviewed equivalents matched, {stale} stale entries")
+    out.append(
+        f"score (killed + timeout) / (killed + timeout + survived), equivalents and annotations left out: "
+        f"{'-' if score is None else f'{100 * score:.2f}%'} (goal {100 * cfg.min_score:.0f}%); "
+        f"{equivalents} reviewed equivalents matched, {stale} stale entries"
+    )
     if report.timeouts:
         out += ["", f"timeouts ({len(report.timeouts)}; hangs, counted as detected):"]
         out += [f"  {m.path}:{m.line} {m.operator}: {o}  ->  {mu}" for m, o, mu in report.timeouts]
@@ -837,12 +931,24 @@ def format_report(report: Report, cfg: Config, equivalents: int, stale: int) -> 
 
 
 # -- the command -------------------------------------------------------------------------------
-def run(config: str = DEFAULT_CONFIG, workers: Optional[int] = None, only: Sequence[str] = (),
-        limit: Optional[int] = None, stages: Optional[Sequence[str]] = None, fuzz_cases: Optional[int] = None,
-        hypothesis_examples: Optional[int] = None, pytest_files: Optional[Sequence[str]] = None,
-        equivalents: Optional[str] = None, timeout: Optional[float] = None, resume: bool = False,
-        rerun: Sequence[str] = (), work_dir: Optional[str] = None, results: Optional[str] = None, root: Path = ROOT,
-        log: Any = print) -> int:
+def run(
+    config: str = DEFAULT_CONFIG,
+    workers: Optional[int] = None,
+    only: Sequence[str] = (),
+    limit: Optional[int] = None,
+    stages: Optional[Sequence[str]] = None,
+    fuzz_cases: Optional[int] = None,
+    hypothesis_examples: Optional[int] = None,
+    pytest_files: Optional[Sequence[str]] = None,
+    equivalents: Optional[str] = None,
+    timeout: Optional[float] = None,
+    resume: bool = False,
+    rerun: Sequence[str] = (),
+    work_dir: Optional[str] = None,
+    results: Optional[str] = None,
+    root: Path = ROOT,
+    log: Any = print,
+) -> int:
     cfg = load_config(config, root)
     if stages is not None:
         unknown = [s for s in stages if s not in STAGES]
@@ -866,8 +972,9 @@ def run(config: str = DEFAULT_CONFIG, workers: Optional[int] = None, only: Seque
     elif rerun:
         log(f"resuming {session}: {forget_results(session, rerun)} results of {', '.join(rerun)} dropped")
     taken, stale = mark_equivalents(cfg, session, root, log)
-    base_s = execute(cfg, session, work, root, workers or os.cpu_count() or 1,
-                     timeout if timeout is not None else cfg.timeout, log)
+    base_s = execute(
+        cfg, session, work, root, workers or os.cpu_count() or 1, timeout if timeout is not None else cfg.timeout, log
+    )
     report = build_report(session, root)
     text = format_report(report, cfg, len(taken), len(stale))
     log(text)
@@ -875,11 +982,13 @@ def run(config: str = DEFAULT_CONFIG, workers: Optional[int] = None, only: Seque
     if results:
         out = Path(results)
         out.mkdir(parents=True, exist_ok=True)
+        shown = cfg.path.relative_to(root) if cfg.path.is_relative_to(root) else cfg.path
         (out / "README.md").write_text(
             "# Mutation score\n\n"
-            f"`kvledger mutation` (cosmic-ray, {cfg.path.relative_to(root) if cfg.path.is_relative_to(root) else cfg.path}): "
+            f"`kvledger mutation` (cosmic-ray, {shown}): "
             f"stages {', '.join(cfg.stages)} (fuzz {cfg.fuzz_cases} cases, Hypothesis {cfg.hypothesis_examples} "
-            f"examples of {cfg.hypothesis_steps} steps); unmutated run {base_s:.1f}s.\n\n" + text + "\n")
+            f"examples of {cfg.hypothesis_steps} steps); unmutated run {base_s:.1f}s.\n\n" + text + "\n"
+        )
     total = report.total()
     score = Report.score(total)
     if report.others:
@@ -895,8 +1004,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         p = argparse.ArgumentParser(prog="mutation.py kill")
         p.add_argument("--config", default=DEFAULT_CONFIG)
         return kill_main(p.parse_args(argv[1:]).config)
-    print("mutation.py: the script runs `worker SPEC` and `kill [--config FILE]`; the score: "
-          "kvledger mutation", file=sys.stderr)
+    print(
+        "mutation.py: the script runs `worker SPEC` and `kill [--config FILE]`; the score: kvledger mutation",
+        file=sys.stderr,
+    )
     return 2
 
 

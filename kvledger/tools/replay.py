@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 
 from kvledger.engine.ledger.cache_scheduler import InvalidOp
-from kvledger.properties.lockstep import Divergence, replay
 from kvledger.engine.ledger.trace import TraceError, read
+from kvledger.properties.lockstep import Divergence, replay
 
 
 def replay_file(path: str, device: str = "cpu", bug: str | None = None) -> int:
@@ -35,9 +35,11 @@ def replay_file(path: str, device: str = "cpu", bug: str | None = None) -> int:
         return 1
     ref = lock.ref
     admission = header.admission + (f" (reserve_ratio {header.reserve_ratio})" if ref.policy.preempts else "")
-    print(f"OK: {len(ops)} operations agree on reference and fast ({header.cache_type} cache, page size "
-          f"{header.page_size}, {header.num_pages} pages, {admission} admission); live requests at the end: "
-          f"{len(ref.live)}, free pages: {len(ref.cm.free_slots)}, cached tokens: "
-          f"{ref.cm.prefix_cache.size_info.total_size}; preemptions: {ref.preemptions}, recomputed tokens: "
-          f"{ref.recomputed_tokens}")
+    print(
+        f"OK: {len(ops)} operations agree on reference and fast ({header.cache_type} cache, page size "
+        f"{header.page_size}, {header.num_pages} pages, {admission} admission); live requests at the end: "
+        f"{len(ref.live)}, free pages: {len(ref.cm.free_slots)}, cached tokens: "
+        f"{ref.cm.prefix_cache.size_info.total_size}; preemptions: {ref.preemptions}, recomputed tokens: "
+        f"{ref.recomputed_tokens}"
+    )
     return 0

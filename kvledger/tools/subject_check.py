@@ -28,9 +28,15 @@ from kvledger.subjects.edits import SourceEdit
 log = logging.getLogger(__name__)
 
 
-def run_subject_check(text: str, profile: str = "ci", examples: int | None = None, edits: Sequence[SourceEdit] = (),
-                      out_dir: str | Path = ".kvledger/failures", minimize_budget: float = 30.0,
-                      quiet: bool = False) -> tuple[int, Progress, Path | None]:
+def run_subject_check(
+    text: str,
+    profile: str = "ci",
+    examples: int | None = None,
+    edits: Sequence[SourceEdit] = (),
+    out_dir: str | Path = ".kvledger/failures",
+    minimize_budget: float = 30.0,
+    quiet: bool = False,
+) -> tuple[int, Progress, Path | None]:
     """(exit code, what the run reached, the minimized failing trace or None)."""
     from kvledger.tools.subject_fuzz import header_for
     from kvledger.tools.subject_minimize import minimize_ops, shortest_failure
@@ -41,14 +47,26 @@ def run_subject_check(text: str, profile: str = "ci", examples: int | None = Non
     sample = factory(SubjectConfig(num_pages=8, page_size=page_sizes[0], max_seq_len=16))
     version, expected = sample.version, expected_events(sample.capabilities)
     register_profiles(profile)
-    chosen = settings(settings.default, max_examples=examples or SUBJECT_EXAMPLES[profile],
-                      stateful_step_count=SUBJECT_STEPS[profile], deadline=None,
-                      suppress_health_check=list(HealthCheck), print_blob=False, report_multiple_bugs=False,
-                      phases=[Phase.explicit, Phase.reuse, Phase.generate])
+    chosen = settings(
+        settings.default,
+        max_examples=examples or SUBJECT_EXAMPLES[profile],
+        stateful_step_count=SUBJECT_STEPS[profile],
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+        report_multiple_bugs=False,
+        phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    )
     progress = Progress()
     machine = machine_for(factory, progress, page_sizes)
-    log.info("kvledger check --subject %s (%s): profile %s, %d sequences of up to %d operations, judge mode",
-             text, version, profile, chosen.max_examples, chosen.stateful_step_count)
+    log.info(
+        "kvledger check --subject %s (%s): profile %s, %d sequences of up to %d operations, judge mode",
+        text,
+        version,
+        profile,
+        chosen.max_examples,
+        chosen.stateful_step_count,
+    )
     start = time.perf_counter()
     try:
         case = machine.TestCase
@@ -60,8 +78,9 @@ def run_subject_check(text: str, profile: str = "ci", examples: int | None = Non
             raise
         config, ops, finding = progress.last_failure
         small, finding = minimize_ops(factory, config, ops, finding.kind, budget=minimize_budget / 2)
-        small, config, finding = shortest_failure(factory, finding.kind, small, config, finding, page_sizes,
-                                                  budget=minimize_budget / 2)
+        small, config, finding = shortest_failure(
+            factory, finding.kind, small, config, finding, page_sizes, budget=minimize_budget / 2
+        )
         path = Path(out_dir) / f"{spec.name.replace(':', '-')}-{finding.kind.replace(':', '-')}.jsonl"
         trace.write(path, header_for(spec, version, config, None), small)
         if not quiet:
@@ -75,9 +94,11 @@ def run_subject_check(text: str, profile: str = "ci", examples: int | None = Non
         return 1, progress, path
     elapsed = time.perf_counter() - start
     if not quiet:
-        print(f"{text} ({version}): passed in {elapsed:.1f}s, {progress.sequences} sequences; rare states reached "
-              f"({len(set(progress.reached) & expected)}/{len(expected)}), with the first sequence "
-              "that reached each:")
+        print(
+            f"{text} ({version}): passed in {elapsed:.1f}s, {progress.sequences} sequences; rare states reached "
+            f"({len(set(progress.reached) & expected)}/{len(expected)}), with the first sequence "
+            "that reached each:"
+        )
         for name in sorted(expected):
             first = progress.reached.get(name)
             print(f"  [{'x' if first else ' '}] {name}" + (f"  (sequence {first})" if first else ""))

@@ -22,7 +22,7 @@ from kvledger.engine.ledger import trace
 from kvledger.engine.ledger.ops import InvalidOp
 from kvledger.engine.ledger.subject import Subject, SubjectConfig
 from kvledger.properties.subject_driver import Finding, SubjectDriver
-from kvledger.properties.subject_workload import draw_shape, drain_op, next_op
+from kvledger.properties.subject_workload import drain_op, draw_shape, next_op
 from kvledger.subjects import SubjectSpec, parse_spec
 from kvledger.subjects.edits import SourceEdit
 
@@ -40,16 +40,21 @@ class CaseResult:
     events: Dict[str, int] = field(default_factory=dict)  # event -> the op index that first reached it
 
 
-def run_case(factory: Callable[[SubjectConfig], Subject], seed: int, page_sizes: Sequence[int] = (1, 2, 4),
-             max_ops: int = MAX_OPS) -> CaseResult:
+def run_case(
+    factory: Callable[[SubjectConfig], Subject],
+    seed: int,
+    page_sizes: Sequence[int] = (1, 2, 4),
+    max_ops: int = MAX_OPS,
+) -> CaseResult:
     rng = random.Random(seed)
     shape = draw_shape(rng, page_sizes)
     events: Dict[str, int] = {}
     ops: List[Dict[str, Any]] = []
     result = CaseResult(seed, shape.config, ops, None, events)
     try:
-        driver = SubjectDriver(factory(shape.config), shape.config,
-                               on_event=lambda name: events.setdefault(name, len(ops)))
+        driver = SubjectDriver(
+            factory(shape.config), shape.config, on_event=lambda name: events.setdefault(name, len(ops))
+        )
     except Finding as f:
         result.finding = f
         return result
@@ -78,14 +83,26 @@ def run_case(factory: Callable[[SubjectConfig], Subject], seed: int, page_sizes:
 
 
 def header_for(spec: SubjectSpec, version: str, config: SubjectConfig, seed: int | None) -> trace.Header:
-    return trace.Header(num_pages=config.num_pages, page_size=config.page_size, cache_type="radix",
-                        table_slots=config.max_running, max_seq_len=config.max_seq_len, seed=seed,
-                        producer="kvledger fuzz --subject", subject=spec.text, subject_version=version)
+    return trace.Header(
+        num_pages=config.num_pages,
+        page_size=config.page_size,
+        cache_type="radix",
+        table_slots=config.max_running,
+        max_seq_len=config.max_seq_len,
+        seed=seed,
+        producer="kvledger fuzz --subject",
+        subject=spec.text,
+        subject_version=version,
+    )
 
 
 def config_of(header: trace.Header) -> SubjectConfig:
-    return SubjectConfig(num_pages=header.num_pages, page_size=header.page_size, max_seq_len=header.max_seq_len,
-                         max_running=header.table_slots)
+    return SubjectConfig(
+        num_pages=header.num_pages,
+        page_size=header.page_size,
+        max_seq_len=header.max_seq_len,
+        max_running=header.table_slots,
+    )
 
 
 @dataclass
@@ -114,14 +131,29 @@ def _worker(args: Tuple[str, Tuple[SourceEdit, ...], int, int, int, float, int |
         for name in result.events:
             out["events"][name] = out["events"].get(name, 0) + 1
         if result.finding is not None and result.finding.kind not in out["findings"]:
-            out["findings"][result.finding.kind] = (case_seed, result.finding.message, result.config, result.ops,
-                                                    result.finding.detail)
+            out["findings"][result.finding.kind] = (
+                case_seed,
+                result.finding.message,
+                result.config,
+                result.ops,
+                result.finding.detail,
+            )
     return out
 
 
-def fuzz_subject(text: str, seconds: float, *, workers: int = 1, seed: int = 0, out_dir: str | Path = ".kvledger/fuzz",
-                 edits: Sequence[SourceEdit] = (), minimize_budget: float = 60.0, max_cases: int | None = None,
-                 page_sizes: Sequence[int] | None = None, minimize_replays: int | None = None) -> FuzzReport:
+def fuzz_subject(
+    text: str,
+    seconds: float,
+    *,
+    workers: int = 1,
+    seed: int = 0,
+    out_dir: str | Path = ".kvledger/fuzz",
+    edits: Sequence[SourceEdit] = (),
+    minimize_budget: float = 60.0,
+    max_cases: int | None = None,
+    page_sizes: Sequence[int] | None = None,
+    minimize_replays: int | None = None,
+) -> FuzzReport:
     from kvledger.tools.subject_minimize import minimize_ops, shortest_failure
 
     spec = parse_spec(text)
@@ -151,15 +183,24 @@ def fuzz_subject(text: str, seconds: float, *, workers: int = 1, seed: int = 0, 
             path = out / f"{spec.name.replace(':', '-')}-{safe}-seed{case_seed}.jsonl"
             trace.write(path, header_for(spec, version, config, case_seed), ops)
             report.traces.append(path)
-            small, finding = minimize_ops(factory, config, ops, kind, budget=minimize_budget / 2,
-                                          max_replays=minimize_replays)
-            small, small_config, finding = shortest_failure(factory, kind, small, config, finding, page_sizes,
-                                                            budget=minimize_budget / 2)
+            small, finding = minimize_ops(
+                factory, config, ops, kind, budget=minimize_budget / 2, max_replays=minimize_replays
+            )
+            small, small_config, finding = shortest_failure(
+                factory, kind, small, config, finding, page_sizes, budget=minimize_budget / 2
+            )
             small_path = path.with_suffix(".min.jsonl")
             trace.write(small_path, header_for(spec, version, small_config, None), small)
             report.traces.append(small_path)
-            log.info("%s: %s (seed %d, %d ops, minimized to %d: %s)", kind, message, case_seed, len(ops),
-                     len(small), small_path)
+            log.info(
+                "%s: %s (seed %d, %d ops, minimized to %d: %s)",
+                kind,
+                message,
+                case_seed,
+                len(ops),
+                len(small),
+                small_path,
+            )
             if detail:
                 log.info("the subject's traceback:\n%s", detail)
     return report
@@ -167,8 +208,10 @@ def fuzz_subject(text: str, seconds: float, *, workers: int = 1, seed: int = 0, 
 
 def print_report(text: str, report: FuzzReport, workers: int) -> None:
     rate = report.ops / report.seconds if report.seconds else 0.0
-    print(f"{text}: {report.cases} cases, {report.ops} operations in {report.seconds:.1f} s "
-          f"({rate:,.0f} ops/s on {workers} worker{'s' if workers > 1 else ''})")
+    print(
+        f"{text}: {report.cases} cases, {report.ops} operations in {report.seconds:.1f} s "
+        f"({rate:,.0f} ops/s on {workers} worker{'s' if workers > 1 else ''})"
+    )
     for kind, (seed, message) in sorted(report.findings.items()):
         print(f"FOUND [{kind}] {message} (case seed {seed})")
     for path in report.traces:

@@ -22,8 +22,14 @@ from kvledger.properties.subject_driver import Finding, replay
 log = logging.getLogger(__name__)
 
 
-def minimize_ops(factory: Callable[[SubjectConfig], Subject], config: SubjectConfig, ops: Sequence[Dict[str, Any]],
-                 kind: str, budget: float = 60.0, max_replays: int | None = None) -> Tuple[List[Dict], Finding | None]:
+def minimize_ops(
+    factory: Callable[[SubjectConfig], Subject],
+    config: SubjectConfig,
+    ops: Sequence[Dict[str, Any]],
+    kind: str,
+    budget: float = 60.0,
+    max_replays: int | None = None,
+) -> Tuple[List[Dict], Finding | None]:
     deadline = time.monotonic() + budget
     replays = [0]
 
@@ -53,13 +59,15 @@ def minimize_ops(factory: Callable[[SubjectConfig], Subject], config: SubjectCon
     return current, finding
 
 
-def _drop(current: List[Dict], finding: Finding | None, fails: Callable, out_of_budget: Callable) -> Tuple[List[Dict], Finding | None]:
+def _drop(
+    current: List[Dict], finding: Finding | None, fails: Callable, out_of_budget: Callable
+) -> Tuple[List[Dict], Finding | None]:
     """Delta debugging: drop chunks of operations, halving the chunk until single operations."""
     chunk = max(len(current) // 2, 1)
     while chunk >= 1 and not out_of_budget():
         i, shrunk = 0, False
         while i < len(current) and not out_of_budget():
-            ok, applied, f = fails(current[:i] + current[i + chunk:])
+            ok, applied, f = fails(current[:i] + current[i + chunk :])
             if ok:
                 current, finding, shrunk = applied, f, True
             else:
@@ -69,13 +77,15 @@ def _drop(current: List[Dict], finding: Finding | None, fails: Callable, out_of_
     return current, finding
 
 
-def _simplify(current: List[Dict], finding: Finding | None, fails: Callable, out_of_budget: Callable) -> Tuple[List[Dict], Finding | None]:
+def _simplify(
+    current: List[Dict], finding: Finding | None, fails: Callable, out_of_budget: Callable
+) -> Tuple[List[Dict], Finding | None]:
     """Simpler operations one at a time; a change that makes later operations moot (they are then
     skipped or become no-ops for `_drop`) is kept as long as the finding is."""
     i = 0
     while i < len(current) and not out_of_budget():
         for simpler in _simpler(current[i]):
-            ok, applied, f = fails(current[:i] + [simpler] + current[i + 1:])
+            ok, applied, f = fails(current[:i] + [simpler] + current[i + 1 :])
             if ok and len(applied) <= len(current):
                 current, finding = applied, f
                 break
@@ -124,8 +134,7 @@ def _simpler(op: Dict[str, Any]) -> List[Dict[str, Any]]:
     return [o for o in out if o != op]
 
 
-def main_minimize_subject(path: str, output: str, budget: float, subject: str | None,
-                          max_replays: int | None) -> int:
+def main_minimize_subject(path: str, output: str, budget: float, subject: str | None, max_replays: int | None) -> int:
     from kvledger.subjects import parse_spec
     from kvledger.tools.subject_fuzz import config_of, header_for
 
@@ -151,9 +160,17 @@ def main_minimize_subject(path: str, output: str, budget: float, subject: str | 
     return 0
 
 
-def shortest_failure(factory: Callable[[SubjectConfig], Subject], kind: str, ops: List[Dict], config: SubjectConfig,
-                     finding: Finding | None, page_sizes: Sequence[int], budget: float = 20.0, cases: int = 200,
-                     max_ops: int = 6) -> Tuple[List[Dict], SubjectConfig, Finding | None]:
+def shortest_failure(
+    factory: Callable[[SubjectConfig], Subject],
+    kind: str,
+    ops: List[Dict],
+    config: SubjectConfig,
+    finding: Finding | None,
+    page_sizes: Sequence[int],
+    budget: float = 20.0,
+    cases: int = 200,
+    max_ops: int = 6,
+) -> Tuple[List[Dict], SubjectConfig, Finding | None]:
     """A minimized trace can only lose operations, so a failure reached the long way (a pool
     filled by many decodes) stays long. This also searches short random cases (`max_ops` before
     the drain, case seeds from 10**9) for the same kind of finding, minimizes each one found, and
@@ -168,8 +185,9 @@ def shortest_failure(factory: Callable[[SubjectConfig], Subject], kind: str, ops
         result = run_case(factory, 10**9 + k, page_sizes, max_ops=max_ops)
         if result.finding is None or result.finding.kind != kind or len(result.ops) >= 4 * len(best[0]):
             continue
-        small, f = minimize_ops(factory, result.config, result.ops, kind, budget=max(deadline - time.monotonic(), 1),
-                                max_replays=2000)
+        small, f = minimize_ops(
+            factory, result.config, result.ops, kind, budget=max(deadline - time.monotonic(), 1), max_replays=2000
+        )
         if len(small) < len(best[0]):
             best = (small, result.config, f)
     return best

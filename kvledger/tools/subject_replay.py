@@ -39,8 +39,10 @@ def replay_subject_file(path: str, subject: str | None, fix: str | None = None, 
         if finding.detail:
             print(finding.detail.rstrip())
         return 1
-    print(f"OK: {len(applied)} of {len(ops)} operations applied on {text}; every invariant held "
-          f"({len(ops) - len(applied)} refused as invalid at their point)")
+    print(
+        f"OK: {len(applied)} of {len(ops)} operations applied on {text}; every invariant held "
+        f"({len(ops) - len(applied)} refused as invalid at their point)"
+    )
     return 0
 
 

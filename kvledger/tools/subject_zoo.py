@@ -36,8 +36,13 @@ class SubjectZooRow:
     min_ops: int | None = None
 
 
-def catch(factory: Callable[[SubjectConfig], Subject], max_cases: int, seconds: float,
-          minimize_budget: float, page_sizes: Sequence[int] = (1, 2, 4)) -> SubjectZooRow:
+def catch(
+    factory: Callable[[SubjectConfig], Subject],
+    max_cases: int,
+    seconds: float,
+    minimize_budget: float,
+    page_sizes: Sequence[int] = (1, 2, 4),
+) -> SubjectZooRow:
     row = SubjectZooRow("", "")
     start = time.monotonic()
     for seed in range(max_cases):
@@ -46,10 +51,12 @@ def catch(factory: Callable[[SubjectConfig], Subject], max_cases: int, seconds: 
         if result.finding is not None:
             row.caught, row.kind = True, result.finding.kind
             row.seconds = time.monotonic() - start
-            small, f = minimize_ops(factory, result.config, result.ops, row.kind, budget=minimize_budget / 2,
-                                    max_replays=400)
-            small, _, _ = shortest_failure(factory, row.kind, small, result.config, f, page_sizes,
-                                           budget=minimize_budget / 2, cases=100)
+            small, f = minimize_ops(
+                factory, result.config, result.ops, row.kind, budget=minimize_budget / 2, max_replays=400
+            )
+            small, _, _ = shortest_failure(
+                factory, row.kind, small, result.config, f, page_sizes, budget=minimize_budget / 2, cases=100
+            )
             row.min_ops = len(small)
             return row
         if time.monotonic() - start > seconds:
@@ -63,8 +70,13 @@ def _nothing() -> Iterator[None]:
     yield
 
 
-def run_subject_zoo(text: str, bugs: Sequence[str] | None = None, max_cases: int = 2000, seconds: float = 60.0,
-                    minimize_budget: float = 15.0) -> List[SubjectZooRow]:
+def run_subject_zoo(
+    text: str,
+    bugs: Sequence[str] | None = None,
+    max_cases: int = 2000,
+    seconds: float = 60.0,
+    minimize_budget: float = 15.0,
+) -> List[SubjectZooRow]:
     spec = parse_spec(text)
     # built once before any timing: the first build imports the subject (vLLM, SGLang: seconds)
     spec.factory(spec.zoo_base())(SubjectConfig(num_pages=8, page_size=spec.page_sizes()[0], max_seq_len=16))
@@ -82,8 +94,13 @@ def run_subject_zoo(text: str, bugs: Sequence[str] | None = None, max_cases: int
         with context():
             row = catch(spec.factory(edits), max_cases, seconds, minimize_budget, spec.page_sizes())
         row.bug, row.why = name, why
-        log.info("%s: %s", name, f"caught ({row.kind}) after {row.cases} cases, {row.seconds:.1f} s"
-                 if row.caught else f"ESCAPED {row.cases} cases")
+        log.info(
+            "%s: %s",
+            name,
+            f"caught ({row.kind}) after {row.cases} cases, {row.seconds:.1f} s"
+            if row.caught
+            else f"ESCAPED {row.cases} cases",
+        )
         rows.append(row)
     return rows
 
@@ -92,7 +109,9 @@ def print_subject_zoo(text: str, rows: List[SubjectZooRow]) -> None:
     width = max([len(r.bug) for r in rows] + [3])
     print(f"{'bug':<{width}}  caught  cases  seconds  min ops  finding")
     for r in rows:
-        print(f"{r.bug:<{width}}  {'yes' if r.caught else 'NO':<6}  {r.cases:>5}  {r.seconds:>7.1f}  "
-              f"{r.min_ops if r.min_ops is not None else '-':>7}  {r.kind}")
+        print(
+            f"{r.bug:<{width}}  {'yes' if r.caught else 'NO':<6}  {r.cases:>5}  {r.seconds:>7.1f}  "
+            f"{r.min_ops if r.min_ops is not None else '-':>7}  {r.kind}"
+        )
     caught = sum(r.caught for r in rows)
     print(f"{text}: judge mode caught {caught} of {len(rows)}")

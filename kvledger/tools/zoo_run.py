@@ -53,6 +53,7 @@ class ZooRow:
 
 # -- Hypothesis, in a child process ------------------------------------------------------------
 
+
 def _hypothesis_child(name: str, out: Path) -> int:
     """Run the CI profile with `name` patched in; record the first catch in `out` at once (the
     parent kills us at its time cap)."""
@@ -86,8 +87,12 @@ def _hypothesis_child(name: str, out: Path) -> int:
         try:
             run_machine(settings(settings.default, phases=phases))
         except Exception as e:  # caught: Hypothesis re-raises the failure
-            result = {**first, "caught": True, "final_kind": getattr(e, "kind", type(e).__name__),
-                      "total_seconds": time.perf_counter() - start}
+            result = {
+                **first,
+                "caught": True,
+                "final_kind": getattr(e, "kind", type(e).__name__),
+                "total_seconds": time.perf_counter() - start,
+            }
         else:
             result = {"caught": False, "total_seconds": time.perf_counter() - start}
     (out / "result.json").write_text(json.dumps(result))
@@ -102,8 +107,16 @@ def run_hypothesis(name: str, work: Path, cap_s: float = HYPOTHESIS_CAP_S) -> Di
     cmd = [sys.executable, "-m", "kvledger.tools.zoo_run", "--hypothesis-child", name, str(work)]
     timed_out, stderr = False, ""
     try:
-        proc = subprocess.run(cmd, env=env, timeout=cap_s, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True, cwd=Path(__file__).resolve().parents[2], check=False)
+        proc = subprocess.run(
+            cmd,
+            env=env,
+            timeout=cap_s,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parents[2],
+            check=False,
+        )
         stderr = proc.stderr
     except subprocess.TimeoutExpired:  # subprocess.run kills the child
         timed_out = True
@@ -123,6 +136,7 @@ def run_hypothesis(name: str, work: Path, cap_s: float = HYPOTHESIS_CAP_S) -> Di
 
 
 # -- the fuzzer and the minimizer (sibling modules, used when present) ------------------------
+
 
 def _fuzz_fn():
     try:
@@ -145,13 +159,17 @@ def run_fuzz(name: str, seconds: float, work: Path) -> Dict[str, Any] | None:
     fuzz = _fuzz_fn()
     if fuzz is None:
         return None
-    res = fuzz(seconds, workers=2, seed=0, out_dir=work, bug=name, progress=False,
-               minimize_budget=MINIMIZE_BUDGET_S)
+    res = fuzz(seconds, workers=2, seed=0, out_dir=work, bug=name, progress=False, minimize_budget=MINIMIZE_BUDGET_S)
     f = res.failure
     if f is None:
         return {"caught": False, "seconds": None, "kind": "", "trace": None, "min_ops": None}
-    return {"caught": True, "seconds": res.seconds_to_find, "kind": f.kind,
-            "trace": str(f.minimized_path) if f.minimized_path else None, "min_ops": f.minimized_ops}
+    return {
+        "caught": True,
+        "seconds": res.seconds_to_find,
+        "kind": f.kind,
+        "trace": str(f.minimized_path) if f.minimized_path else None,
+        "min_ops": f.minimized_ops,
+    }
 
 
 def minimize_trace(trace_path: str, name: str) -> tuple[int, str] | None:
@@ -178,8 +196,14 @@ def minimize_trace(trace_path: str, name: str) -> tuple[int, str] | None:
 
 # -- the whole zoo -----------------------------------------------------------------------------
 
-def run_zoo(names: Sequence[str], fuzz_seconds: float, out_dir: Path,
-            hypothesis_cap_s: float = HYPOTHESIS_CAP_S, log: Callable[[str], None] | None = None) -> List[ZooRow]:
+
+def run_zoo(
+    names: Sequence[str],
+    fuzz_seconds: float,
+    out_dir: Path,
+    hypothesis_cap_s: float = HYPOTHESIS_CAP_S,
+    log: Callable[[str], None] | None = None,
+) -> List[ZooRow]:
     log = log or _log.info
     rows = []
     for name in names:
@@ -214,8 +238,10 @@ def _secs(caught: Optional[bool], seconds: Optional[float]) -> str:
 
 
 def _row_summary(row: ZooRow) -> str:
-    return (f"hypothesis {_secs(row.hyp_caught, row.hyp_seconds)} {row.hyp_kind}; "
-            f"fuzz {_secs(row.fuzz_caught, row.fuzz_seconds)} {row.fuzz_kind}; min ops {row.min_ops}")
+    return (
+        f"hypothesis {_secs(row.hyp_caught, row.hyp_seconds)} {row.hyp_kind}; "
+        f"fuzz {_secs(row.fuzz_caught, row.fuzz_seconds)} {row.fuzz_kind}; min ops {row.min_ops}"
+    )
 
 
 def format_table(rows: Sequence[ZooRow]) -> str:
@@ -223,19 +249,26 @@ def format_table(rows: Sequence[ZooRow]) -> str:
     body = []
     for r in rows:
         by = [n for n, c in (("hypothesis", r.hyp_caught), ("fuzz", r.fuzz_caught)) if c]
-        body.append((r.bug, r.origin if len(r.origin) <= 44 else r.origin[:41] + "...",
-                     " + ".join(by) or "ESCAPED",
-                     _secs(r.hyp_caught, r.hyp_seconds) + (" (cap)" if r.hyp_capped else ""),
-                     _secs(r.fuzz_caught, r.fuzz_seconds), "-" if r.min_ops is None else str(r.min_ops),
-                     r.hyp_kind or r.fuzz_kind))
+        body.append(
+            (
+                r.bug,
+                r.origin if len(r.origin) <= 44 else r.origin[:41] + "...",
+                " + ".join(by) or "ESCAPED",
+                _secs(r.hyp_caught, r.hyp_seconds) + (" (cap)" if r.hyp_capped else ""),
+                _secs(r.fuzz_caught, r.fuzz_seconds),
+                "-" if r.min_ops is None else str(r.min_ops),
+                r.hyp_kind or r.fuzz_kind,
+            )
+        )
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [head, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
-def main_zoo(bugs: str | None, fuzz_seconds: float, out: str | None,
-             hypothesis_seconds: float = HYPOTHESIS_CAP_S) -> int:
+def main_zoo(
+    bugs: str | None, fuzz_seconds: float, out: str | None, hypothesis_seconds: float = HYPOTHESIS_CAP_S
+) -> int:
     names = list(BUGS) if not bugs else [b.strip() for b in bugs.split(",") if b.strip()]
     unknown = [n for n in names if n not in BUGS]
     if unknown:
@@ -247,8 +280,10 @@ def main_zoo(bugs: str | None, fuzz_seconds: float, out: str | None,
     print(format_table(rows))
     escaped = [r.bug for r in rows if r.escaped]
     missing_fuzz = any(r.fuzz_caught is None for r in rows) and fuzz_seconds > 0
-    print(f"\n{len(rows) - len(escaped)}/{len(rows)} bugs caught in {time.perf_counter() - start:.0f}s; "
-          f"traces under {out_dir}")
+    print(
+        f"\n{len(rows) - len(escaped)}/{len(rows)} bugs caught in {time.perf_counter() - start:.0f}s; "
+        f"traces under {out_dir}"
+    )
     if missing_fuzz:
         print("fuzz column n/a: properties/fuzz.py is not there yet")
     if escaped:

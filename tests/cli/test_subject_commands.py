@@ -20,13 +20,16 @@ def test_subjects_lists_every_builtin(capsys):
     assert "fast       yes" in out
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["check", "--subject", "nosuch"], "unknown subject 'nosuch'"),
-    (["check", "--subject", "vllm:/x"], "vllm takes no path"),
-    (["fuzz", "--subject", "minisgl:/no/such/dir", "--seconds", "1"], "no such checkout or snapshot"),
-    (["check", "--subject", "fast", "--bug", "nosuch"], "fast has no zoo bug 'nosuch'"),
-    (["check", "--subject", "nosuch_module_xyz:build"], "cannot import nosuch_module_xyz"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["check", "--subject", "nosuch"], "unknown subject 'nosuch'"),
+        (["check", "--subject", "vllm:/x"], "vllm takes no path"),
+        (["fuzz", "--subject", "minisgl:/no/such/dir", "--seconds", "1"], "no such checkout or snapshot"),
+        (["check", "--subject", "fast", "--bug", "nosuch"], "fast has no zoo bug 'nosuch'"),
+        (["check", "--subject", "nosuch_module_xyz:build"], "cannot import nosuch_module_xyz"),
+    ],
+)
 def test_a_bad_subject_is_one_line_and_exit_2(argv, words, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()

@@ -20,25 +20,67 @@ from kvledger.fast import SamplingParams
 from tests.support.paths import ROOT as REPO
 
 ROOT = str(REPO)
-TINY = ModelConfig(arch="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                   num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
-                   max_position_embeddings=256, bos_token_id=None, eos_token_ids=())
+TINY = ModelConfig(
+    arch="llama",
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=256,
+    bos_token_id=None,
+    eos_token_ids=(),
+)
 
 BAD = [
-    ("model", "/no/such/model.gguf"), ("model", __file__), ("model", 3), ("model", TINY),
-    ("dtype", "float64"), ("dtype", None),
-    ("device", "tpu"), ("device", "cuda:x"), ("device", 0.5),
-    ("page_size", 0), ("page_size", -16), ("page_size", True), ("page_size", 16.0), ("page_size", "16"),
+    ("model", "/no/such/model.gguf"),
+    ("model", __file__),
+    ("model", 3),
+    ("model", TINY),
+    ("dtype", "float64"),
+    ("dtype", None),
+    ("device", "tpu"),
+    ("device", "cuda:x"),
+    ("device", 0.5),
+    ("page_size", 0),
+    ("page_size", -16),
+    ("page_size", True),
+    ("page_size", 16.0),
+    ("page_size", "16"),
     ("cache_type", "lru"),
-    ("kv_cache_tokens", 0), ("kv_cache_tokens", -4096), ("kv_cache_tokens", 15), ("kv_cache_tokens", 4096.0),
-    ("max_running_reqs", 0), ("max_running_reqs", False), ("max_running_reqs", 1.5),
-    ("max_seq_len", 0), ("max_seq_len", 1), ("max_seq_len", 512.0),
-    ("max_prefill_tokens", 0), ("max_prefill_tokens", -1), ("max_prefill_tokens", None),
-    ("seed", -1), ("seed", 2**32), ("seed", 1.5), ("seed", None), ("seed", True),
-    ("threads", 0), ("threads", 2.0),
+    ("kv_cache_tokens", 0),
+    ("kv_cache_tokens", -4096),
+    ("kv_cache_tokens", 15),
+    ("kv_cache_tokens", 4096.0),
+    ("max_running_reqs", 0),
+    ("max_running_reqs", False),
+    ("max_running_reqs", 1.5),
+    ("max_seq_len", 0),
+    ("max_seq_len", 1),
+    ("max_seq_len", 512.0),
+    ("max_prefill_tokens", 0),
+    ("max_prefill_tokens", -1),
+    ("max_prefill_tokens", None),
+    ("seed", -1),
+    ("seed", 2**32),
+    ("seed", 1.5),
+    ("seed", None),
+    ("seed", True),
+    ("threads", 0),
+    ("threads", 2.0),
     ("attention", "flash"),
-    ("cuda_graphs", "yes"), ("overlap", 1), ("verify", None), ("dummy_weights", 0),
-    ("trace", "/no/such/dir/trace.jsonl"), ("trace", ROOT), ("trace", 7),
+    ("cuda_graphs", "yes"),
+    ("overlap", 1),
+    ("verify", None),
+    ("dummy_weights", 0),
+    ("trace", "/no/such/dir/trace.jsonl"),
+    ("trace", ROOT),
+    ("trace", 7),
 ]
 
 
@@ -88,8 +130,15 @@ def test_a_one_token_prefill_budget_runs_prompts_longer_than_it():
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     outs = {}
     for budget in (1, 2048):
-        llm = LLM(TINY, dummy_weights=True, page_size=4, kv_cache_tokens=512, max_seq_len=128,
-                  max_prefill_tokens=budget, verify=True)
+        llm = LLM(
+            TINY,
+            dummy_weights=True,
+            page_size=4,
+            kv_cache_tokens=512,
+            max_seq_len=128,
+            max_prefill_tokens=budget,
+            verify=True,
+        )
         outs[budget] = [o.token_ids for o in llm.generate(prompts, params)]
         llm.engine.check_idle()
     assert outs[1] == outs[2048] and all(len(t) == 6 for t in outs[1])
@@ -115,8 +164,16 @@ def test_an_unknown_option_is_named():
         LLM(pages_size=16)
 
 
-@pytest.mark.parametrize("flag,value", [("--max-running-reqs", "0"), ("--max-prefill-tokens", "0"),
-                                        ("--kv-cache-tokens", "0"), ("--max-seq-len", "0"), ("--threads", "0")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--max-running-reqs", "0"),
+        ("--max-prefill-tokens", "0"),
+        ("--kv-cache-tokens", "0"),
+        ("--max-seq-len", "0"),
+        ("--threads", "0"),
+    ],
+)
 def test_generate_names_the_flag(capsys, flag, value):
     assert main(["generate", flag, value, "hi"]) == 2
     err = capsys.readouterr().err
@@ -125,7 +182,13 @@ def test_generate_names_the_flag(capsys, flag, value):
 
 def test_generate_page_size_0_exits_2_with_one_line():
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    r = subprocess.run([sys.executable, "-m", "kvledger", "generate", "--page-size", "0", "hi"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "kvledger", "generate", "--page-size", "0", "hi"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr == "kvledger generate: --page-size must be at least 1, got 0\n"

@@ -46,12 +46,14 @@ def test_a_one_token_prefix_hit_is_copied_into_the_new_row():
     from kvledger.properties.lockstep import Lockstep
 
     lock = Lockstep(Header(num_pages=32, page_size=1, cache_type="radix", table_slots=4, max_seq_len=16))
-    for op in [{"op": "submit", "uid": 8, "tokens": [1], "max_tokens": 8},  # holds page 0 throughout
-               {"op": "submit", "uid": 0, "tokens": [5, 6, 7], "max_tokens": 4},
-               {"op": "prefill", "budget": 64},
-               {"op": "submit", "uid": 1, "tokens": [5, 9, 9], "max_tokens": 2},
-               {"op": "probe", "tokens": [5, 9]},
-               {"op": "prefill", "budget": 64}]:  # uid 1 finds [5] cached: a fresh row, one page copied
+    for op in [
+        {"op": "submit", "uid": 8, "tokens": [1], "max_tokens": 8},  # holds page 0 throughout
+        {"op": "submit", "uid": 0, "tokens": [5, 6, 7], "max_tokens": 4},
+        {"op": "prefill", "budget": 64},
+        {"op": "submit", "uid": 1, "tokens": [5, 9, 9], "max_tokens": 2},
+        {"op": "probe", "tokens": [5, 9]},
+        {"op": "prefill", "budget": 64},
+    ]:  # uid 1 finds [5] cached: a fresh row, one page copied
         lock.apply(op)
     first = lock.ref.page_table[lock.ref.live[0].table_idx][0]
     assert first != 0 and lock.fast.page_table[lock.fast.live[1].table_idx][0].item() == first

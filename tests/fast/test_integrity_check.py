@@ -114,8 +114,10 @@ def test_integrity_reports_a_page_with_two_owners_with_its_counts():
     with pytest.raises(IntegrityError) as e:
         cm.check_integrity(reqs)
     page = cached // 4
-    assert str(e.value) == (f"integrity: 1 pages without exactly one owner, e.g. page {page} (location {cached}) "
-                            f"has 2 owners; free=6 cached=2 owned=1")
+    assert str(e.value) == (
+        f"integrity: 1 pages without exactly one owner, e.g. page {page} (location {cached}) "
+        f"has 2 owners; free=6 cached=2 owned=1"
+    )
 
 
 def test_integrity_reports_a_page_nobody_holds():
@@ -124,8 +126,10 @@ def test_integrity_reports_a_page_nobody_holds():
     cm.free_slots = cm.free_slots[1:]
     with pytest.raises(IntegrityError) as e:
         cm.check_integrity(reqs)
-    assert str(e.value).startswith(f"integrity: 1 pages without exactly one owner, e.g. page {lost // 4} "
-                                   f"(location {lost}) has 0 owners; free=4 cached=2 owned=1")
+    assert str(e.value).startswith(
+        f"integrity: 1 pages without exactly one owner, e.g. page {lost // 4} "
+        f"(location {lost}) has 0 owners; free=4 cached=2 owned=1"
+    )
 
 
 @pytest.mark.parametrize("page_size,bad", [(4, 13), (4, 32), (4, 36), (1, -1), (4, -4)])

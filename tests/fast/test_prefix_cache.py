@@ -27,7 +27,9 @@ def test_fast_defaults_and_frozen_handles():
 
 def test_naive_cache_evicts_nothing():
     cache = fast.NaivePrefixCache(2)
-    assert len(cache.evict(0)) == 0 and len(cache.match_prefix(torch.tensor([1, 2, 3])).cuda_handle
-                                              .get_matched_indices()) == 0
+    assert (
+        len(cache.evict(0)) == 0
+        and len(cache.match_prefix(torch.tensor([1, 2, 3])).cuda_handle.get_matched_indices()) == 0
+    )
     with pytest.raises(RuntimeError, match="^cannot evict 1 tokens: the naive cache holds none$"):
         cache.evict(1)

@@ -112,8 +112,8 @@ def test_rebuilding_the_radix_heap_keeps_every_evictable_leaf():
 
 
 def test_prefix_matching_compares_token_ids_by_value():
-    from kvledger.properties.lockstep import Lockstep
     from kvledger.engine.ledger.trace import Header
+    from kvledger.properties.lockstep import Lockstep
 
     lock = Lockstep(Header(num_pages=32, page_size=1, cache_type="radix", table_slots=4, max_seq_len=16))
     big = [int(str(t)) for t in (50000, 50001, 50002, 50003)]

@@ -31,8 +31,9 @@ def test_fast_requests_validate_count_and_bound_their_tokens():
     for cached, out in ((-1, 3), (5, 3), (6, 3), (0, -1)):
         with pytest.raises(ValueError) as e:
             fast.Req([1, 2, 3, 4, 5], 0, cached, out, 7, params, fast.CacheHandle(0))
-        assert str(e.value) == (f"request 7: need 0 <= cached_len ({cached}) < device_len (5) "
-                                f"<= max_device_len ({5 + out})")
+        assert str(e.value) == (
+            f"request 7: need 0 <= cached_len ({cached}) < device_len (5) <= max_device_len ({5 + out})"
+        )
     fast.Req([1, 2], 0, 0, 0, 8, params, fast.CacheHandle(0))  # no output left: valid
     req.set_host_token(0, 9)
     req.set_host_token(4, 8)

@@ -37,8 +37,10 @@ def ordering(ops, bug=None):
 
 def one_token(uid, tokens):
     """A request that ends at its prefill (one output token): its prompt is cached, unlocked."""
-    return [{"op": "submit", "uid": uid, "tokens": tokens, "max_tokens": 1},
-            {"op": "prefill", "budget": 64, "sample": [0]}]
+    return [
+        {"op": "submit", "uid": uid, "tokens": tokens, "max_tokens": 1},
+        {"op": "prefill", "budget": 64, "sample": [0]},
+    ]
 
 
 # [1] is cached, then [2]; a request for [1] matches nothing (the last prompt token is never
@@ -67,9 +69,11 @@ def test_no_event_when_the_new_stamp_changes_no_order():
 
 
 # Both in one batch: [3] ends first and unlocks its leaf, then [3, 3]'s insert extends it.
-GAIN = [{"op": "submit", "uid": 0, "tokens": [3], "max_tokens": 1},
-        {"op": "submit", "uid": 1, "tokens": [3, 3], "max_tokens": 1},
-        {"op": "prefill", "budget": 64, "sample": [0]}]
+GAIN = [
+    {"op": "submit", "uid": 0, "tokens": [3], "max_tokens": 1},
+    {"op": "submit", "uid": 1, "tokens": [3, 3], "max_tokens": 1},
+    {"op": "prefill", "budget": 64, "sample": [0]},
+]
 
 
 def test_a_leaf_that_gained_a_child_then_an_eviction():

@@ -19,8 +19,10 @@ from tests.support.paths import REGRESSIONS
 KEEPS_LOCK = ("cm.unlock(handle)", "pass  # BUG: the lock taken for the hit is kept")
 
 
-SHARED_BUG = tuple(Bug("rejection-keeps-lock", "test", "both sides", impl.PrefillAdder, "_try_allocate_one",
-                       (KEEPS_LOCK,)) for impl in (reference, fast))
+SHARED_BUG = tuple(
+    Bug("rejection-keeps-lock", "test", "both sides", impl.PrefillAdder, "_try_allocate_one", (KEEPS_LOCK,))
+    for impl in (reference, fast)
+)
 
 
 def _run_until_divergence(header, ops):

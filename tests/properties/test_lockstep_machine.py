@@ -39,16 +39,20 @@ def test_lockstep_machine_reaches_every_rare_branch_and_every_unlisted_line(tmp_
     root = ROOT
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     data_file = tmp_path / ".coverage"
-    run = subprocess.run([sys.executable, "-c", _RUN, str(data_file)], cwd=root, env=env, capture_output=True,
-                         text=True)
+    run = subprocess.run(
+        [sys.executable, "-c", _RUN, str(data_file)], cwd=root, env=env, capture_output=True, text=True
+    )
     assert run.returncode == 0, f"the property run failed:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
     result = json.loads(run.stdout.strip().splitlines()[-1])
     if result["max_examples"] < 1000:
         pytest.skip(f"profile runs {result['max_examples']} examples; coverage is asserted for ci/deep")
     missing = sorted(EXPECTED_EVENTS - set(result["reached"]))
     files = against_exclusions(report_from(data_file), read_exclusions())
-    gaps = {f.path: f.unlisted + [f"{a}->{b}" for a, b in f.unlisted_branches]
-            for f in files if f.unlisted or f.unlisted_branches}
+    gaps = {
+        f.path: f.unlisted + [f"{a}->{b}" for a, b in f.unlisted_branches]
+        for f in files
+        if f.unlisted or f.unlisted_branches
+    }
     stale = {f.path: f.stale for f in files if f.stale}
     assert not missing, f"the property run never reached: {missing}"
     assert not gaps, f"uncovered and not in {EXCLUSIONS.name} (reach them, or list them with a reason): {gaps}"

@@ -21,31 +21,45 @@ def run(bug, ops):
     return replay(lambda config: ToyBlockCache(config, bug), CONFIG, ops)[0]
 
 
-SHARED = [{"op": "submit", "uid": 0, "tokens": [1, 2, 3, 4, 5], "max_tokens": 2},
-          {"op": "prefill", "budget": 64, "sample": [7]},
-          {"op": "submit", "uid": 1, "tokens": [1, 2, 3, 4, 6], "max_tokens": 2},
-          {"op": "prefill", "budget": 64, "sample": [7]},
-          {"op": "decode", "sample": [7]}]
+SHARED = [
+    {"op": "submit", "uid": 0, "tokens": [1, 2, 3, 4, 5], "max_tokens": 2},
+    {"op": "prefill", "budget": 64, "sample": [7]},
+    {"op": "submit", "uid": 1, "tokens": [1, 2, 3, 4, 6], "max_tokens": 2},
+    {"op": "prefill", "budget": 64, "sample": [7]},
+    {"op": "decode", "sample": [7]},
+]
 
 
 def test_the_sound_toy_keeps_every_invariant():
-    assert run(None, SHARED + [{"op": "submit", "uid": 2, "tokens": [1, 2], "max_tokens": 1},
-                               {"op": "prefill", "budget": 64}]) is None
+    assert (
+        run(
+            None,
+            SHARED + [{"op": "submit", "uid": 2, "tokens": [1, 2], "max_tokens": 1}, {"op": "prefill", "budget": 64}],
+        )
+        is None
+    )
 
 
-@pytest.mark.parametrize("bug, kind", [
-    ("leak-on-release", "1-2-partition"),
-    ("hit-skips-ref", "1-2-partition"),
-    ("key-forgets-parent", "7-kv-provenance"),
-])
+@pytest.mark.parametrize(
+    "bug, kind",
+    [
+        ("leak-on-release", "1-2-partition"),
+        ("hit-skips-ref", "1-2-partition"),
+        ("key-forgets-parent", "7-kv-provenance"),
+    ],
+)
 def test_a_planted_bug_is_a_finding_of_its_kind(bug, kind):
     finding = run(bug, SHARED)
     assert finding is not None and finding.kind == kind, finding
 
 
 def test_a_hit_covering_the_last_prompt_token_is_named():
-    ops = [{"op": "submit", "uid": 0, "tokens": [1, 2, 3, 4], "max_tokens": 1}, {"op": "prefill", "budget": 64},
-           {"op": "submit", "uid": 1, "tokens": [1, 2, 3, 4], "max_tokens": 1}, {"op": "prefill", "budget": 64}]
+    ops = [
+        {"op": "submit", "uid": 0, "tokens": [1, 2, 3, 4], "max_tokens": 1},
+        {"op": "prefill", "budget": 64},
+        {"op": "submit", "uid": 1, "tokens": [1, 2, 3, 4], "max_tokens": 1},
+        {"op": "prefill", "budget": 64},
+    ]
     assert run(None, ops) is None
     finding = run("hit-covers-last-token", ops)
     assert finding.kind == "8-request" and "leave the last prompt token" in finding.message
@@ -89,8 +103,21 @@ def test_fuzz_and_minimize_a_users_subject(tmp_path, monkeypatch, capsys):
     from kvledger.cli import main
 
     monkeypatch.syspath_prepend(str(SUPPORT))  # the subject is named by module: toy_block_subject:leaky
-    code = main(["fuzz", "--subject", "toy_block_subject:leaky", "--seconds", "60", "--max-cases", "5",
-                 "--out-dir", str(tmp_path), "--minimize-replays", "200"])
+    code = main(
+        [
+            "fuzz",
+            "--subject",
+            "toy_block_subject:leaky",
+            "--seconds",
+            "60",
+            "--max-cases",
+            "5",
+            "--out-dir",
+            str(tmp_path),
+            "--minimize-replays",
+            "200",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 1 and "FOUND [1-2-partition]" in out and "a leak" in out
     small = sorted(tmp_path.glob("*.min.jsonl"))

@@ -4,8 +4,7 @@ import inspect
 import subprocess
 import sys
 
-from kvledger import fast
-from kvledger import reference
+from kvledger import fast, reference
 
 
 def test_same_public_names():
@@ -16,8 +15,7 @@ SEED_PRIVATE = {"_allocate", "_free", "_try_allocate_one", "_add_one_req"}  # na
 
 
 def _public_methods(cls):
-    return {n: m for n, m in inspect.getmembers(cls)
-            if (not n.startswith("_") or n in SEED_PRIVATE) and callable(m)}
+    return {n: m for n, m in inspect.getmembers(cls) if (not n.startswith("_") or n in SEED_PRIVATE) and callable(m)}
 
 
 def test_same_signatures():
@@ -39,9 +37,19 @@ def test_same_signatures():
 def test_constructor_signatures_are_the_seeds():
     assert list(inspect.signature(fast.CacheManager).parameters) == ["num_pages", "page_size", "page_table", "type"]
     assert list(inspect.signature(fast.Req).parameters) == [
-        "input_ids", "table_idx", "cached_len", "output_len", "uid", "sampling_params", "cache_handle"]
+        "input_ids",
+        "table_idx",
+        "cached_len",
+        "output_len",
+        "uid",
+        "sampling_params",
+        "cache_handle",
+    ]
 
 
 def test_reference_imports_no_torch():
-    code = "import sys, kvledger.reference, kvledger.engine.ledger.cache_scheduler; assert 'torch' not in sys.modules, 'torch imported'"
+    code = (
+        "import sys, kvledger.reference, kvledger.engine.ledger.cache_scheduler; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

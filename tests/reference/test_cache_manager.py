@@ -35,21 +35,26 @@ def test_reference_integrity_reports_each_corruption():
     lost = cm.free_slots.pop(0)
     with pytest.raises(IntegrityError) as e:
         cm.check_integrity(reqs)
-    assert str(e.value) == f"integrity: 1 pages without exactly one owner, e.g. page {lost // 4} " \
-                           f"(location {lost}) owned by nobody"
+    assert (
+        str(e.value) == f"integrity: 1 pages without exactly one owner, e.g. page {lost // 4} "
+        f"(location {lost}) owned by nobody"
+    )
     second = cm.free_slots.pop(0)
     with pytest.raises(IntegrityError) as e:
         cm.check_integrity(reqs)
     first = min(lost, second)
-    assert str(e.value) == f"integrity: 2 pages without exactly one owner, e.g. page {first // 4} " \
-                           f"(location {first}) owned by nobody"
+    assert (
+        str(e.value) == f"integrity: 2 pages without exactly one owner, e.g. page {first // 4} "
+        f"(location {first}) owned by nobody"
+    )
     cm.free_slots[:0] = [lost, second]
     cached = cm.page_table[0][0]
     cm.free_slots.append(cached)
     with pytest.raises(IntegrityError) as e:
         cm.check_integrity(reqs)
-    assert str(e.value).startswith(f"integrity: 1 pages without exactly one owner, e.g. page {cached // 4} "
-                                   f"(location {cached}) owned by [")
+    assert str(e.value).startswith(
+        f"integrity: 1 pages without exactly one owner, e.g. page {cached // 4} (location {cached}) owned by ["
+    )
     cm.free_slots.pop()
     row = cm.page_table[0]
     for delta in (1, -1):
@@ -73,8 +78,9 @@ def test_reference_integrity_reports_each_corruption():
     cm.lock(stray.cuda_handle)
     with pytest.raises(IntegrityError) as e:
         cm.check_integrity(reqs)
-    assert str(e.value) == (f"integrity: radix node {stray.cuda_handle.node.id} has lock count 1, "
-                            f"but 0 live requests hold it")
+    assert str(e.value) == (
+        f"integrity: radix node {stray.cuda_handle.node.id} has lock count 1, but 0 live requests hold it"
+    )
 
 
 def test_reference_page_table_rows_keep_their_width_as_pages_are_allocated():

@@ -27,16 +27,35 @@ def test_the_model_notes_each_branch_it_takes_on_a_scripted_preemption(noted):
     per_op = _notes_per_step(s, [lambda s, op=op: s.apply(op) for op in PREEMPT_THEN_HIT], noted)
     lock_leaf, inserted = "radix: lock/unlock of an evictable leaf", "cache_req: new prefix inserted"
     assert per_op == [
-        [], [],
-        [inserted, lock_leaf, "radix: node split", "cache_req: duplicate prefix freed while running", inserted,
-         lock_leaf],  # uid 0 caches [2, 2, 9]; uid 1 splits it at [2, 2] and frees its own copy of that
-        [], [],
-        ["preempt: running request", "preempt: a request of the step's own batch", inserted,
-         "allocate: evicts from the prefix cache", "radix: eviction makes the parent an evictable leaf"],
+        [],
+        [],
+        [
+            inserted,
+            lock_leaf,
+            "radix: node split",
+            "cache_req: duplicate prefix freed while running",
+            inserted,
+            lock_leaf,
+        ],  # uid 0 caches [2, 2, 9]; uid 1 splits it at [2, 2] and frees its own copy of that
+        [],
+        [],
+        [
+            "preempt: running request",
+            "preempt: a request of the step's own batch",
+            inserted,
+            "allocate: evicts from the prefix cache",
+            "radix: eviction makes the parent an evictable leaf",
+        ],
         [inserted],  # uid 0 ends
-        [lock_leaf, "admission: prefix hit", "preempt: re-prefill hits the prefix cache",
-         "allocate: evicts from the prefix cache", "radix: eviction makes the parent an evictable leaf", inserted,
-         lock_leaf],
+        [
+            lock_leaf,
+            "admission: prefix hit",
+            "preempt: re-prefill hits the prefix cache",
+            "allocate: evicts from the prefix cache",
+            "radix: eviction makes the parent an evictable leaf",
+            inserted,
+            lock_leaf,
+        ],
     ]
 
 
@@ -52,8 +71,18 @@ def test_the_model_notes_partial_pages_rejections_and_a_second_preemption(noted)
             s.decode([5])
 
     per_op = _notes_per_step(s, [step] * 8, noted)
-    preempted, tail = ["preempt: running request", "preempt: a request of the step's own batch"], \
-        "cache_req: partial tail page freed"
-    assert per_op == [[], preempted + [tail, tail], [], preempted + [tail, "preempt: the same request preempted twice"],
-                      ["admission: rejected"], ["admission: rejected", tail], [], [tail]]
+    preempted, tail = (
+        ["preempt: running request", "preempt: a request of the step's own batch"],
+        "cache_req: partial tail page freed",
+    )
+    assert per_op == [
+        [],
+        preempted + [tail, tail],
+        [],
+        preempted + [tail, "preempt: the same request preempted twice"],
+        ["admission: rejected"],
+        ["admission: rejected", tail],
+        [],
+        [tail],
+    ]
     assert not s.live and not s.waiting

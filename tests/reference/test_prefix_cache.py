@@ -40,7 +40,9 @@ def test_reference_radix_check_and_unlock():
         cache.lock_handle(handle, unlock=True)
     for delta in (1, -1):
         cache.evictable_size += delta
-        with pytest.raises(RuntimeError, match=f"radix sizes recount to evictable=4 protected=0, recorded {4 + delta} 0"):
+        with pytest.raises(
+            RuntimeError, match=f"radix sizes recount to evictable=4 protected=0, recorded {4 + delta} 0"
+        ):
             cache.check_integrity()
         cache.evictable_size -= delta
     node = handle.node

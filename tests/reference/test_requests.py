@@ -46,8 +46,16 @@ def test_sampling_params_defaults_and_greedy():
     p = reference.SamplingParams()
     assert (p.temperature, p.top_k, p.top_p, p.ignore_eos, p.max_tokens) == (0.0, -1, 1.0, False, 1024)
     assert p.is_greedy is True
-    greedy = {(0.0, -1, 1.0): True, (0.7, -1, 1.0): False, (0.7, 1, 1.0): True, (0.0, -1, 0.9): False,
-              (-0.5, 5, 1.0): True, (0.7, 2, 1.0): False, (0.7, 0, 1.0): False, (0.0, 1, 1.5): False}
+    greedy = {
+        (0.0, -1, 1.0): True,
+        (0.7, -1, 1.0): False,
+        (0.7, 1, 1.0): True,
+        (0.0, -1, 0.9): False,
+        (-0.5, 5, 1.0): True,
+        (0.7, 2, 1.0): False,
+        (0.7, 0, 1.0): False,
+        (0.0, 1, 1.5): False,
+    }
     for (t, k, top_p), want in greedy.items():
         assert reference.SamplingParams(temperature=t, top_k=k, top_p=top_p).is_greedy is want, (t, k, top_p)
 

@@ -84,7 +84,8 @@ def test_the_seeds_64_page_example(impl):
     d = CacheScheduler(impl, num_pages=64, page_size=1, cache_type="naive", table_slots=8, max_seq_len=128)
     table = []
     d.after_forward = lambda phase, batch: table.append(
-        (phase, [r.uid for r in batch], len(d.waiting), len(d.cm.free_slots), d.dm.inflight_tokens))
+        (phase, [r.uid for r in batch], len(d.waiting), len(d.cm.free_slots), d.dm.inflight_tokens)
+    )
     for uid, n in enumerate([5, 5, 4, 15, 5]):
         d.submit(uid, [100 * uid + i for i in range(n)], 8)
     while d.waiting or d.dm.runnable:
@@ -114,7 +115,9 @@ def test_eviction_then_allocation_is_page_aligned_and_disjoint(impl, page_size):
     assert d.prefill(1000)["batch"] == [9]
     owned = as_list(d.cm.page_table[d.live[9].table_idx][: 5 * page_size]) if 9 in d.live else None
     d.check()
-    starts = as_list(d.cm.free_slots) + [n for node in d.cm.prefix_cache.nodes() for n in as_list(node.value)[::page_size]]
+    starts = as_list(d.cm.free_slots) + [
+        n for node in d.cm.prefix_cache.nodes() for n in as_list(node.value)[::page_size]
+    ]
     assert all(s % page_size == 0 for s in starts)
     assert len(set(starts)) == len(starts)
     if owned is not None:
@@ -126,8 +129,18 @@ def test_running_reqs_iterates_requests_in_admission_order_like_the_seeds_set(im
     Req there); kvledger keeps that, in admission order."""
     dm = impl.DecodeManager(page_size=4)
     ids = [1, 2, 3] if impl.__name__ == "kvledger.reference" else impl.requests.as_token_tensor([1, 2, 3])
-    reqs = [impl.Req(ids, table_idx=i, cached_len=2, output_len=4, uid=uid,
-                     sampling_params=impl.SamplingParams(), cache_handle=None) for i, uid in enumerate((7, 3, 5))]
+    reqs = [
+        impl.Req(
+            ids,
+            table_idx=i,
+            cached_len=2,
+            output_len=4,
+            uid=uid,
+            sampling_params=impl.SamplingParams(),
+            cache_handle=None,
+        )
+        for i, uid in enumerate((7, 3, 5))
+    ]
     dm.filter_reqs(reqs)
     assert list(dm.running_reqs) == reqs and all(r in dm.running_reqs for r in reqs)
     assert len(dm.running_reqs) == 3 and dm.running_reqs.get(3) is reqs[1]

@@ -47,13 +47,12 @@ def _run(s: Subject, uid: int, start: int, end: int, token: int | None) -> List[
     return locations
 
 
-
-
 def _pages(locations: Sequence[int], ps: int = CFG.page_size) -> set:
     return {loc // ps for loc in locations}
 
 
 # -- loading and the protocol ------------------------------------------------------------------------------------
+
 
 def test_probe_and_build_name_the_commit():
     installed, version, detail = minisgl.probe(_peer())
@@ -120,8 +119,10 @@ def test_view_reads_free_slots_rows_tree_and_counters():
     s.finish(2)
     view = s.view()
     # uid 2's whole pages [0, 8) are in the tree now (its [6, 8) as a new leaf), nothing of it is held
-    assert sorted((e.start, e.tokens[e.start:], e.lock) for e in view.cached) == [
-        (0, (1, 2, 3, 4, 5, 6), 1), (6, (9, 101), 0)]
+    assert sorted((e.start, e.tokens[e.start :], e.lock) for e in view.cached) == [
+        (0, (1, 2, 3, 4, 5, 6), 1),
+        (6, (9, 101), 0),
+    ]
     assert view.free == list(range(5, 16)) and list(view.requests) == [1]
     _run(s, 1, 8, 9, 7)  # max_tokens reached: released inside computed, as _process_last_data does
     assert s.view().requests == {}
@@ -200,6 +201,7 @@ def test_abort_waiting_mid_prefill_and_running_returns_every_page():
 
 # -- the open bug at 20fcd7f: upstream PR #142 ---------------------------------------------------------------------
 
+
 def _duplicate_prefix(s: Subject) -> dict:
     """A and B share a prefix and prefill in one batch (neither hits); A's cache_req inserts it
     first, so B's cache_req(finished=False) finds its own copy of [0, 6) already cached."""
@@ -213,8 +215,13 @@ def _duplicate_prefix(s: Subject) -> dict:
     s.computed(2, 0, 7, 101)
     view = s.view()
     entry = next(e for e in view.cached if e.tokens == tuple(shared))
-    return {"b_own": b_own, "b_row": view.requests[2][:6], "cache": list(entry.locations), "free": view.free,
-            "lock": entry.lock}
+    return {
+        "b_own": b_own,
+        "b_row": view.requests[2][:6],
+        "cache": list(entry.locations),
+        "free": view.free,
+        "lock": entry.lock,
+    }
 
 
 def test_pr142_unfixed_row_points_at_freed_pages():
@@ -235,7 +242,8 @@ PR142_OPS = [
     {"op": "submit", "uid": 1, "tokens": [1, 2, 3, 4, 5, 6, 7], "max_tokens": 3},
     {"op": "submit", "uid": 2, "tokens": [1, 2, 3, 4, 5, 6, 9], "max_tokens": 3},
     {"op": "prefill", "budget": 64},
-    {"op": "decode"}, {"op": "decode"},
+    {"op": "decode"},
+    {"op": "decode"},
 ]
 
 
@@ -260,6 +268,7 @@ def test_fixed_build_agrees_with_the_reference_view_for_view():
     """Without pool pressure (mini-sglang reserves tokens where kvledger reserves pages, so their
     refusals differ in a small pool) the fixed mini-sglang and kvledger's model make the same page
     moves: the adapter drives the seed's API in the seed's order."""
+
     def state(driver: SubjectDriver):
         v = driver.view()
         return v.free, v.requests, sorted((e.tokens, e.locations, e.lock) for e in v.cached), v.counters
@@ -288,6 +297,7 @@ def test_fixed_build_agrees_with_the_reference_view_for_view():
 
 # -- the zoo -----------------------------------------------------------------------------------------------------
 
+
 def _submit(uid: int, tokens: List[int], max_tokens: int) -> dict:
     return {"op": "submit", "uid": uid, "tokens": tokens, "max_tokens": max_tokens}
 
@@ -297,27 +307,48 @@ DECODE = {"op": "decode"}
 
 # per zoo entry: the pool, a short sequence the unedited subject passes, and what the judge finds
 ZOO_CASES = {
-    "minisgl-cache-req-keeps-old-lock": (CFG, [_submit(1, [1, 2, 3, 4, 5], 3), PREFILL,
-                                               _submit(2, [1, 2, 3, 4, 5, 6, 7], 2), PREFILL], "1-2-partition"),
+    "minisgl-cache-req-keeps-old-lock": (
+        CFG,
+        [_submit(1, [1, 2, 3, 4, 5], 3), PREFILL, _submit(2, [1, 2, 3, 4, 5, 6, 7], 2), PREFILL],
+        "1-2-partition",
+    ),
     "minisgl-cache-req-tail-unlocked": (CFG, [_submit(1, [1, 2, 3, 4, 5], 3), PREFILL], "1-2-partition"),
     "minisgl-allocate-evicted-token-locations": (
-        replace(CFG, num_pages=6), [_submit(1, list(range(1, 10)), 1), PREFILL,
-                                    _submit(2, [5, 5, 5, 5, 5, 5, 5], 1), PREFILL], "1-2-partition"),
+        replace(CFG, num_pages=6),
+        [_submit(1, list(range(1, 10)), 1), PREFILL, _submit(2, [5, 5, 5, 5, 5, 5, 5], 1), PREFILL],
+        "1-2-partition",
+    ),
     "minisgl-allocate-paged-floor": (CFG, [_submit(1, [1, 2, 3], 3), PREFILL, DECODE], "1-2-partition"),
-    "minisgl-lazy-free-stays-lazy": (CFG, [_submit(1, [1, 2, 3, 4, 5], 3), PREFILL, {"op": "abort", "uid": 1}],
-                                     "1-2-partition"),
-    "minisgl-radix-insert-aliases-row": (CFG, [_submit(1, [1, 2, 3, 4, 5], 1), PREFILL,
-                                               _submit(2, [7, 7, 7, 7, 7], 1), PREFILL], "1-2-partition"),
-    "minisgl-radix-evict-keeps-size": (CFG, [_submit(1, [1, 2, 3, 4, 5], 1), PREFILL, {"op": "evict", "tokens": 2}],
-                                       "9-counters"),
-    "minisgl-radix-unlock-leaf-only": (CFG, [_submit(1, [1, 2, 3, 4, 5, 6, 7], 1), PREFILL,
-                                             _submit(2, [1, 2, 3, 4, 9, 9, 9], 2), PREFILL, DECODE],
-                                       "5-quiescence"),
-    "minisgl-radix-match-partial-page": (CFG, [_submit(1, [1, 2, 3, 4, 5], 1), PREFILL,
-                                               _submit(2, [1, 2, 3, 9, 9], 2), PREFILL, DECODE], "1-2-partition"),
+    "minisgl-lazy-free-stays-lazy": (
+        CFG,
+        [_submit(1, [1, 2, 3, 4, 5], 3), PREFILL, {"op": "abort", "uid": 1}],
+        "1-2-partition",
+    ),
+    "minisgl-radix-insert-aliases-row": (
+        CFG,
+        [_submit(1, [1, 2, 3, 4, 5], 1), PREFILL, _submit(2, [7, 7, 7, 7, 7], 1), PREFILL],
+        "1-2-partition",
+    ),
+    "minisgl-radix-evict-keeps-size": (
+        CFG,
+        [_submit(1, [1, 2, 3, 4, 5], 1), PREFILL, {"op": "evict", "tokens": 2}],
+        "9-counters",
+    ),
+    "minisgl-radix-unlock-leaf-only": (
+        CFG,
+        [_submit(1, [1, 2, 3, 4, 5, 6, 7], 1), PREFILL, _submit(2, [1, 2, 3, 4, 9, 9, 9], 2), PREFILL, DECODE],
+        "5-quiescence",
+    ),
+    "minisgl-radix-match-partial-page": (
+        CFG,
+        [_submit(1, [1, 2, 3, 4, 5], 1), PREFILL, _submit(2, [1, 2, 3, 9, 9], 2), PREFILL, DECODE],
+        "1-2-partition",
+    ),
     "minisgl-adder-no-batch-reservation": (
-        replace(CFG, num_pages=8), [_submit(1, [1, 2, 3, 4, 5, 6], 4), _submit(2, [7, 8, 9, 10, 11, 12], 4),
-                                    PREFILL, DECODE, DECODE, DECODE], "subject-raised:AssertionError"),
+        replace(CFG, num_pages=8),
+        [_submit(1, [1, 2, 3, 4, 5, 6], 4), _submit(2, [7, 8, 9, 10, 11, 12], 4), PREFILL, DECODE, DECODE, DECODE],
+        "subject-raised:AssertionError",
+    ),
 }
 
 

@@ -39,8 +39,6 @@ def _build(commit: str, config: SubjectConfig = CFG, edits: Sequence[SourceEdit]
     return nanovllm.build(config, _peer(commit), edits)
 
 
-
-
 def _computed(s: Subject, uid: int, start: int, end: int, token: int | None) -> List[int]:
     """allocate + computed of one range; the locations the range was written to."""
     assert s.allocate(uid, start, end)
@@ -50,6 +48,7 @@ def _computed(s: Subject, uid: int, start: int, end: int, token: int | None) -> 
 
 
 # -- loading and the protocol ------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("commit", [FIXED, BUGGY])
 def test_probe_and_build_name_the_commit(commit):
@@ -188,6 +187,7 @@ def test_abort_waiting_and_mid_prefill():
 
 # -- the known bug at f64d821 ------------------------------------------------------------------------------------
 
+
 def _hit_on_free_cached_block(s: Subject) -> Dict[str, object]:
     """A finishes; B hits A's first block (cached, in the free queue) and computes a block of its own
     on top; C's prompt starts with B's second block alone."""
@@ -205,9 +205,16 @@ def _hit_on_free_cached_block(s: Subject) -> Dict[str, object]:
     keys = {e.key for e in s.view().cached}
     s.submit(3, c, 4)
     c_hit = s.admit(3, 64)
-    return {"b_hit": b_hit, "b_block_key": entry.key, "a_first_cached": s.cache_key(a[:4]) in keys,
-            "c_hit": c_hit, "c_reads": s.view().requests[3][:4], "b_block": b_block,
-            "right_key": s.cache_key(b[:8]), "alone_key": s.cache_key(b[4:8])}
+    return {
+        "b_hit": b_hit,
+        "b_block_key": entry.key,
+        "a_first_cached": s.cache_key(a[:4]) in keys,
+        "c_hit": c_hit,
+        "c_reads": s.view().requests[3][:4],
+        "b_block": b_block,
+        "right_key": s.cache_key(b[:8]),
+        "alone_key": s.cache_key(b[4:8]),
+    }
 
 
 def test_f64d821_hit_on_a_free_cached_block_refiles_the_next_block():
@@ -252,6 +259,7 @@ def test_judge_finds_the_f64d821_bug_and_not_the_fix():
 
 # -- the zoo -----------------------------------------------------------------------------------------------------
 
+
 def _submit(uid: int, tokens: List[int], max_tokens: int) -> dict:
     return {"op": "submit", "uid": uid, "tokens": tokens, "max_tokens": max_tokens}
 
@@ -264,26 +272,42 @@ def _prefill(budget: int = 64) -> dict:
 ZOO_SCRIPTS: Dict[str, Tuple[int, List[dict], str]] = {
     "nanovllm-deallocate-skips-first": (8, [_submit(1, [1, 2, 3, 4, 5, 6], 1), _prefill()], "5-quiescence"),
     "nanovllm-can-allocate-counts-last-block": (
-        8, [_submit(1, list(range(1, 9)), 1), _prefill(), _submit(2, list(range(1, 9)), 1), _prefill()],
-        "8-request"),
+        8,
+        [_submit(1, list(range(1, 9)), 1), _prefill(), _submit(2, list(range(1, 9)), 1), _prefill()],
+        "8-request",
+    ),
     # pool of 4: A's 3 blocks return to the free queue (2 cached); C holds 1; D needs 4 blocks, 2 of them
     # hits in the free queue: 4 > 3 free, refused; the edit counts 2 and pops an empty queue
     "nanovllm-can-allocate-free-hit-costs-nothing": (
-        4, [_submit(1, list(range(1, 10)), 1), _prefill(), _submit(2, [50, 51, 52], 4), _prefill(),
-            _submit(3, list(range(1, 9)) + list(range(60, 68)), 1), _prefill()],
-        "subject-raised:IndexError"),
+        4,
+        [
+            _submit(1, list(range(1, 10)), 1),
+            _prefill(),
+            _submit(2, [50, 51, 52], 4),
+            _prefill(),
+            _submit(3, list(range(1, 9)) + list(range(60, 68)), 1),
+            _prefill(),
+        ],
+        "subject-raised:IndexError",
+    ),
     "nanovllm-hash-parent-off-by-one": (
-        8, [_submit(1, list(range(1, 10)), 2), _prefill(4), _prefill()], "7-kv-provenance"),
-    "nanovllm-may-append-late": (
-        8, [_submit(1, [1, 2, 3, 4], 3), _prefill(), {"op": "decode"}], "8-request"),
+        8,
+        [_submit(1, list(range(1, 10)), 2), _prefill(4), _prefill()],
+        "7-kv-provenance",
+    ),
+    "nanovllm-may-append-late": (8, [_submit(1, [1, 2, 3, 4], 3), _prefill(), {"op": "decode"}], "8-request"),
     "nanovllm-shared-hit-resets-ref": (
-        8, [_submit(1, [1, 2, 3, 4, 5, 6], 4), _prefill(), _submit(2, [1, 2, 3, 4, 7, 8], 4), _prefill()],
-        "1-2-partition"),
+        8,
+        [_submit(1, [1, 2, 3, 4, 5, 6], 4), _prefill(), _submit(2, [1, 2, 3, 4, 7, 8], 4), _prefill()],
+        "1-2-partition",
+    ),
     "nanovllm-free-keeps-used": (8, [_submit(1, [1, 2, 3, 4, 5, 6], 1), _prefill()], "9-counters"),
     # pool of 2: B takes both blocks, among them A's cached first block, and overwrites its KV
     "nanovllm-reuse-keeps-stale-hash": (
-        2, [_submit(1, [1, 2, 3, 4, 5], 1), _prefill(), _submit(2, [9, 10, 11, 12, 13], 1), _prefill()],
-        "7-kv-provenance"),
+        2,
+        [_submit(1, [1, 2, 3, 4, 5], 1), _prefill(), _submit(2, [9, 10, 11, 12, 13], 1), _prefill()],
+        "7-kv-provenance",
+    ),
 }
 
 
@@ -394,6 +418,12 @@ def test_seeded_workload_is_clean_at_bb823b3_and_reaches_the_rare_states():
     config = SubjectConfig(num_pages=6, page_size=4, max_seq_len=24)
     findings, events = _run_workloads(lambda: _build(FIXED, config), config, range(40))
     assert findings == [], findings[0]
-    for event in ("hit: prefix hit", "hit: re-hit of cached pages no request holds", "prefill: chunked",
-                  "admission: refused", "preempt: a running request preempted", "abort: mid-prefill"):
+    for event in (
+        "hit: prefix hit",
+        "hit: re-hit of cached pages no request holds",
+        "prefill: chunked",
+        "admission: refused",
+        "preempt: a running request preempted",
+        "abort: mid-prefill",
+    ):
         assert event in events, f"the workload never reached {event!r}"

@@ -22,8 +22,6 @@ CFG = SubjectConfig(num_pages=16, page_size=2, max_seq_len=32, max_running=4)
 NAMES = seed_fast.NAMES
 
 
-
-
 def _edit(name: str, module: str, target: str, old: str, new: str = "pass") -> SourceEdit:
     return SourceEdit(f"{name}-{module}", f"kvledger.{module}.{target}", old, new, "test")
 
@@ -111,8 +109,12 @@ DUPLICATE_OPS = [  # two requests with one prefix prefill in one batch: the seco
 def test_judge_finds_the_seeds_unremapped_row(name):
     """kvledger deviates from the seed where mini-sglang's PR #142 does: without the remap in
     cache_req the judge sees the second request reading pages it freed."""
-    edit = _edit("no-remap", name, "cache_manager:CacheManager.cache_req",
-                 "row[old.cached_len : hit] = new.get_matched_indices()[old.cached_len : hit]")
+    edit = _edit(
+        "no-remap",
+        name,
+        "cache_manager:CacheManager.cache_req",
+        "row[old.cached_len : hit] = new.get_matched_indices()[old.cached_len : hit]",
+    )
     assert _drive(seed_fast.build(CFG, name), CFG, DUPLICATE_OPS)[0] is None
     finding, _ = _drive(seed_fast.build(CFG, name, (edit,)), CFG, DUPLICATE_OPS)
     assert finding is not None and finding.kind == "1-2-partition" and "is free, but live uid(s) [2]" in finding.message
@@ -120,12 +122,18 @@ def test_judge_finds_the_seeds_unremapped_row(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_adder_edits_are_bound_on_every_batchs_adder(name):
-    edit = _edit("no-reservation", name, "admission:PrefillAdder._add_one_req",
-                 "self.reserved_size += self._need(cached_len, pending)")
+    edit = _edit(
+        "no-reservation",
+        name,
+        "admission:PrefillAdder._add_one_req",
+        "self.reserved_size += self._need(cached_len, pending)",
+    )
     config = SubjectConfig(num_pages=8, page_size=2, max_seq_len=16)
-    ops = [{"op": "submit", "uid": 1, "tokens": [1, 2, 3, 4, 5, 6], "max_tokens": 4},
-           {"op": "submit", "uid": 2, "tokens": [7, 8, 9, 10, 11, 12], "max_tokens": 4},
-           {"op": "prefill", "budget": 64}] + [{"op": "decode"}] * 3
+    ops = [
+        {"op": "submit", "uid": 1, "tokens": [1, 2, 3, 4, 5, 6], "max_tokens": 4},
+        {"op": "submit", "uid": 2, "tokens": [7, 8, 9, 10, 11, 12], "max_tokens": 4},
+        {"op": "prefill", "budget": 64},
+    ] + [{"op": "decode"}] * 3
     finding, driver = _drive(seed_fast.build(config, name), config, ops)
     assert finding is None and driver.admitted == {1: 0}  # the pool holds one request's worst case
     finding, driver = _drive(seed_fast.build(config, name, (edit,)), config, ops)

@@ -39,8 +39,6 @@ def _build(config: SubjectConfig = CFG, edits: Sequence[SourceEdit] = ()) -> sgl
     return sglang.build(config, edits=edits)
 
 
-
-
 def _run(s: Subject, uid: int, start: int, end: int, token: int | None) -> List[int]:
     """allocate + computed of one range; the locations the range was written to."""
     assert s.allocate(uid, start, end)
@@ -54,6 +52,7 @@ def _entries(s: Subject) -> Dict[Tuple[int, ...], Tuple[Tuple[int, ...], int]]:
 
 
 # -- loading ---------------------------------------------------------------------------------------------------
+
 
 def test_probe_and_build():
     installed, version, detail = sglang.probe()
@@ -79,14 +78,16 @@ def test_a_fresh_process_writes_nothing_under_home(tmp_path):
     """The import and a build, in a process whose HOME is empty: nothing lands under ~/.cache."""
     home, cache = tmp_path / "home", tmp_path / "cache"
     home.mkdir()
-    code = ("import os, sys, json\n"
-            "from kvledger.engine.ledger.subject import SubjectConfig\n"
-            "from kvledger.subjects import sglang\n"
-            "s = sglang.build(SubjectConfig(num_pages=4, page_size=2, max_seq_len=8))\n"
-            "s.submit(1, [1, 2, 3], 2); s.admit(1, 8); s.allocate(1, 0, 3)\n"
-            "print(json.dumps({'tv': [m for m in sys.modules if m.startswith('torchvision')],\n"
-            "                  'env': {k: os.environ.get(k) for k in ('TORCHINDUCTOR_COMPILE_THREADS',\n"
-            "                          'SGLANG_CACHE_DIR', 'TRITON_CACHE_DIR')}}))\n")
+    code = (
+        "import os, sys, json\n"
+        "from kvledger.engine.ledger.subject import SubjectConfig\n"
+        "from kvledger.subjects import sglang\n"
+        "s = sglang.build(SubjectConfig(num_pages=4, page_size=2, max_seq_len=8))\n"
+        "s.submit(1, [1, 2, 3], 2); s.admit(1, 8); s.allocate(1, 0, 3)\n"
+        "print(json.dumps({'tv': [m for m in sys.modules if m.startswith('torchvision')],\n"
+        "                  'env': {k: os.environ.get(k) for k in ('TORCHINDUCTOR_COMPILE_THREADS',\n"
+        "                          'SGLANG_CACHE_DIR', 'TRITON_CACHE_DIR')}}))\n"
+    )
     own = ("SGLANG_", "TVM_FFI_", "TRITON_", "TORCHINDUCTOR_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(own)}
     env.update(HOME=str(home), KVLEDGER_CACHE=str(cache), OMP_WAIT_POLICY="PASSIVE")
@@ -102,6 +103,7 @@ def test_a_fresh_process_writes_nothing_under_home(tmp_path):
 
 # -- the protocol and the view ---------------------------------------------------------------------------------
 
+
 def test_view_reads_rows_free_list_tree_and_counters():
     s = _build()
     s.submit(1, A, 3)
@@ -111,8 +113,13 @@ def test_view_reads_rows_free_list_tree_and_counters():
     # pages come off the front of the free tensor: 1 and 2, position p at page * 4 + p % 4
     assert view.requests == {1: [4, 5, 6, 7, 8, 9]} and view.free == [3, 4, 5, 6, 7, 8]
     assert view.cached == []
-    assert view.counters == {"free_pages": 6, "evictable_tokens": 0, "protected_tokens": 0, "cached_tokens": 0,
-                             "available_tokens": 24}
+    assert view.counters == {
+        "free_pages": 6,
+        "evictable_tokens": 0,
+        "protected_tokens": 0,
+        "cached_tokens": 0,
+        "available_tokens": 24,
+    }
     s.computed(1, 0, 6, None)  # a middle chunk: its one full page goes into the tree, locked by the request
     assert _entries(s) == {(1, 2, 3, 4): ((4, 5, 6, 7), 1)}
     assert s.view().counters["protected_tokens"] == 4
@@ -244,14 +251,24 @@ def test_evict_gives_pages_back():
 @pytest.mark.parametrize("page_size", [1, 2])
 def test_small_pages(page_size):
     config = SubjectConfig(num_pages=12, page_size=page_size, max_seq_len=16)
-    finding, driver = _drive(_build(config), config, [
-        _submit(1, A[:6], 2), _prefill(4), _prefill(), _submit(2, A[:5] + [40], 2), _prefill(), {"op": "decode"},
-    ])
+    finding, driver = _drive(
+        _build(config),
+        config,
+        [
+            _submit(1, A[:6], 2),
+            _prefill(4),
+            _prefill(),
+            _submit(2, A[:5] + [40], 2),
+            _prefill(),
+            {"op": "decode"},
+        ],
+    )
     assert finding is None, finding
     assert driver.ops == 6
 
 
 # -- the zoo ---------------------------------------------------------------------------------------------------
+
 
 def _submit(uid: int, tokens: List[int], max_tokens: int) -> dict:
     return {"op": "submit", "uid": uid, "tokens": tokens, "max_tokens": max_tokens}
@@ -267,13 +284,19 @@ FINISH_THEN_HIT = [_submit(1, A[:8], 1), _prefill(), _submit(2, A[:8], 2), _pref
 ZOO_SCRIPTS: Dict[str, Tuple[int, List[dict], str]] = {
     # B's match splits A's locked 8-token node at 4
     "sglang-split-node-drops-lock": (
-        8, [_submit(1, A, 4), _prefill(), _submit(2, A[:4] + [70, 71, 72], 2), _prefill()], "1-2-partition"),
+        8,
+        [_submit(1, A, 4), _prefill(), _submit(2, A[:4] + [70, 71, 72], 2), _prefill()],
+        "1-2-partition",
+    ),
     "sglang-inc-lock-ref-leaf-only": (8, FINISH_THEN_HIT, "1-2-partition"),
     "sglang-dec-lock-ref-keeps-protected": (8, FINISH_THEN_HIT, "9-counters"),
     "sglang-evict-forgets-free": (8, [_submit(1, A, 1), _prefill(), {"op": "evict", "tokens": 8}], "1-2-partition"),
     # B hits A's first page while A runs; B's checkpoint frees that page
     "sglang-insert-frees-from-zero": (
-        8, [_submit(1, A, 4), _prefill(), _submit(2, A[:8] + [50, 51], 4), _prefill()], "1-2-partition"),
+        8,
+        [_submit(1, A, 4), _prefill(), _submit(2, A[:8] + [50, 51], 4), _prefill()],
+        "1-2-partition",
+    ),
     # two requests compute one prompt in one batch: the second keeps reading its freed duplicates
     "sglang-checkpoint-keeps-duplicate-row": (16, [_submit(1, A, 2), _submit(2, A, 2), _prefill(32)], "1-2-partition"),
     "sglang-free-segment-every-token": (8, FINISH_THEN_HIT, "1-2-partition"),
@@ -317,6 +340,7 @@ def test_function_edits_stay_with_their_subject():
 
 # -- seeded workloads: no finding on the unedited subject ------------------------------------------------------
 
+
 def _cases(seeds: Sequence[int]) -> set:
     from kvledger.tools.subject_fuzz import run_case
 
@@ -331,8 +355,14 @@ def _cases(seeds: Sequence[int]) -> set:
 def test_seeded_cases_find_nothing():
     """The fuzzer's first cases (seeded shapes, page sizes 1, 2 and 4) on the unedited subject."""
     events = _cases(range(40))
-    assert {"hit: prefix hit", "hit: diverges inside a cached page", "prefill: chunked", "admission: refused",
-            "allocate: full pool with locked entries", "driver: idle after work"} <= events
+    assert {
+        "hit: prefix hit",
+        "hit: diverges inside a cached page",
+        "prefill: chunked",
+        "admission: refused",
+        "allocate: full pool with locked entries",
+        "driver: idle after work",
+    } <= events
     # SGLang's initial new_token_ratio (0.7) keeps these small pools from ever retracting
     assert "preempt: a running request preempted" not in events
 

@@ -46,11 +46,17 @@ def _pages(view: View, uid: int) -> List[int]:
 
 
 def _state(view: View) -> Tuple:
-    return (list(view.free), {u: list(r) for u, r in view.requests.items()},
-            sorted((e.locations, e.key) for e in view.cached), dict(view.page_refs or {}), dict(view.counters))
+    return (
+        list(view.free),
+        {u: list(r) for u, r in view.requests.items()},
+        sorted((e.locations, e.key) for e in view.cached),
+        dict(view.page_refs or {}),
+        dict(view.counters),
+    )
 
 
 # -- building and reading the pool -------------------------------------------------------------------------------
+
 
 def test_probe_names_the_tested_version():
     assert (INSTALLED, VERSION) == (True, vllm.VERSION)
@@ -111,8 +117,8 @@ def test_cache_key_is_the_key_the_block_pool_files_under():
     tokens = A + [101, 200]
     assert len(by_page) == 3
     for i in range(3):
-        assert by_page[row[i * PS] // PS] == s.cache_key(tokens[:(i + 1) * PS])
-        assert s.cache_key(tokens[:(i + 1) * PS + 1]) == s.cache_key(tokens[:(i + 1) * PS])  # whole blocks
+        assert by_page[row[i * PS] // PS] == s.cache_key(tokens[: (i + 1) * PS])
+        assert s.cache_key(tokens[: (i + 1) * PS + 1]) == s.cache_key(tokens[: (i + 1) * PS])  # whole blocks
     # chained: a different first block changes the second block's key
     assert s.cache_key([0] + tokens[1:8]) != s.cache_key(tokens[:8])
     assert s.cache_key(tokens[:3]) is None
@@ -239,8 +245,12 @@ def _drive(edits: Sequence[SourceEdit] = ()) -> Tuple[Finding | None, List[str]]
 def test_the_zoo_trace_passes_the_real_vllm_and_reaches_its_states():
     finding, events = _drive()
     assert finding is None, f"{finding}\n{finding.detail}"
-    assert {"prefill: chunked", "hit: prefix hit", "hit: re-hit of cached pages no request holds",
-            "admission: refused"} <= set(events)
+    assert {
+        "prefill: chunked",
+        "hit: prefix hit",
+        "hit: re-hit of cached pages no request holds",
+        "admission: refused",
+    } <= set(events)
 
 
 def test_every_zoo_edit_applies_exactly_once():

@@ -11,8 +11,15 @@ OPTIMISTIC = AdmissionPolicy("optimistic", 0.0)
 
 
 def sched(impl=fast, *, num_pages=16, page_size=1, cache_type="radix", table_slots=4, max_seq_len=64, **kw):
-    return CacheScheduler(impl, num_pages=num_pages, page_size=page_size, cache_type=cache_type,
-                          table_slots=table_slots, max_seq_len=max_seq_len, **kw)
+    return CacheScheduler(
+        impl,
+        num_pages=num_pages,
+        page_size=page_size,
+        cache_type=cache_type,
+        table_slots=table_slots,
+        max_seq_len=max_seq_len,
+        **kw,
+    )
 
 
 def drive(s, ops):

@@ -9,9 +9,22 @@ def tiny_qwen3():
     """A 3-layer Qwen3 of vocabulary 1024 (GQA 8:2, head_dim 32, EOS 5): dummy weights, a few MB."""
     from kvledger.engine.model.config import ModelConfig
 
-    return ModelConfig(arch="qwen3", vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=3,
-                       num_heads=8, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6,
-                       tie_word_embeddings=True, max_position_embeddings=2048, bos_token_id=None, eos_token_ids=(5,))
+    return ModelConfig(
+        arch="qwen3",
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=3,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+        bos_token_id=None,
+        eos_token_ids=(5,),
+    )
 
 
 def nano_like(n=40, seed=0):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Dict, List, Sequence
 
-from kvledger.engine.ledger.subject import Capabilities, CachedEntry, SubjectConfig, View
+from kvledger.engine.ledger.subject import CachedEntry, Capabilities, SubjectConfig, View
 
 
 class ToyBlockCache:
@@ -17,8 +17,14 @@ class ToyBlockCache:
 
     def __init__(self, config: SubjectConfig, bug: str | None = None) -> None:
         self.bs, n = config.page_size, config.num_pages
-        self.capabilities = Capabilities(page_size=self.bs, pages=tuple(range(n)), worst_case_admission=False,
-                                         preempts=True, explicit_evict=False, cached_pages_in_free_pool=True)
+        self.capabilities = Capabilities(
+            page_size=self.bs,
+            pages=tuple(range(n)),
+            worst_case_admission=False,
+            preempts=True,
+            explicit_evict=False,
+            cached_pages_in_free_pool=True,
+        )
         self.bug = bug
         self.ref = [0] * n
         self.key: List[tuple | None] = [None] * n
@@ -75,7 +81,7 @@ class ToyBlockCache:
         for i in range(start // self.bs, end // self.bs):
             block, key = self.tables[uid][i], tuple(tokens[: (i + 1) * self.bs])
             if self.bug == "key-forgets-parent":
-                key = tuple(tokens[i * self.bs: (i + 1) * self.bs])
+                key = tuple(tokens[i * self.bs : (i + 1) * self.bs])
             self.key[block], self.index[key] = key, block
         if token is not None:
             tokens.append(token)
@@ -103,13 +109,22 @@ class ToyBlockCache:
         return 0
 
     def view(self) -> View:
-        requests = {uid: [b * self.bs + p % self.bs for p, b in
-                          ((p, table[p // self.bs]) for p in range(len(table) * self.bs))]
-                    for uid, table in self.tables.items()}
-        cached = [CachedEntry(tuple(range(b * self.bs, (b + 1) * self.bs)), start=None, key=k, name=f"block {b}")
-                  for b, k in enumerate(self.key) if k is not None]
-        return View(free=list(self.free), requests=requests, cached=cached,
-                    page_refs=dict(enumerate(self.ref)), counters={"free_pages": len(self.free)})
+        requests = {
+            uid: [b * self.bs + p % self.bs for p, b in ((p, table[p // self.bs]) for p in range(len(table) * self.bs))]
+            for uid, table in self.tables.items()
+        }
+        cached = [
+            CachedEntry(tuple(range(b * self.bs, (b + 1) * self.bs)), start=None, key=k, name=f"block {b}")
+            for b, k in enumerate(self.key)
+            if k is not None
+        ]
+        return View(
+            free=list(self.free),
+            requests=requests,
+            cached=cached,
+            page_refs=dict(enumerate(self.ref)),
+            counters={"free_pages": len(self.free)},
+        )
 
 
 def factory(config: SubjectConfig) -> ToyBlockCache:

@@ -5,10 +5,10 @@ import math
 
 import pytest
 
+from kvledger.engine.ledger.trace import read
+from kvledger.properties.lockstep import Divergence, replay
 from kvledger.reference.pages import tokens_to_finish
 from kvledger.tools.fuzz import PAGE_SIZES, RESERVE_RATIOS, case_seed, case_trace, format_summary, fuzz, make_case
-from kvledger.properties.lockstep import Divergence, replay
-from kvledger.engine.ledger.trace import read
 from kvledger.tools.zoo import patched
 
 BUG = "no-remap-on-duplicate"
@@ -29,8 +29,17 @@ def test_fuzz_finds_nothing_on_the_real_code_and_reports_throughput(tmp_path):
 def test_fuzz_catches_a_zoo_bug_and_writes_a_minimized_trace(tmp_path):
     # counted: the seed's first 40 cases, a minimization of at most 400 replays (the seconds are a
     # safety net that could only end the run early, which skips)
-    result = fuzz(600, workers=1, seed=0, out_dir=tmp_path, bug=BUG, progress=False, max_cases=40,
-                  minimize_budget=math.inf, minimize_replays=400)
+    result = fuzz(
+        600,
+        workers=1,
+        seed=0,
+        out_dir=tmp_path,
+        bug=BUG,
+        progress=False,
+        max_cases=40,
+        minimize_budget=math.inf,
+        minimize_replays=400,
+    )
     failure = result.failure
     if failure is None and result.cases < 40:
         pytest.skip(f"the machine ran {result.cases} of 40 cases in 600 s")
@@ -88,8 +97,9 @@ def test_optimistic_cases_submit_only_what_fits_the_pool_and_replay():
         assert header.admission == "optimistic"
         pool = header.num_pages * header.page_size
         submits = [op for op in ops if op["op"] == "submit"]
-        assert submits and all(tokens_to_finish(0, len(op["tokens"]) + op["max_tokens"], header.page_size) <= pool
-                               for op in submits)
+        assert submits and all(
+            tokens_to_finish(0, len(op["tokens"]) + op["max_tokens"], header.page_size) <= pool for op in submits
+        )
         assert replay(header, ops).step == len(ops)
 
 
@@ -100,8 +110,12 @@ def test_a_fuzz_run_over_optimistic_cases_preempts(tmp_path):
     assert result.failure is None and result.exit_code == 0
     assert result.cases == result.optimistic_cases == 12
     assert result.preemptions >= 15
-    assert {"preempt: running request", "preempt: mid-chunk", "preempt: re-prefill hits the prefix cache",
-            "fuzz: preemption in a decode step"} <= set(result.events)
+    assert {
+        "preempt: running request",
+        "preempt: mid-chunk",
+        "preempt: re-prefill hits the prefix cache",
+        "fuzz: preemption in a decode step",
+    } <= set(result.events)
     assert f"12 complete cases, {result.preemptions:,} requests preempted" in format_summary(result)
 
 

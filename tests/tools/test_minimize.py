@@ -6,9 +6,9 @@ import random
 import pytest
 
 from kvledger.engine.ledger.cache_scheduler import InvalidOp
+from kvledger.engine.ledger.trace import Header, read, write
 from kvledger.properties.lockstep import Divergence, Lockstep, replay
 from kvledger.tools.minimize import MinimizeError, main_minimize, minimize
-from kvledger.engine.ledger.trace import Header, read, write
 from kvledger.tools.zoo import patched
 
 BUG = "no-remap-on-duplicate"
@@ -44,9 +44,11 @@ def _long_failing_trace(n_ops: int = 1000, seed: int = 7) -> tuple:
         for u in [p.uid for p in lock.ref.waiting] + lock.ref.dm.running_reqs.uids():
             lock.apply({"op": "abort", "uid": u})
         ops = list(lock.ops)
-    ops += [{"op": "submit", "uid": uid, "tokens": [1, 2, 3, 4, 5], "max_tokens": 4},
-            {"op": "submit", "uid": uid + 1, "tokens": [1, 2, 3, 4, 6], "max_tokens": 4},
-            {"op": "prefill", "budget": 64, "sample": [0]}]
+    ops += [
+        {"op": "submit", "uid": uid, "tokens": [1, 2, 3, 4, 5], "max_tokens": 4},
+        {"op": "submit", "uid": uid + 1, "tokens": [1, 2, 3, 4, 6], "max_tokens": 4},
+        {"op": "prefill", "budget": 64, "sample": [0]},
+    ]
     return header, ops
 
 
@@ -81,11 +83,13 @@ def test_a_1000_op_failing_trace_minimizes_to_a_few_ops_1_minimal_within_budget(
 
 def test_the_minimized_trace_is_renumbered_and_readable(tmp_path):
     header = Header(num_pages=16, page_size=2, cache_type="radix", table_slots=4, max_seq_len=32)
-    ops = [{"op": "submit", "uid": 41, "tokens": [7, 8, 9, 4, 5], "max_tokens": 4},
-           {"op": "probe", "tokens": [7, 8]},
-           {"op": "submit", "uid": 17, "tokens": [7, 8, 9, 4, 6], "max_tokens": 4},
-           {"op": "prefill", "budget": 100, "sample": [1, 2], "expect": {"batch": [41, 17]}},
-           {"op": "decode", "sample": [3]}]
+    ops = [
+        {"op": "submit", "uid": 41, "tokens": [7, 8, 9, 4, 5], "max_tokens": 4},
+        {"op": "probe", "tokens": [7, 8]},
+        {"op": "submit", "uid": 17, "tokens": [7, 8, 9, 4, 6], "max_tokens": 4},
+        {"op": "prefill", "budget": 100, "sample": [1, 2], "expect": {"batch": [41, 17]}},
+        {"op": "decode", "sample": [3]},
+    ]
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write(src, header, ops)
     assert main_minimize(str(src), str(out), budget=math.inf, bug=BUG, max_replays=300) == 0

@@ -18,9 +18,17 @@ def test_three_mutants_of_align_down_end_to_end(tmp_path, capsys):
     # the timeout only ends a hang (none of these mutants loops): generous, so load cannot turn a kill into one
     equivalents = tmp_path / "equivalents.txt"
     equivalents.write_text(EQUIVALENTS)
-    code = mutation.run(only=["reference/pages.py::align_down"], limit=3, stages=["fuzz"], fuzz_cases=2,
-                        workers=1, equivalents=str(equivalents), timeout=3600, work_dir=str(tmp_path / "work"),
-                        results=str(tmp_path / "results"))
+    code = mutation.run(
+        only=["reference/pages.py::align_down"],
+        limit=3,
+        stages=["fuzz"],
+        fuzz_cases=2,
+        workers=1,
+        equivalents=str(equivalents),
+        timeout=3600,
+        work_dir=str(tmp_path / "work"),
+        results=str(tmp_path / "results"),
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "| reference/pages.py | 3 | 1 | 0 | 2 | 0 | 0 | 0 | 100.0% |" in out

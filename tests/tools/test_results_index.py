@@ -45,8 +45,9 @@ def anchors(path: Path) -> Set[str]:
 
 def test_the_committed_index_is_the_generated_one():
     index = results_index.RESULTS / results_index.INDEX
-    assert index.read_text(encoding="utf-8") == results_index.render(), \
+    assert index.read_text(encoding="utf-8") == results_index.render(), (
         "results/README.md is stale: run python -m kvledger.tools.results_index"
+    )
     assert results_index.stale_descriptions() == [], "DESCRIPTIONS names files that are gone"
 
 
@@ -80,8 +81,9 @@ def test_every_relative_link_in_the_docs_resolves():
 
 def test_the_checks_see_a_broken_link_and_a_missing_result(tmp_path):
     doc = tmp_path / "page.md"
-    doc.write_text("# A title\n\n[ok](#a-title) [gone](nowhere.md) `results/gpu/none.txt`\n"
-                   "```\n[in code](ignored.md)\n```\n")
+    doc.write_text(
+        "# A title\n\n[ok](#a-title) [gone](nowhere.md) `results/gpu/none.txt`\n```\n[in code](ignored.md)\n```\n"
+    )
     links = [t for _, line in prose(doc) for t in LINK.findall(line)]
     assert links == ["#a-title", "nowhere.md"] and "a-title" in anchors(doc)
     assert [m.group(1) for m in RESULTS_PATH.finditer(doc.read_text())] == ["results/gpu/none.txt"]

@@ -1,16 +1,18 @@
 """`kvledger show`: page ownership over time as a PNG."""
 
 from kvledger.cli import main
+from kvledger.engine.ledger.trace import Header, write
 from kvledger.tools.show import CACHED, FIRST_UID, FREE, LOCKED, main_show, ownership_matrix, render
-from kvledger.engine.ledger.trace import Header, read, write
 from tests.support.paths import REGRESSIONS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-SAME_PREFIX = [{"op": "submit", "uid": 0, "tokens": [1, 2, 3, 4, 5], "max_tokens": 4},
-               {"op": "submit", "uid": 1, "tokens": [1, 2, 3, 4, 6], "max_tokens": 4},
-               {"op": "prefill", "budget": 100, "sample": [7]},
-               {"op": "decode", "sample": [7]}]
+SAME_PREFIX = [
+    {"op": "submit", "uid": 0, "tokens": [1, 2, 3, 4, 5], "max_tokens": 4},
+    {"op": "submit", "uid": 1, "tokens": [1, 2, 3, 4, 6], "max_tokens": 4},
+    {"op": "prefill", "budget": 100, "sample": [7]},
+    {"op": "decode", "sample": [7]},
+]
 HEADER = Header(num_pages=16, page_size=2, cache_type="radix", table_slots=4, max_seq_len=32)
 
 
@@ -49,8 +51,10 @@ def test_show_handles_a_thousand_steps(tmp_path):
     header = Header(num_pages=256, page_size=1, cache_type="radix", table_slots=8, max_seq_len=64)
     ops = []
     for uid in range(200):
-        ops += [{"op": "submit", "uid": uid, "tokens": [uid % 7] * 20, "max_tokens": 6},
-                {"op": "prefill", "budget": 64, "sample": [uid % 3]}]
+        ops += [
+            {"op": "submit", "uid": uid, "tokens": [uid % 7] * 20, "max_tokens": 6},
+            {"op": "prefill", "budget": 64, "sample": [uid % 3]},
+        ]
         ops += [{"op": "decode", "sample": [1]}] * 3
     write(tmp_path / "big.jsonl", header, ops)
     out = tmp_path / "big.png"
@@ -59,8 +63,10 @@ def test_show_handles_a_thousand_steps(tmp_path):
 
 
 def test_show_reports_bad_traces_clearly(tmp_path, capsys):
-    (tmp_path / "broken.jsonl").write_text('{"kvledger_trace": 1, "num_pages": 4, "page_size": 1, '
-                                           '"cache_type": "naive", "table_slots": 1, "max_seq_len": 8}\n{"op": "jump"}\n')
+    (tmp_path / "broken.jsonl").write_text(
+        '{"kvledger_trace": 1, "num_pages": 4, "page_size": 1, '
+        '"cache_type": "naive", "table_slots": 1, "max_seq_len": 8}\n{"op": "jump"}\n'
+    )
     assert main_show(str(tmp_path / "broken.jsonl"), str(tmp_path / "x.png")) == 2
     assert "unknown op 'jump'" in capsys.readouterr().err
     write(tmp_path / "invalid.jsonl", HEADER, [{"op": "finish", "uid": 9}])

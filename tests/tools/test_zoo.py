@@ -55,9 +55,13 @@ def _instructions(code):
     ins = list(dis.get_instructions(code))
     index = {i.offset: n for n, i in enumerate(ins)}
     jumps = set(dis.hasjrel) | set(dis.hasjabs)
-    return [("LOAD_ATTR" if i.opname == "LOAD_METHOD" else i.opname,
-             index[i.argval] if i.opcode in jumps
-             else _instructions(i.argval) if inspect.iscode(i.argval) else i.argval) for i in ins]
+    return [
+        (
+            "LOAD_ATTR" if i.opname == "LOAD_METHOD" else i.opname,
+            index[i.argval] if i.opcode in jumps else _instructions(i.argval) if inspect.iscode(i.argval) else i.argval,
+        )
+        for i in ins
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(BUGS))
@@ -99,31 +103,44 @@ def test_without_edits_the_mechanism_rebuilds_the_live_method(name):
 
 
 def test_an_edit_whose_text_is_gone_fails_loudly():
-    bogus = Bug("bogus", "test", "an edit of text cache_req does not have", fast.CacheManager, "cache_req",
-                (("self.unlock(old)", "self.unlock(new)  # BUG: fine"),
-                 ("self.no_such_call()", "pass  # BUG: stale")))
+    bogus = Bug(
+        "bogus",
+        "test",
+        "an edit of text cache_req does not have",
+        fast.CacheManager,
+        "cache_req",
+        (("self.unlock(old)", "self.unlock(new)  # BUG: fine"), ("self.no_such_call()", "pass  # BUG: stale")),
+    )
     with pytest.raises(ZooEditError, match=r"'bogus'.*CacheManager\.cache_req.*'self\.no_such_call\(\)' 0 times"):
         bogus.patches()
 
 
 def test_an_edit_whose_text_is_ambiguous_fails_loudly():
-    twice = Bug("twice", "test", "the admission check occurs twice", fast.PrefillAdder, "_try_allocate_one",
-                (("if need + self.reserved_size > cm.available_size:", "if False:  # BUG: which one?"),))
+    twice = Bug(
+        "twice",
+        "test",
+        "the admission check occurs twice",
+        fast.PrefillAdder,
+        "_try_allocate_one",
+        (("if need + self.reserved_size > cm.available_size:", "if False:  # BUG: which one?"),),
+    )
     with pytest.raises(ZooEditError, match="2 times"):
         twice.patches()
 
 
 def test_a_comment_may_not_swallow_the_rest_of_a_line():
-    swallow = Bug("swallow", "test", "", fast.CacheManager, "match_req",
-                  (("req.input_ids", "req.input_ids  # BUG: oops"),))
+    swallow = Bug(
+        "swallow", "test", "", fast.CacheManager, "match_req", (("req.input_ids", "req.input_ids  # BUG: oops"),)
+    )
     with pytest.raises(ZooEditError, match="swallow"):
         swallow.patches()
 
 
 def test_a_failing_bug_leaves_the_classes_alone(monkeypatch):
     before = fast.CacheManager.__dict__["cache_req"]
-    monkeypatch.setitem(BUGS, "bogus", Bug("bogus", "test", "", fast.CacheManager, "cache_req",
-                                           (("no such text", "x  # BUG: stale"),)))
+    monkeypatch.setitem(
+        BUGS, "bogus", Bug("bogus", "test", "", fast.CacheManager, "cache_req", (("no such text", "x  # BUG: stale"),))
+    )
     with pytest.raises(ZooEditError):
         with patched("bogus"):
             pass
@@ -134,8 +151,11 @@ def test_an_inherited_method_is_patched_on_the_subclass_and_removed_after(monkey
     class Sub(fast.TableManager):
         pass
 
-    monkeypatch.setitem(BUGS, "sub-leak", Bug("sub-leak", "test", "", Sub, "free",
-                                              (("self._free_slots.append(table_idx)", "# BUG: leak"),)))
+    monkeypatch.setitem(
+        BUGS,
+        "sub-leak",
+        Bug("sub-leak", "test", "", Sub, "free", (("self._free_slots.append(table_idx)", "# BUG: leak"),)),
+    )
     base = fast.TableManager.__dict__["free"]
     with patched("sub-leak"):
         assert "# BUG: leak" in inspect.getsource(Sub.__dict__["free"])
@@ -165,7 +185,7 @@ def test_patched_restores_after_an_exception():
     before = _current(BUGS[name].patches())
     with pytest.raises(ZeroDivisionError):
         with patched(name):
-            1 / 0
+            _ = 1 / 0
     assert _current(BUGS[name].patches()) == before
 
 
@@ -178,8 +198,10 @@ def test_patched_none_and_unknown():
 
 
 def test_zoo_table_marks_escapes():
-    rows = [ZooRow("a", "x", hyp_caught=True, hyp_seconds=1.25, fuzz_caught=False, min_ops=3),
-            ZooRow("b", "y", hyp_caught=False, fuzz_caught=None)]
+    rows = [
+        ZooRow("a", "x", hyp_caught=True, hyp_seconds=1.25, fuzz_caught=False, min_ops=3),
+        ZooRow("b", "y", hyp_caught=False, fuzz_caught=None),
+    ]
     table = format_table(rows)
     assert "hypothesis" in table.splitlines()[2] and "1.2s" in table
     assert "ESCAPED" in table.splitlines()[3]
@@ -209,8 +231,12 @@ def test_the_ci_profile_catches_the_heap_bookkeeping_bugs(name):
     import sys
 
     root = ROOT
-    run = subprocess.run([sys.executable, "-m", "kvledger.tools.check", "--seeds", "ci", "--bug", name],
-                         cwd=root, capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "kvledger.tools.check", "--seeds", "ci", "--bug", name],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     caught = re.search(rf"seed ci: {name} caught at sequence (\d+)", run.stdout)
     assert caught, f"the CI profile missed {name}: {run.stdout[-2000:]}"

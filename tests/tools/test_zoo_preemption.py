@@ -11,8 +11,9 @@ from kvledger.tools.zoo import BUGS, patched
 from tests.support.paths import ZOO_TRACES
 
 TRACES = ZOO_TRACES
-PREEMPTION = sorted(n for n, b in BUGS.items()
-                    if b.target in (fast.Preemptor, fast.admission) or b.method == "needed_size")
+PREEMPTION = sorted(
+    n for n, b in BUGS.items() if b.target in (fast.Preemptor, fast.admission) or b.method == "needed_size"
+)
 
 
 def test_the_preemption_bugs_are_in_the_zoo():

@@ -16,8 +16,9 @@ class Embedding(nn.Module):
     """Token ids -> hidden states. Under tensor parallelism each rank holds the vocabulary `rows`
     (a range), embeds the ids that fall in it, zeros the others, and the ranks' results are summed."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, rows: range | None = None,
-                 tp: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self, vocab_size: int, hidden_size: int, rows: range | None = None, tp: TensorParallelGroup | None = None
+    ) -> None:
         super().__init__()
         self.rows = rows if rows is not None else range(vocab_size)
         self.tp = tp
@@ -36,8 +37,14 @@ class LMHead(nn.Module):
     """Hidden states -> logits; with tied embeddings it reads the embedding matrix. Under tensor
     parallelism each rank computes its vocabulary rows' logits and the ranks gather the whole row."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tie_to: Embedding | None = None,
-                 rows: range | None = None, tp: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        tie_to: Embedding | None = None,
+        rows: range | None = None,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self.vocab_size, self.tp = vocab_size, tp
         # Kept in a list so the tied embedding is not registered twice (no "lm_head.weight" key).

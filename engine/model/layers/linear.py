@@ -30,8 +30,11 @@ def _probe(dtype: torch.dtype) -> bool:
         if not torch.backends.mkldnn.is_available():
             return False
         w, x = torch.randn(8, 16).to(dtype), torch.randn(4, 16).to(dtype)
-        return torch.allclose(op(x, reorder(w, 4), None, "none", [], "").float(), F.linear(x, w).float(),
-                              atol=1e-5 if dtype == torch.float32 else 3e-2)
+        return torch.allclose(
+            op(x, reorder(w, 4), None, "none", [], "").float(),
+            F.linear(x, w).float(),
+            atol=1e-5 if dtype == torch.float32 else 3e-2,
+        )
     except Exception:  # an op missing or failing in this torch build or on this CPU
         return False
 

@@ -126,21 +126,31 @@ def test_cascade_decode_matches_gathered_sdpa(seed):
     """Rows in groups of several sizes, singletons and rows shorter than min_shared, every split
     count: the cascade result equals attention over each row's whole context."""
     pytest.importorskip("triton")
-    from kvledger.engine.attention.triton_decode import DecodeWorkspace, decode_attention
     from kvledger.engine.attention.shared_prefix import members_per_group
+    from kvledger.engine.attention.triton_decode import DecodeWorkspace, decode_attention
 
     dtype = torch.float32 if DEVICE == "cpu" else [torch.float32, torch.bfloat16, torch.bfloat16][seed]
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     heads, kv_heads, head_dim = [(4, 2, 32), (9, 3, 64), (16, 8, 128)][seed]
     page = [1, 4, 16][seed]
     g = torch.Generator().manual_seed(seed)
-    spec = [("A", 40 // page), ("B", 20 // page + 1), ("A", 40 // page), ("C", 3), ("A", 30 // page),
-            ("B", 20 // page + 1), ("D", 0), ("A", 40 // page)]
+    spec = [
+        ("A", 40 // page),
+        ("B", 20 // page + 1),
+        ("A", 40 // page),
+        ("C", 3),
+        ("A", 30 // page),
+        ("B", 20 // page + 1),
+        ("D", 0),
+        ("A", 40 // page),
+    ]
     own = [int(torch.randint(1, 70 // page + 2, (1,), generator=g)) for _ in spec]
     table, n_pages = _shared_table(spec, own, page, seed=seed)
     rows = torch.arange(1, len(spec) + 1)
-    seq = torch.tensor([(p + o) * page - int(torch.randint(0, page, (1,), generator=g)) for (_, p), o in zip(spec, own)],
-                       dtype=torch.int32)
+    seq = torch.tensor(
+        [(p + o) * page - int(torch.randint(0, page, (1,), generator=g)) for (_, p), o in zip(spec, own)],
+        dtype=torch.int32,
+    )
     k_pool = torch.randn(n_pages * page, kv_heads, head_dim, generator=g).to(DEVICE, dtype)
     v_pool = torch.randn(n_pages * page, kv_heads, head_dim, generator=g).to(DEVICE, dtype)
     q = torch.randn(len(spec), heads, head_dim, generator=g).to(DEVICE, dtype)
@@ -149,12 +159,12 @@ def test_cascade_decode_matches_gathered_sdpa(seed):
     groups = find_prefix_groups(table, rows, seq, members_per_group(heads // kv_heads))
     assert int(groups.prefix_len.count_nonzero()) >= 2  # groups A and B do share
     one_group = find_prefix_groups(table, rows, seq, members_per_group(heads // kv_heads), max_groups=1)
-    for prefix_splits, groups in ((1, groups), (4, groups), (4, one_group)):
+    for prefix_splits, found in ((1, groups), (4, groups), (4, one_group)):
         ws = DecodeWorkspace(8, heads, head_dim, 4, DEVICE, prefix_splits=prefix_splits)
         ws.part_o.fill_(float("nan"))  # stale values in unused slots must never be read
         ws.part_lse.fill_(float("nan"))
         for splits in (1, 4):
-            out = decode_attention(q, k_pool, v_pool, 0, table, rows, seq, ws, splits, groups=groups)
+            out = decode_attention(q, k_pool, v_pool, 0, table, rows, seq, ws, splits, groups=found)
             assert not torch.isnan(out).any()
             err = (out.float() - expected).norm() / expected.norm()
             assert err < tol, f"{splits} splits, {prefix_splits} prefix splits: relative error {err:.2e}"
@@ -178,8 +188,9 @@ def test_the_scheduler_knows_when_running_requests_may_share_pages():
     from kvledger.engine.runtime.llm import LLM
 
     seen = []
-    llm = LLM(tiny_qwen3(), dummy_weights=True, page_size=4, kv_cache_tokens=4096, max_running_reqs=8,
-              max_prefill_tokens=256)
+    llm = LLM(
+        tiny_qwen3(), dummy_weights=True, page_size=4, kv_cache_tokens=4096, max_running_reqs=8, max_prefill_tokens=256
+    )
     llm.engine.observers.append(lambda step, op, state: seen.append(llm.engine.sharing_possible))
     prompts, params = _prefix_prompts(2, 8)
     llm.generate(prompts, params)
@@ -230,8 +241,16 @@ def test_engine_with_cascade_attention_gives_the_tokens_of_flat_decode(monkeypat
 
     config = tiny_qwen3()
     prompts, params = _prefix_prompts(4, 28)
-    kw = dict(dummy_weights=True, device="cuda", dtype="float32", page_size=16, kv_cache_tokens=20000,
-              max_running_reqs=32, max_seq_len=512, max_prefill_tokens=256)
+    kw = dict(
+        dummy_weights=True,
+        device="cuda",
+        dtype="float32",
+        page_size=16,
+        kv_cache_tokens=20000,
+        max_running_reqs=32,
+        max_seq_len=512,
+        max_prefill_tokens=256,
+    )
     flat = LLM(config, cuda_graphs=False, overlap=False, cascade_attention=False, **kw)
     expected = [o.token_ids for o in flat.generate(prompts, params)]
     flat.close()

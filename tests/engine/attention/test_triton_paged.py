@@ -14,8 +14,10 @@ from kvledger.engine.model.kv_pool import KVPool  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # bfloat16 needs the GPU: Triton's CPU interpreter does not emulate bfloat16 dot products
-DTYPES = [pytest.param(torch.float32, 1e-4, id="float32"),
-          pytest.param(torch.bfloat16, 1e-2, marks=pytest.mark.cuda, id="bfloat16")]
+DTYPES = [
+    pytest.param(torch.float32, 1e-4, id="float32"),
+    pytest.param(torch.bfloat16, 1e-2, marks=pytest.mark.cuda, id="bfloat16"),
+]
 
 
 def _oracle(pool: KVPool, q, batch: AttentionBatch, heads: int, kv_heads: int):

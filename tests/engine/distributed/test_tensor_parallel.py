@@ -12,21 +12,37 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from kvledger.engine.model.config import ModelConfig, builtin_config
 from kvledger.engine.distributed.ledger import LedgerDivergence
 from kvledger.engine.distributed.partition import FusedRows, PartitionError, TensorParallelShard
 from kvledger.engine.distributed.ranks import RankFailed
 from kvledger.engine.engine_config import EngineConfig
-from kvledger.engine.runtime.llm import LLM
-from kvledger.engine.options import EngineOptionError
+from kvledger.engine.model.config import ModelConfig, builtin_config
 from kvledger.engine.model.weights import load_weights, random_state_dict
+from kvledger.engine.options import EngineOptionError
+from kvledger.engine.runtime.llm import LLM
 from kvledger.fast import SamplingParams
 
-TINY = ModelConfig(arch="qwen3", vocab_size=307, hidden_size=64, intermediate_size=99, num_layers=2, num_heads=6,
-                   num_kv_heads=3, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-                   max_position_embeddings=512, bos_token_id=None, eos_token_ids=(5,))
-SHAPES = [(TINY, n) for n in (1, 2, 3, 6)] + [(builtin_config("qwen3-0.6b"), n) for n in (2, 4, 8, 16)] + \
-         [(builtin_config("smollm2-135m"), n) for n in (2, 3, 9)]
+TINY = ModelConfig(
+    arch="qwen3",
+    vocab_size=307,
+    hidden_size=64,
+    intermediate_size=99,
+    num_layers=2,
+    num_heads=6,
+    num_kv_heads=3,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    max_position_embeddings=512,
+    bos_token_id=None,
+    eos_token_ids=(5,),
+)
+SHAPES = (
+    [(TINY, n) for n in (1, 2, 3, 6)]
+    + [(builtin_config("qwen3-0.6b"), n) for n in (2, 4, 8, 16)]
+    + [(builtin_config("smollm2-135m"), n) for n in (2, 3, 9)]
+)
 
 
 # -- the partition ----------------------------------------------------------------------------------
@@ -48,11 +64,14 @@ def test_every_query_head_has_one_rank_and_reads_only_kv_heads_that_rank_holds(c
         assert [i for p in parts for i in p] == list(range(getattr(config, f"{dim}_size")))
 
 
-@pytest.mark.parametrize("config,size,what", [
-    (builtin_config("smollm2-135m"), 4, "3 KV heads"),
-    (builtin_config("qwen3-0.6b"), 32, "only 16 attention heads"),
-    (TINY, 0, "must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "config,size,what",
+    [
+        (builtin_config("smollm2-135m"), 4, "3 KV heads"),
+        (builtin_config("qwen3-0.6b"), 32, "only 16 attention heads"),
+        (TINY, 0, "must be >= 1"),
+    ],
+)
 def test_a_size_the_heads_do_not_split_over_is_refused_naming_why(config, size, what):
     with pytest.raises(PartitionError, match=what):
         TensorParallelShard(0, size).check(config)
@@ -91,25 +110,35 @@ def test_qkv_and_gate_up_shards_hold_exactly_their_heads_and_features():
     whole = random_state_dict(TINY, seed=1)
     d, q_rows, kv_rows = TINY.head_dim, TINY.num_heads * TINY.head_dim, TINY.num_kv_heads * TINY.head_dim
     qkv = whole["layers.0.attn.qkv_proj.weight"]
-    q, k, v = qkv[:q_rows], qkv[q_rows:q_rows + kv_rows], qkv[q_rows + kv_rows:]
+    q, k, v = qkv[:q_rows], qkv[q_rows : q_rows + kv_rows], qkv[q_rows + kv_rows :]
     for r in range(2):
         s = TensorParallelShard(r, 2)
         hq, hk = s.heads(TINY), s.kv_heads(TINY)
         part = s.take("layers.0.attn.qkv_proj.weight", TINY, lambda: qkv)
-        want = torch.cat([q[hq.start * d:hq.stop * d], k[hk.start * d:hk.stop * d], v[hk.start * d:hk.stop * d]])
+        want = torch.cat([q[hq.start * d : hq.stop * d], k[hk.start * d : hk.stop * d], v[hk.start * d : hk.stop * d]])
         assert torch.equal(part, want)
         # the separate pieces of a Hugging Face checkpoint read the same rows
         fused = FusedRows([(q, q_rows), (k, kv_rows), (v, kv_rows)])
         assert torch.equal(s.take("layers.0.attn.qkv_proj.weight", TINY, lambda: fused), want)
         o = s.take("layers.0.attn.o_proj.weight", TINY, lambda: whole["layers.0.attn.o_proj.weight"])
-        assert torch.equal(o, whole["layers.0.attn.o_proj.weight"][:, hq.start * d:hq.stop * d])
+        assert torch.equal(o, whole["layers.0.attn.o_proj.weight"][:, hq.start * d : hq.stop * d])
 
 
 def _hf_dir(tmp_path):
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
-                      rope_theta=1e6, tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=301,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+    )
     Qwen3ForCausalLM(cfg).eval().save_pretrained(tmp_path)
     return tmp_path
 
@@ -147,10 +176,14 @@ SHARED = list(range(20, 52))
 PROMPTS = [SHARED + [1, 2, 3], SHARED + [9, 8], list(range(100, 140)), SHARED[:20] + [7], [3, 1, 4, 1, 5, 9]]
 
 
-@pytest.mark.parametrize("options", [
-    dict(page_size=4, max_prefill_tokens=24),  # chunked prefill, prefix hits on a radix cache
-    dict(page_size=2, cache_type="naive", kv_cache_tokens=96, admission="optimistic", reserve_ratio=0.1),
-], ids=["radix-chunked", "optimistic-preempting"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(page_size=4, max_prefill_tokens=24),  # chunked prefill, prefix hits on a radix cache
+        dict(page_size=2, cache_type="naive", kv_cache_tokens=96, admission="optimistic", reserve_ratio=0.1),
+    ],
+    ids=["radix-chunked", "optimistic-preempting"],
+)
 def test_two_ranks_generate_the_tokens_of_one(options):
     greedy = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, top_k=20, max_tokens=10, seed=7)
@@ -199,15 +232,17 @@ def test_a_second_engine_while_one_runs_is_refused_and_the_first_keeps_working()
     assert _children() == []
 
 
-@pytest.mark.parametrize("hook,error,match", [
-    (fail_on_rank_1, RankFailed, "rank 1 failed: RuntimeError: planted failure on rank 1"),
-    (fail_on_rank_0, ValueError, "planted failure on rank 0"),
-    (reorder_free_pages_on_rank_1, LedgerDivergence, r"ranks \[1\] disagree with rank 0 after cache operation \d+"),
-])
+@pytest.mark.parametrize(
+    "hook,error,match",
+    [
+        (fail_on_rank_1, RankFailed, "rank 1 failed: RuntimeError: planted failure on rank 1"),
+        (fail_on_rank_0, ValueError, "planted failure on rank 0"),
+        (reorder_free_pages_on_rank_1, LedgerDivergence, r"ranks \[1\] disagree with rank 0 after cache operation \d+"),
+    ],
+)
 def test_a_rank_that_fails_or_diverges_ends_the_run_with_its_error(hook, error, match):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    llm = LLM(TINY, dummy_weights=True, tensor_parallel_size=2, threads=1, verify=True, page_size=2,
-              rank_hook=hook)
+    llm = LLM(TINY, dummy_weights=True, tensor_parallel_size=2, threads=1, verify=True, page_size=2, rank_hook=hook)
     try:
         with pytest.raises(error, match=match):
             llm.generate(PROMPTS, params)
@@ -230,9 +265,25 @@ def test_torchrun_runs_kvledger_generate_on_two_ranks_with_the_tokens_of_one(cap
 
     assert main(GENERATE) == 0
     alone = capsys.readouterr().out
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "kvledger", *GENERATE, "--tp", "2", "--verify"],
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "kvledger",
+            *GENERATE,
+            "--tp",
+            "2",
+            "--verify",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout == alone and alone.strip()  # rank 0 alone prints; rank 1 served it and left
 
@@ -247,8 +298,10 @@ def test_the_server_answers_from_two_ranks_as_from_one():
     for size in (1, 2):
         with LLM(max_seq_len=256, kv_cache_tokens=1024, threads=1, tensor_parallel_size=size) as llm:
             with TestClient(create_app(EngineWorker(llm), model_name="m")) as client:
-                r = client.post("/v1/completions", json={"model": "m", "prompt": "The capital of France is",
-                                                         "max_tokens": 8, "temperature": 0})
+                r = client.post(
+                    "/v1/completions",
+                    json={"model": "m", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
+                )
                 assert r.status_code == 200, r.text
                 texts[size] = r.json()["choices"][0]["text"]
                 bad = client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": -1})

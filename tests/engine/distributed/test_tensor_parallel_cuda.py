@@ -20,10 +20,15 @@ def _workload(n=40, seed=0):
 
     rng = random.Random(seed)
     shared = [rng.randrange(1024) for _ in range(64)]
-    prompts = [(shared if i % 3 == 0 else []) + [rng.randrange(1024) for _ in range(rng.randint(1, 150))]
-               for i in range(n)]
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=rng.randint(1, 50)) if i % 5 else
-              SamplingParams(temperature=0.7, top_p=0.9, max_tokens=rng.randint(1, 50), seed=i) for i in range(n)]
+    prompts = [
+        (shared if i % 3 == 0 else []) + [rng.randrange(1024) for _ in range(rng.randint(1, 150))] for i in range(n)
+    ]
+    params = [
+        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=rng.randint(1, 50))
+        if i % 5
+        else SamplingParams(temperature=0.7, top_p=0.9, max_tokens=rng.randint(1, 50), seed=i)
+        for i in range(n)
+    ]
     return prompts, params
 
 
@@ -32,9 +37,19 @@ def test_two_gpus_generate_the_tokens_of_one_with_graphs_and_overlap(verify):
     from kvledger.engine.runtime.llm import LLM
 
     prompts, params = _workload()
-    kw = dict(dummy_weights=True, device="cuda", dtype="float32", page_size=16, kv_cache_tokens=20000,
-              max_running_reqs=40, max_seq_len=512, max_prefill_tokens=512, cuda_graphs=True, overlap=True,
-              verify=verify)
+    kw = dict(
+        dummy_weights=True,
+        device="cuda",
+        dtype="float32",
+        page_size=16,
+        kv_cache_tokens=20000,
+        max_running_reqs=40,
+        max_seq_len=512,
+        max_prefill_tokens=512,
+        cuda_graphs=True,
+        overlap=True,
+        verify=verify,
+    )
     with LLM(TINY, **kw) as one:
         expected = [o.token_ids for o in one.generate(prompts, params)]
     with LLM(TINY, tensor_parallel_size=2, **kw) as two:
@@ -55,8 +70,16 @@ def test_a_failing_gpu_rank_ends_the_run_with_its_error():
     from kvledger.engine.runtime.llm import LLM
 
     prompts, params = _workload(n=8)
-    llm = LLM(TINY, dummy_weights=True, device="cuda", dtype="bfloat16", tensor_parallel_size=2,
-              kv_cache_tokens=8000, max_seq_len=512, rank_hook=fail_on_rank_1)
+    llm = LLM(
+        TINY,
+        dummy_weights=True,
+        device="cuda",
+        dtype="bfloat16",
+        tensor_parallel_size=2,
+        kv_cache_tokens=8000,
+        max_seq_len=512,
+        rank_hook=fail_on_rank_1,
+    )
     try:
         with pytest.raises(RankFailed, match="rank 1 failed: RuntimeError: planted failure on rank 1"):
             llm.generate(prompts, params)

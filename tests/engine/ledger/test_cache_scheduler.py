@@ -99,6 +99,7 @@ def test_a_request_turned_away_for_want_of_a_table_slot_with_budget_left_is_a_re
 
 def _leaky(kind):
     """An implementation whose admission turns a request away after touching the free list."""
+
     class Adder(fast.PrefillAdder):
         def try_add_one(self, pending):
             req = super().try_add_one(pending)
@@ -180,7 +181,6 @@ def test_the_integrity_check_failure_is_the_partition_invariant(monkeypatch):
     assert e.value.invariant == "1-2-partition" and "planted" in str(e.value)
 
 
-
 # -- adaptive admission: the ratio follows what ended requests generated ------------------------
 def _adaptive_run(finish_after):
     """Eight requests (prompt 3, max_tokens 4) end after generating finish_after[i] tokens."""
@@ -217,7 +217,6 @@ def test_forgetting_observed_outputs_is_a_no_op_without_adaptive_admission():
     s = sched(reference)
     s.forget_observed_outputs()
     assert s.observed_ratio is None and s.policy.kind == "reserve"
-
 
 
 # -- what a step records ------------------------------------------------------------------------

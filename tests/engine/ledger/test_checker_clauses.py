@@ -46,8 +46,15 @@ BASE_OPS = [
     {"op": "submit", "uid": 4, "tokens": [6, 6], "max_tokens": 2},
 ]
 # optimistic admission on a 6-page pool: uid 1 is preempted by the fourth decode and waits again
-PREEMPTED = Header(num_pages=6, page_size=PS, cache_type="radix", table_slots=4, max_seq_len=16,
-                   admission="optimistic", reserve_ratio=0.25)
+PREEMPTED = Header(
+    num_pages=6,
+    page_size=PS,
+    cache_type="radix",
+    table_slots=4,
+    max_seq_len=16,
+    admission="optimistic",
+    reserve_ratio=0.25,
+)
 PREEMPTED_OPS = [
     {"op": "submit", "uid": 0, "tokens": [1, 2, 3], "max_tokens": 8},
     {"op": "submit", "uid": 1, "tokens": [4, 5, 6], "max_tokens": 8},
@@ -81,7 +88,7 @@ def _set_free(d, locs):
 
 
 def _write_row(d, uid, start, locs):
-    d.page_table[d.live[uid].table_idx][start:start + len(locs)] = _ints(d, locs)
+    d.page_table[d.live[uid].table_idx][start : start + len(locs)] = _ints(d, locs)
 
 
 def _node(d, key):
@@ -97,10 +104,9 @@ def test_the_starting_state_is_the_one_described(impl):
     snap = d.snapshot()
     assert snap["rows"] == {0: [0, 1, 2, 3, 4, 5, 20, 21], 1: [0, 1, 2, 3, 10, 11, 12, 13, 22, 23]}
     assert snap["free_slots"] == [24, 26, 28, 30, 6, 8, 18]
-    assert [(n.id, list(n.key), [int(v) for v in n.value], n.ref_count, n.parent.id)
-            for n in d.cm.prefix_cache.nodes()] == [(1, [1, 2, 3, 4], [0, 1, 2, 3], 2, 0),
-                                                   (2, [9, 9], [10, 11], 1, 1),
-                                                   (3, [7, 7, 7, 7], [14, 15, 16, 17], 0, 0)]
+    assert [
+        (n.id, list(n.key), [int(v) for v in n.value], n.ref_count, n.parent.id) for n in d.cm.prefix_cache.nodes()
+    ] == [(1, [1, 2, 3, 4], [0, 1, 2, 3], 2, 0), (2, [9, 9], [10, 11], 1, 1), (3, [7, 7, 7, 7], [14, 15, 16, 17], 0, 0)]
     assert [(r.uid, r.cache_handle.cached_len) for r in _live(d)] == [(0, 4), (1, 6)]
 
 
@@ -113,6 +119,7 @@ def _plant_misaligned_cached(d):
 def _lock_count(delta):
     def plant(d):
         _node(d, [1, 2, 3, 4]).ref_count += delta
+
     return plant
 
 
@@ -127,57 +134,70 @@ MANAGER_CASES = {
     "free list duplicate": (
         lambda d: _set_free(d, _free(d) + _free(d)[:1]),
         r"^integrity: a page is in the free list twice$",
-        r"1 pages without exactly one owner, e\.g\. page 12 \(location 24\) has 2 owners"),
+        r"1 pages without exactly one owner, e\.g\. page 12 \(location 24\) has 2 owners",
+    ),
     "misaligned free location": (
         lambda d: _set_free(d, [25] + _free(d)[1:]),
         r"\('free',\) holds location 25, not a page start in the pool",
-        r"a free, cached or owned page start is misaligned or outside the pool"),
+        r"a free, cached or owned page start is misaligned or outside the pool",
+    ),
     "misaligned cached location": (
         _plant_misaligned_cached,
         r"\('cache', 0\) holds location 15, not a page start in the pool",
-        r"a free, cached or owned page start is misaligned or outside the pool"),
+        r"a free, cached or owned page start is misaligned or outside the pool",
+    ),
     "misaligned owned location": (
         lambda d: _write_row(d, 0, 6, [21, 22]),
         r"\('req', 0\) holds location 21, not a page start in the pool",
-        r"a free, cached or owned page start is misaligned or outside the pool"),
+        r"a free, cached or owned page start is misaligned or outside the pool",
+    ),
     "location past the pool": (
         lambda d: _set_free(d, [16 * PS] + _free(d)[1:]),
         r"\('free',\) holds location 32, not a page start in the pool",
-        r"a free, cached or owned page start is misaligned or outside the pool"),
+        r"a free, cached or owned page start is misaligned or outside the pool",
+    ),
     "negative location": (
         lambda d: _set_free(d, [-PS] + _free(d)[1:]),
         r"\('free',\) holds location -2, not a page start in the pool",
-        r"a free, cached or owned page start is misaligned or outside the pool"),
+        r"a free, cached or owned page start is misaligned or outside the pool",
+    ),
     "page with no owner": (
         lambda d: _set_free(d, _free(d)[1:]),
         r"1 pages without exactly one owner, e\.g\. page 12 \(location 24\) owned by nobody",
-        r"1 pages without exactly one owner, e\.g\. page 12 \(location 24\) has 0 owners"),
+        r"1 pages without exactly one owner, e\.g\. page 12 \(location 24\) has 0 owners",
+    ),
     "page free and owned": (
         lambda d: _set_free(d, _free(d) + [20]),
         r"1 pages without exactly one owner, e\.g\. page 10 \(location 20\) "
         r"owned by \[\('free',\), \('req', 0\)\]",
-        r"1 pages without exactly one owner, e\.g\. page 10 \(location 20\) has 2 owners"),
+        r"1 pages without exactly one owner, e\.g\. page 10 \(location 20\) has 2 owners",
+    ),
     "page cached and owned": (  # uid 0's second page points at the cached leaf's: page 10 is lost
         lambda d: _write_row(d, 0, 6, [14, 15]),
         r"2 pages without exactly one owner, e\.g\. page 7 \(location 14\) "
         r"owned by \[\('cache', 0\), \('req', 0\)\]",
-        r"2 pages without exactly one owner, e\.g\. page 7 \(location 14\) has 2 owners"),
+        r"2 pages without exactly one owner, e\.g\. page 7 \(location 14\) has 2 owners",
+    ),
     "row not matching its locked prefix": (
         lambda d: _write_row(d, 1, 0, [6, 7]),
         r"request 1's row does not match its locked prefix",
-        r"request 1's row does not match its locked prefix"),
+        r"request 1's row does not match its locked prefix",
+    ),
     "row not page-contiguous": (
         lambda d: _write_row(d, 0, 7, [23]),
         r"request 0's row is not page-contiguous at 7",
-        r"request 0's row is not page-contiguous"),
+        r"request 0's row is not page-contiguous",
+    ),
     "lock count above its holders": (
         _lock_count(+1),
         r"radix node 1 has lock count 3, but 2 live requests hold it",
-        r"radix node 1 has lock count 3, but 2 live requests hold it"),
+        r"radix node 1 has lock count 3, but 2 live requests hold it",
+    ),
     "lock count below its holders": (
         _lock_count(-1),
         r"radix node 1 has lock count 1, but 2 live requests hold it",
-        r"radix node 1 has lock count 1, but 2 live requests hold it"),
+        r"radix node 1 has lock count 1, but 2 live requests hold it",
+    ),
 }
 
 
@@ -196,9 +216,11 @@ def test_page_owners_refuses_a_location_outside_the_pages(impl, where):
     """page_owners' own clause (the snapshot's owners): fast's check_integrity counts pages
     without it, so only a direct call reaches it there."""
     d = _driver(impl)
-    plant, loc, who = {"free": (MANAGER_CASES["location past the pool"][0], 32, r"\('free',\)"),
-                       "cached": (_plant_misaligned_cached, 15, r"\('cache', 0\)"),
-                       "owned": (MANAGER_CASES["misaligned owned location"][0], 21, r"\('req', 0\)")}[where]
+    plant, loc, who = {
+        "free": (MANAGER_CASES["location past the pool"][0], 32, r"\('free',\)"),
+        "cached": (_plant_misaligned_cached, 15, r"\('cache', 0\)"),
+        "owned": (MANAGER_CASES["misaligned owned location"][0], 21, r"\('req', 0\)"),
+    }[where]
     plant(d)
     with pytest.raises(RuntimeError, match=rf"^integrity: {who} holds location {loc}, not a page start in the pool$"):
         d.cm.page_owners(_live(d))
@@ -226,31 +248,46 @@ def _heap_holds_locked_leaf(d):
 def _set_attr(key, name, value):
     def plant(d):
         setattr(_node(d, key), name, value(d) if callable(value) else value)
+
     return plant
 
 
 # name -> (plant, message), on both implementations. The naive caches' check_integrity has no clause.
 RADIX_CASES = {
     "empty node": (lambda d: _set_node(d, [7, 7, 7, 7], [], 0), r"radix node 3 has key length 0, value length 0"),
-    "key not whole pages": (lambda d: _set_node(d, [7, 7, 7, 7], [7, 7, 7], 3),
-                            r"radix node 3 has key length 3, value length 3"),
-    "value shorter than key": (lambda d: _set_node(d, [7, 7, 7, 7], [7, 7, 7, 7], 2),
-                               r"radix node 3 has key length 4, value length 2"),
-    "key off its parent's edge": (_set_attr([9, 9], "key", [9, 8]),
-                                  r"radix node 2 is not its parent's child under its first page"),
-    "parent not holding it": (_set_attr([9, 9], "parent", lambda d: d.cm.prefix_cache.root),
-                              r"radix node 2 is not its parent's child under its first page"),
+    "key not whole pages": (
+        lambda d: _set_node(d, [7, 7, 7, 7], [7, 7, 7], 3),
+        r"radix node 3 has key length 3, value length 3",
+    ),
+    "value shorter than key": (
+        lambda d: _set_node(d, [7, 7, 7, 7], [7, 7, 7, 7], 2),
+        r"radix node 3 has key length 4, value length 2",
+    ),
+    "key off its parent's edge": (
+        _set_attr([9, 9], "key", [9, 8]),
+        r"radix node 2 is not its parent's child under its first page",
+    ),
+    "parent not holding it": (
+        _set_attr([9, 9], "parent", lambda d: d.cm.prefix_cache.root),
+        r"radix node 2 is not its parent's child under its first page",
+    ),
     "lock count below children's": (_set_attr([9, 9], "ref_count", 3), r"radix node 1 lock count 2 < its children's 3"),
     "evictable size": (_radix_recount, r"radix sizes recount to evictable=4 protected=6, recorded 6 6"),
-    "protected size": (lambda d: setattr(d.cm.prefix_cache, "protected_size", 4),
-                       r"radix sizes recount to evictable=4 protected=6, recorded 4 4"),
+    "protected size": (
+        lambda d: setattr(d.cm.prefix_cache, "protected_size", 4),
+        r"radix sizes recount to evictable=4 protected=6, recorded 4 4",
+    ),
 }
 # fast's radix cache only: its values are tensors, and it keeps a heap of evictable leaves
 FAST_RADIX_CASES = {
-    "value dtype": (_set_attr([7, 7, 7, 7], "value", lambda d: _node(d, [7, 7, 7, 7]).value.long()),
-                    r"radix node 3 value is torch\.int64 on cpu"),
-    "value device": (_set_attr([7, 7, 7, 7], "value", lambda d: _node(d, [7, 7, 7, 7]).value.to("meta")),
-                     r"radix node 3 value is torch\.int32 on meta"),
+    "value dtype": (
+        _set_attr([7, 7, 7, 7], "value", lambda d: _node(d, [7, 7, 7, 7]).value.long()),
+        r"radix node 3 value is torch\.int64 on cpu",
+    ),
+    "value device": (
+        _set_attr([7, 7, 7, 7], "value", lambda d: _node(d, [7, 7, 7, 7]).value.to("meta")),
+        r"radix node 3 value is torch\.int32 on meta",
+    ),
     "heap misses an evictable leaf": (_heap_drops_leaf, r"evictable-leaf heap holds \[\], tree has \[3\]"),
     "heap holds a locked leaf": (_heap_holds_locked_leaf, r"evictable-leaf heap holds \[2, 3\], tree has \[3\]"),
 }
@@ -297,12 +334,14 @@ def _swap_handle_length(d):
 def _provenance(loc, like):
     def plant(d):
         d.provenance.at[loc] = d.provenance.at[like]
+
     return plant
 
 
 def _shift(attr, delta):
     def plant(d):
         setattr(d.live[0], attr, getattr(d.live[0], attr) + delta)
+
     return plant
 
 
@@ -312,24 +351,56 @@ def _shift(attr, delta):
 # check, which reports what the judge does not look for (the radix cache's bookkeeping).
 CHECK_CASES = {
     "implementation's own check": ("base", _radix_recount, "1-2-partition", r"integrity: radix sizes recount"),
-    "1-2 key not whole pages": ("base", RADIX_CASES["key not whole pages"][0], "1-2-partition",
-                                r"cache node 3: key length 3, 3 locations, page size 2"),
-    "1-2 handle length not its node's": ("base", _swap_handle_length, "1-2-partition",
-                                         r"uid 1: its row does not start with the 4 locations of the prefix"),
-    "8 output_len past max_tokens": ("base", lambda d: setattr(d.live[0], "output_len", 9), "8-request",
-                                     r"uid 0: max_device_len 13 with output_len 9, but it was submitted with "
-                                     r"5 \+ 8 tokens and holds 9"),
-    "8 cached_len": ("base", _shift("cached_len", -1), "8-request",
-                     r"uid 0: lengths handle 4, cached 7, device 9, with 9 tokens \(running\)"),
-    "3 reserve": ("base", _max_tokens(0, 19), "3-no-oom",
-                  r"live requests may still need 20 tokens of pages, only 18 available"),
-    "3 optimistic, live": ("preempted", _max_tokens(0, 27), "3-no-oom",
-                           r"uid 0 may need more than the pool's 12 tokens"),
-    "3 optimistic, waiting": ("preempted", lambda d: setattr(d.waiting[0].sampling_params, "max_tokens", 20),
-                              "3-no-oom", r"uid 1 may need more than the pool's 12 tokens"),
-    "7 cached location computed for other tokens": ("base", _provenance(15, 17), "7-kv-provenance",
-                                                    r"cache node 3: position 1 points at location 15, which "
-                                                    r"holds KV computed for other tokens"),
+    "1-2 key not whole pages": (
+        "base",
+        RADIX_CASES["key not whole pages"][0],
+        "1-2-partition",
+        r"cache node 3: key length 3, 3 locations, page size 2",
+    ),
+    "1-2 handle length not its node's": (
+        "base",
+        _swap_handle_length,
+        "1-2-partition",
+        r"uid 1: its row does not start with the 4 locations of the prefix",
+    ),
+    "8 output_len past max_tokens": (
+        "base",
+        lambda d: setattr(d.live[0], "output_len", 9),
+        "8-request",
+        r"uid 0: max_device_len 13 with output_len 9, but it was submitted with "
+        r"5 \+ 8 tokens and holds 9",
+    ),
+    "8 cached_len": (
+        "base",
+        _shift("cached_len", -1),
+        "8-request",
+        r"uid 0: lengths handle 4, cached 7, device 9, with 9 tokens \(running\)",
+    ),
+    "3 reserve": (
+        "base",
+        _max_tokens(0, 19),
+        "3-no-oom",
+        r"live requests may still need 20 tokens of pages, only 18 available",
+    ),
+    "3 optimistic, live": (
+        "preempted",
+        _max_tokens(0, 27),
+        "3-no-oom",
+        r"uid 0 may need more than the pool's 12 tokens",
+    ),
+    "3 optimistic, waiting": (
+        "preempted",
+        lambda d: setattr(d.waiting[0].sampling_params, "max_tokens", 20),
+        "3-no-oom",
+        r"uid 1 may need more than the pool's 12 tokens",
+    ),
+    "7 cached location computed for other tokens": (
+        "base",
+        _provenance(15, 17),
+        "7-kv-provenance",
+        r"cache node 3: position 1 points at location 15, which "
+        r"holds KV computed for other tokens",
+    ),
 }
 
 
@@ -419,11 +490,18 @@ FIELD_CASES = {
     "rows": ("base", lambda d: _swap_pages(d, 0, 4, 0, 6), "state:rows"),
     "lens": ("base", _swap_table_slots, "state:lens"),
     "token_pool": ("base", _admitted_one_more_token, "state:token_pool"),
-    "available_size": ("base", lambda d: _skew_property(d.cm, "available_size", lambda n: n + PS),
-                       "state:available_size"),
-    "size_info": ("base", lambda d: _skew_property(d.cm.prefix_cache, "size_info",
-                                                   lambda s: type(s)(s.evictable_size, s.protected_size + PS)),
-                  "state:size_info"),
+    "available_size": (
+        "base",
+        lambda d: _skew_property(d.cm, "available_size", lambda n: n + PS),
+        "state:available_size",
+    ),
+    "size_info": (
+        "base",
+        lambda d: _skew_property(
+            d.cm.prefix_cache, "size_info", lambda s: type(s)(s.evictable_size, s.protected_size + PS)
+        ),
+        "state:size_info",
+    ),
     "table_free": ("base", lambda d: d.tm._free_slots.reverse(), "state:table_free"),
     # a reversed queue breaks first come, first served: the queue-order invariant names it first
     "waiting": ("base", lambda d: d.waiting.reverse(), "invariant:10-queue-order"),
@@ -438,7 +516,9 @@ def test_every_snapshot_field_has_a_case():
     lock = _lockstep("base")
     fields = set(lock.fast.snapshot())
     assert set(lock.ref.snapshot()) == fields
-    assert not fields - set(FIELD_CASES), f"snapshot fields with no planting case in FIELD_CASES: {fields - set(FIELD_CASES)}"
+    assert not fields - set(FIELD_CASES), (
+        f"snapshot fields with no planting case in FIELD_CASES: {fields - set(FIELD_CASES)}"
+    )
     assert not set(FIELD_CASES) - fields, f"cases for fields the snapshot no longer has: {set(FIELD_CASES) - fields}"
 
 

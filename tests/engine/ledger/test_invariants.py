@@ -22,8 +22,9 @@ OPS = [
 
 
 def _state(impl, admission="reserve"):
-    header = trace.Header(num_pages=16, page_size=PS, cache_type="radix", table_slots=4, max_seq_len=32,
-                          admission=admission)
+    header = trace.Header(
+        num_pages=16, page_size=PS, cache_type="radix", table_slots=4, max_seq_len=32, admission=admission
+    )
     d = CacheScheduler(impl, **header.cache_scheduler_args())
     for op in OPS:
         d.apply(op)
@@ -141,8 +142,9 @@ def test_a_running_request_that_generated_all_its_tokens(impl):
     req = d.live[0]  # 5 prompt tokens + 1 generated of 3: two decode steps the scheduler never released
     for token in (6, 6):
         d.cm.allocate_paged([req])
-        d.provenance.written(tolist(d.page_table[req.table_idx][req.cached_len : req.device_len]),
-                             tolist(req.input_ids), req.cached_len)
+        d.provenance.written(
+            tolist(d.page_table[req.table_idx][req.cached_len : req.device_len]), tolist(req.input_ids), req.cached_len
+        )
         req.complete_one()
         req.append_host(token)
     _expect(d, "8-request", "uid 0: running with 3 tokens generated of 3")

@@ -56,8 +56,11 @@ def test_the_prefix_cache_is_judged_too(impl):
     node = d.cm.prefix_cache.nodes()[0]
     first = int(node.value[0])
     d.provenance.at[first] = prefix_hashes([7])[0]  # plant: the cached KV of [1] was computed for [7]
-    with pytest.raises(InvariantViolation, match=rf"cache node {node.id}: position 0 points at location {first}, "
-                                                 "which holds KV computed for other tokens"):
+    with pytest.raises(
+        InvariantViolation,
+        match=rf"cache node {node.id}: position 0 points at location {first}, "
+        "which holds KV computed for other tokens",
+    ):
         d.check()
     del d.provenance.at[first]
     with pytest.raises(InvariantViolation, match="which was never computed"):
@@ -82,11 +85,34 @@ def test_a_shared_wrong_reuse_stops_the_engine_under_verify():
     from kvledger.fast import SamplingParams
 
     torch.set_num_threads(1)
-    tiny = ModelConfig(arch="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
-                       num_heads=2, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-                       tie_word_embeddings=True, max_position_embeddings=256, bos_token_id=None, eos_token_ids=(63,))
-    llm = LLM(tiny, dummy_weights=True, page_size=1, kv_cache_tokens=64, max_running_reqs=2, max_seq_len=32,
-              max_prefill_tokens=64, seed=0, verify=True, overlap=False)
+    tiny = ModelConfig(
+        arch="qwen3",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_ids=(63,),
+    )
+    llm = LLM(
+        tiny,
+        dummy_weights=True,
+        page_size=1,
+        kv_cache_tokens=64,
+        max_running_reqs=2,
+        max_seq_len=32,
+        max_prefill_tokens=64,
+        seed=0,
+        verify=True,
+        overlap=False,
+    )
     greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
     llm.generate([[1, 2, 3, 4, 5]], [greedy], use_tqdm=False)
     with shared(TRUSTS_WHOLE_EDGE):

@@ -3,35 +3,44 @@ and turns back into the same line."""
 
 import pytest
 
-from kvledger.engine.ledger.ops import Decode, InvalidOp, Prefill, Submit, parse, to_json
-from kvledger.engine.ledger.cache_scheduler import CacheScheduler
 from kvledger import reference
+from kvledger.engine.ledger.cache_scheduler import CacheScheduler
+from kvledger.engine.ledger.ops import Decode, InvalidOp, Prefill, Submit, parse, to_json
 
 
-@pytest.mark.parametrize("line", [
-    {"op": "submit", "uid": 3, "tokens": [1, 2, 3], "max_tokens": 4},
-    {"op": "prefill", "budget": 64, "sample": [7], "stop": [3]},
-    {"op": "decode", "sample": [], "stop": []},
-    {"op": "finish", "uid": 1}, {"op": "abort", "uid": 2}, {"op": "evict", "tokens": 16},
-    {"op": "probe", "tokens": [1, 2]},
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        {"op": "submit", "uid": 3, "tokens": [1, 2, 3], "max_tokens": 4},
+        {"op": "prefill", "budget": 64, "sample": [7], "stop": [3]},
+        {"op": "decode", "sample": [], "stop": []},
+        {"op": "finish", "uid": 1},
+        {"op": "abort", "uid": 2},
+        {"op": "evict", "tokens": 16},
+        {"op": "probe", "tokens": [1, 2]},
+    ],
+)
 def test_a_line_round_trips(line):
     assert to_json(parse(line)) == line
     assert parse({**line, "expect": {"batch": [1]}}) == parse(line)  # expect belongs to the trace
 
 
-@pytest.mark.parametrize("line,words", [
-    ({"op": "fly"}, "unknown operation"),
-    ({"op": "submit", "uid": 1, "tokens": [1], "max_token": 4}, "unknown field(s) ['max_token']"),
-    ({"op": "submit", "uid": 1, "tokens": [1]}, "missing field 'max_tokens'"),
-    ({"op": "submit", "uid": "1", "tokens": [1], "max_tokens": 4}, "uid must be an integer"),
-    ({"op": "submit", "uid": True, "tokens": [1], "max_tokens": 4}, "uid must be an integer"),
-    ({"op": "prefill", "budget": 8, "sample": "7"}, "sample must be a list of integers"),
-    ({"op": "probe", "tokens": [1, 2.5]}, "tokens must be a list of integers"),
-])
+@pytest.mark.parametrize(
+    "line,words",
+    [
+        ({"op": "fly"}, "unknown operation"),
+        ({"op": "submit", "uid": 1, "tokens": [1], "max_token": 4}, "unknown field(s) ['max_token']"),
+        ({"op": "submit", "uid": 1, "tokens": [1]}, "missing field 'max_tokens'"),
+        ({"op": "submit", "uid": "1", "tokens": [1], "max_tokens": 4}, "uid must be an integer"),
+        ({"op": "submit", "uid": True, "tokens": [1], "max_tokens": 4}, "uid must be an integer"),
+        ({"op": "prefill", "budget": 8, "sample": "7"}, "sample must be a list of integers"),
+        ({"op": "probe", "tokens": [1, 2.5]}, "tokens must be a list of integers"),
+    ],
+)
 def test_a_bad_line_is_an_invalid_op_naming_the_field(line, words):
-    with pytest.raises(InvalidOp, match=words.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
-                       .replace(")", r"\)")):
+    with pytest.raises(
+        InvalidOp, match=words.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(").replace(")", r"\)")
+    ):
         parse(line)
 
 

@@ -20,10 +20,19 @@ from kvledger.reference.admission_policy import RESERVE
 from tests.support.ledger import OPTIMISTIC, PREEMPT_THEN_HIT, drive, sched
 
 
-def header(num_pages, admission="optimistic", page_size=1, cache_type="radix", table_slots=4, max_seq_len=16,
-           reserve_ratio=0.0):
-    return Header(num_pages=num_pages, page_size=page_size, cache_type=cache_type, table_slots=table_slots,
-                  max_seq_len=max_seq_len, admission=admission, reserve_ratio=reserve_ratio, producer="test")
+def header(
+    num_pages, admission="optimistic", page_size=1, cache_type="radix", table_slots=4, max_seq_len=16, reserve_ratio=0.0
+):
+    return Header(
+        num_pages=num_pages,
+        page_size=page_size,
+        cache_type=cache_type,
+        table_slots=table_slots,
+        max_seq_len=max_seq_len,
+        admission=admission,
+        reserve_ratio=reserve_ratio,
+        producer="test",
+    )
 
 
 def tokens(ids):
@@ -122,8 +131,11 @@ def test_a_mid_chunk_victim_keeps_its_queue_entry_and_the_queue_is_in_admission_
         assert d.waiting[1] is entries[name] and d.waiting[1].chunked_req is None, name  # the same entry
         assert tokens(d.waiting[1].input_ids) == [3] * 6 and d.waiting[1].output_len == 1, name
         assert list(d.live) == [0] and d.preemptions == 2, name
-    assert {"preempt: mid-chunk", "preempt: a request outside the step's batch",
-            "preempt: several victims in one step"} <= set(noted)
+    assert {
+        "preempt: mid-chunk",
+        "preempt: a request outside the step's batch",
+        "preempt: several victims in one step",
+    } <= set(noted)
 
 
 def test_under_reserve_the_same_operations_never_preempt():
@@ -173,7 +185,9 @@ def test_a_preempted_request_aborted_while_waiting_leaves_nothing_behind(noted):
 
 
 # -- trace versions -------------------------------------------------------------------------------
-V1_HEADER = '{"kvledger_trace": 1, "num_pages": 9, "page_size": 1, "cache_type": "radix", "table_slots": 4, "max_seq_len": 16}'
+V1_HEADER = (
+    '{"kvledger_trace": 1, "num_pages": 9, "page_size": 1, "cache_type": "radix", "table_slots": 4, "max_seq_len": 16}'
+)
 
 
 def test_a_version_1_trace_replays_as_reserve_and_is_written_back_as_version_2():
@@ -214,9 +228,17 @@ def test_victims_are_the_newest_never_the_oldest_and_resume_where_they_stopped(n
     for seed in range(30):
         rng = random.Random(seed)
         ps = rng.choice([1, 2, 4])
-        lock = Lockstep(header(max(3, 24 // ps), page_size=ps, cache_type=rng.choice(["radix", "naive"]),
-                               table_slots=rng.randint(2, 6), max_seq_len=64, admission=admission,
-                               reserve_ratio=rng.choice([0.0, 0.25, 0.5])))
+        lock = Lockstep(
+            header(
+                max(3, 24 // ps),
+                page_size=ps,
+                cache_type=rng.choice(["radix", "naive"]),
+                table_slots=rng.randint(2, 6),
+                max_seq_len=64,
+                admission=admission,
+                reserve_ratio=rng.choice([0.0, 0.25, 0.5]),
+            )
+        )
         ref, pool, uid = lock.ref, lock.header.num_pages * ps, 0
         max_len = {}  # uid -> len(prompt) + max_tokens, at submission
         for _ in range(100):
@@ -224,8 +246,9 @@ def test_victims_are_the_newest_never_the_oldest_and_resume_where_they_stopped(n
             if r < 0.2:
                 n = rng.randint(1, 10)
                 mt = rng.randint(1, max(1, pool + 1 - n))
-                lock.apply({"op": "submit", "uid": uid, "tokens": [rng.randint(0, 2) for _ in range(n)],
-                            "max_tokens": mt})
+                lock.apply(
+                    {"op": "submit", "uid": uid, "tokens": [rng.randint(0, 2) for _ in range(n)], "max_tokens": mt}
+                )
                 max_len[uid], uid = n + mt, uid + 1
                 continue
             if r < 0.4 and ref.waiting:
@@ -259,8 +282,11 @@ def test_victims_are_the_newest_never_the_oldest_and_resume_where_they_stopped(n
         assert ref.preemptions == lock.fast.preemptions
         assert ref.policy == lock.fast.policy  # adaptive: both learned the same ratio
     assert preempted >= 30  # 38 on the code this was written against: seeded, so it moves only with the code
-    assert {"preempt: the same request preempted twice", "preempt: re-prefill hits the prefix cache",
-            "preempt: a preempted request aborted while waiting"} <= set(noted)
+    assert {
+        "preempt: the same request preempted twice",
+        "preempt: re-prefill hits the prefix cache",
+        "preempt: a preempted request aborted while waiting",
+    } <= set(noted)
     assert ("adaptive: the reserve ratio changed" in noted) == (admission == "adaptive")
 
 
@@ -316,14 +342,17 @@ def test_a_readmission_that_finds_nothing_cached_recomputes_everything(noted):
 
 def test_a_victim_waits_at_the_queue_head_before_requests_never_admitted():
     s = sched(reference, num_pages=9, max_seq_len=16, admission=OPTIMISTIC)
-    drive(s, [
-        {"op": "submit", "uid": 0, "tokens": [1, 1, 1], "max_tokens": 3},
-        {"op": "submit", "uid": 1, "tokens": [2, 2, 2], "max_tokens": 5},
-        {"op": "prefill", "budget": 64, "sample": [10, 20]},
-        {"op": "submit", "uid": 2, "tokens": [3, 3], "max_tokens": 2},
-        {"op": "submit", "uid": 3, "tokens": [4, 4], "max_tokens": 2},
-        {"op": "decode", "sample": [11, 21]},
-    ])
+    drive(
+        s,
+        [
+            {"op": "submit", "uid": 0, "tokens": [1, 1, 1], "max_tokens": 3},
+            {"op": "submit", "uid": 1, "tokens": [2, 2, 2], "max_tokens": 5},
+            {"op": "prefill", "budget": 64, "sample": [10, 20]},
+            {"op": "submit", "uid": 2, "tokens": [3, 3], "max_tokens": 2},
+            {"op": "submit", "uid": 3, "tokens": [4, 4], "max_tokens": 2},
+            {"op": "decode", "sample": [11, 21]},
+        ],
+    )
     assert s.decode([12])["preempted"] == [1]
     assert [p.uid for p in s.waiting] == [1, 2, 3]
 

@@ -6,9 +6,9 @@ LRU stamps) desynchronised the two sides. A stop on an empty step is refused too
 import pytest
 
 from kvledger.engine.ledger import trace
-from kvledger.engine.ledger.ops import InvalidOp
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler
 from kvledger.engine.ledger.invariants import tolist
+from kvledger.engine.ledger.ops import InvalidOp
 from kvledger.properties.lockstep import Lockstep, replay
 from kvledger.properties.machine import EvictionOrderWatch
 
@@ -49,13 +49,16 @@ def _lockstep(ops=SETUP):
     return lock
 
 
-@pytest.mark.parametrize("op", [
-    {"op": "prefill", "budget": 3, "sample": [0], "stop": [3]},  # uid 2 takes the whole budget
-    {"op": "prefill", "budget": 4, "sample": [0], "stop": [3]},
-    {"op": "prefill", "budget": 3, "sample": [0], "stop": [2]},  # uid 2 is left mid-chunk
-    {"op": "prefill", "budget": 64, "sample": [0], "stop": [2, 3, 1]},  # uid 1 runs: known up front
-    {"op": "prefill", "budget": 64, "sample": [0], "stop": [2, 2]},
-])
+@pytest.mark.parametrize(
+    "op",
+    [
+        {"op": "prefill", "budget": 3, "sample": [0], "stop": [3]},  # uid 2 takes the whole budget
+        {"op": "prefill", "budget": 4, "sample": [0], "stop": [3]},
+        {"op": "prefill", "budget": 3, "sample": [0], "stop": [2]},  # uid 2 is left mid-chunk
+        {"op": "prefill", "budget": 64, "sample": [0], "stop": [2, 3, 1]},  # uid 1 runs: known up front
+        {"op": "prefill", "budget": 64, "sample": [0], "stop": [2, 2]},
+    ],
+)
 @pytest.mark.parametrize("side", ["ref", "fast"])
 def test_a_refused_prefill_leaves_the_scheduler_as_it_was(side, op):
     lock = _lockstep()
@@ -66,8 +69,10 @@ def test_a_refused_prefill_leaves_the_scheduler_as_it_was(side, op):
         sched.apply(dict(op))
     assert _state(sched) == before
     # whoever held a part of the scheduler still holds the live one
-    assert all(a is b for a, b in zip(held, (sched.cm, sched.cm.prefix_cache, sched.tm, sched.dm,
-                                             sched.page_table, sched.waiting)))
+    assert all(
+        a is b
+        for a, b in zip(held, (sched.cm, sched.cm.prefix_cache, sched.tm, sched.dm, sched.page_table, sched.waiting))
+    )
 
 
 def test_both_sides_agree_after_a_refused_prefill_and_the_trace_replays():

@@ -9,14 +9,27 @@ import torch
 from kvledger.engine.model.config import ModelConfig
 from kvledger.engine.model.kv_pool import FP8, FP8_MAX, KVPool
 from kvledger.engine.model.kv_scales import HEADROOM, calibrate_kv_scales, calibration_ids
-from kvledger.engine.runtime.llm import LLM
 from kvledger.engine.options import EngineOptionError
+from kvledger.engine.runtime.llm import LLM
 from kvledger.fast import SamplingParams
 from tests.support.paths import ROOT
 
-TINY = ModelConfig(arch="qwen3", vocab_size=307, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                   num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-                   max_position_embeddings=512, bos_token_id=None, eos_token_ids=())
+TINY = ModelConfig(
+    arch="qwen3",
+    vocab_size=307,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    max_position_embeddings=512,
+    bos_token_id=None,
+    eos_token_ids=(),
+)
 
 
 def test_the_pool_stores_a_scaled_e4m3_value_and_reads_it_back_within_its_precision():
@@ -31,9 +44,9 @@ def test_the_pool_stores_a_scaled_e4m3_value_and_reads_it_back_within_its_precis
         kk, vv = pool.gather(layer, loc)
         assert kk.dtype == torch.bfloat16 and kk.shape == (2, 5, 8)
         # e4m3 keeps 3 mantissa bits: a normal value is within 2^-4 of itself (plus bf16's rounding)
-        rel = ((kk.float() - k.transpose(0, 1).float()).abs() / k.transpose(0, 1).float().abs().clamp_min(1e-3))
-        normal = (k.transpose(0, 1).float().abs() / scale) >= 2 ** -6
-        assert rel[normal].max() <= 2 ** -4 + 2 ** -7
+        rel = (kk.float() - k.transpose(0, 1).float()).abs() / k.transpose(0, 1).float().abs().clamp_min(1e-3)
+        normal = (k.transpose(0, 1).float().abs() / scale) >= 2**-6
+        assert rel[normal].max() <= 2**-4 + 2**-7
         assert torch.equal(pool.gather(layer, loc)[0], pool.round_trip(layer, k, v)[0].transpose(0, 1))
         # the raw bytes are value / scale in e4m3
         raw = pool.k[layer][:, loc].float()
@@ -64,10 +77,10 @@ def test_calibrated_scales_are_the_layers_peak_with_headroom_and_keep_values_out
     model(ids, attn.positions, attn)
     model.kv_pool = pool
     for layer in range(len(plain.v)):
-        peak = float(plain.v[layer][:, :len(ids)].abs().max())
+        peak = float(plain.v[layer][:, : len(ids)].abs().max())
         assert v_scales[layer] == pytest.approx(peak * HEADROOM / FP8_MAX)
-        stored = plain.v[layer][:, :len(ids)].abs() / v_scales[layer]
-        assert float((stored[stored > 0] < 2 ** -6).float().mean()) < 0.05  # scale 1.0 leaves 47% in layer 0
+        stored = plain.v[layer][:, : len(ids)].abs() / v_scales[layer]
+        assert float((stored[stored > 0] < 2**-6).float().mean()) < 0.05  # scale 1.0 leaves 47% in layer 0
 
 
 def test_fp8_engine_agrees_with_the_bf16_cache_teacher_forced_on_real_text():
@@ -85,8 +98,16 @@ def test_the_fp8_pool_holds_half_the_bytes_and_the_ledger_is_unchanged():
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     pools = {}
     for kv in ("auto", "fp8_e4m3"):
-        with LLM(TINY, dummy_weights=True, dtype="bfloat16", kv_cache_dtype=kv, threads=1, verify=True,
-                 page_size=4, kv_cache_tokens=256) as llm:
+        with LLM(
+            TINY,
+            dummy_weights=True,
+            dtype="bfloat16",
+            kv_cache_dtype=kv,
+            threads=1,
+            verify=True,
+            page_size=4,
+            kv_cache_tokens=256,
+        ) as llm:
             outs = llm.generate(prompts, params)
             assert all(len(o.token_ids) == 6 for o in outs)
             pools[kv] = llm.model.kv_pool.k_buffer.nbytes + llm.model.kv_pool.v_buffer.nbytes

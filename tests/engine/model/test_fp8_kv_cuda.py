@@ -18,8 +18,17 @@ DEVICE = "cuda"
 
 
 def _pool(kv_heads, head_dim, tokens, k_scale, v_scale, g):
-    pool = KVPool(1, tokens, kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE, kv_dtype=FP8,
-                  k_scales=[k_scale], v_scales=[v_scale])
+    pool = KVPool(
+        1,
+        tokens,
+        kv_heads,
+        head_dim,
+        dtype=torch.bfloat16,
+        device=DEVICE,
+        kv_dtype=FP8,
+        k_scales=[k_scale],
+        v_scales=[v_scale],
+    )
     k = torch.randn(kv_heads, tokens + 1, head_dim, generator=g) * k_scale * 40
     v = torch.randn(kv_heads, tokens + 1, head_dim, generator=g) * v_scale * 40
     pool.k[0].copy_(KVPool.quantize(k, k_scale).to(DEVICE))
@@ -34,7 +43,7 @@ def _oracle(pool, q, batch, heads, kv_heads):
         k, v = pool.gather(0, locs)
         k = k.float().repeat_interleave(heads // kv_heads, 0)
         v = v.float().repeat_interleave(heads // kv_heads, 0)
-        qi = q[t:t + n].float().transpose(0, 1)
+        qi = q[t : t + n].float().transpose(0, 1)
         mask = torch.arange(seq, device=q.device)[None, :] <= torch.arange(cached, seq, device=q.device)[:, None]
         outs.append(torch.nn.functional.scaled_dot_product_attention(qi, k, v, attn_mask=mask).transpose(0, 1))
         t += n
@@ -52,7 +61,7 @@ def test_fp8_decode_kernel_matches_the_dequantized_oracle(seed):
     table = torch.zeros(len(seq) + 1, width, dtype=torch.int32)
     perm = torch.randperm(len(seq) * width, generator=g)
     for r in range(len(seq)):
-        table[r + 1] = perm[r * width:(r + 1) * width]
+        table[r + 1] = perm[r * width : (r + 1) * width]
     pool = _pool(kv_heads, head_dim, len(seq) * width, [0.01, 0.05, 0.003][seed], [0.02, 0.004, 0.1][seed], g)
     table = table.to(DEVICE)
     rows = torch.arange(1, len(seq) + 1, device=DEVICE)
@@ -62,8 +71,19 @@ def test_fp8_decode_kernel_matches_the_dequantized_oracle(seed):
     ws = DecodeWorkspace(8, heads, head_dim, 16, DEVICE)
     seq_t = torch.tensor(seq, dtype=torch.int32, device=DEVICE)
     for splits in (1, 4, 16):
-        out = decode_attention(q, pool.k[0], pool.v[0], pool.token_dim, table, rows, seq_t, ws, splits,
-                               k_scale=pool.k_scale[0], v_scale=pool.v_scale[0])
+        out = decode_attention(
+            q,
+            pool.k[0],
+            pool.v[0],
+            pool.token_dim,
+            table,
+            rows,
+            seq_t,
+            ws,
+            splits,
+            k_scale=pool.k_scale[0],
+            v_scale=pool.v_scale[0],
+        )
         err = (out.float() - expected).norm() / expected.norm()
         assert not torch.isnan(out).any() and err < 2e-2, f"{splits} splits: relative error {err:.2e}"
 
@@ -98,15 +118,30 @@ def test_the_fused_store_kernel_writes_what_the_pool_quantizer_writes():
 
     g = torch.Generator().manual_seed(5)
     heads, kv_heads, head_dim, t = 8, 2, 64, 33
-    pool = KVPool(1, 64, kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE, kv_dtype=FP8,
-                  k_scales=[0.01], v_scales=[0.003])
+    pool = KVPool(
+        1, 64, kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE, kv_dtype=FP8, k_scales=[0.01], v_scales=[0.003]
+    )
     qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=g).to(DEVICE, torch.bfloat16)
     positions = torch.arange(t, device=DEVICE)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim))
     out_loc = torch.randperm(64, generator=g)[:t].to(DEVICE)
-    fused_ops.qk_norm_rope_store(qkv, positions, inv_freq, None, None, 0.0, heads, kv_heads, pool.k[0], pool.v[0],
-                                 pool.token_dim, out_loc, 0.01, 0.003)
-    v = qkv[:, (heads + kv_heads) * head_dim:].view(t, kv_heads, head_dim)
+    fused_ops.qk_norm_rope_store(
+        qkv,
+        positions,
+        inv_freq,
+        None,
+        None,
+        0.0,
+        heads,
+        kv_heads,
+        pool.k[0],
+        pool.v[0],
+        pool.token_dim,
+        out_loc,
+        0.01,
+        0.003,
+    )
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(t, kv_heads, head_dim)
     want = KVPool.quantize(v.transpose(0, 1), 0.003)
     got = pool.v[0][:, out_loc]
     same = (got.view(torch.uint8) == want.view(torch.uint8)).float().mean()
@@ -119,8 +154,17 @@ def test_fp8_engine_with_graphs_and_overlap_matches_its_eager_serial_self(dtype)
 
     cfg = tiny_qwen3()
     prompts, params = nano_like(40, seed=0)
-    kw = dict(dummy_weights=True, device="cuda", dtype=dtype, kv_cache_dtype="fp8_e4m3", page_size=16,
-              kv_cache_tokens=20000, max_running_reqs=40, max_seq_len=512, max_prefill_tokens=512)
+    kw = dict(
+        dummy_weights=True,
+        device="cuda",
+        dtype=dtype,
+        kv_cache_dtype="fp8_e4m3",
+        page_size=16,
+        kv_cache_tokens=20000,
+        max_running_reqs=40,
+        max_seq_len=512,
+        max_prefill_tokens=512,
+    )
     with LLM(cfg, cuda_graphs=False, overlap=False, **kw) as eager:
         assert eager.model.kv_pool.quantized
         expected = [o.token_ids for o in eager.generate(prompts, params)]

@@ -9,8 +9,8 @@ import torch
 triton = pytest.importorskip("triton")
 
 from kvledger.engine.model import fused_ops  # noqa: E402
-from kvledger.engine.model.layers import RMSNorm, RotaryEmbedding  # noqa: E402
 from kvledger.engine.model.kv_pool import KVPool  # noqa: E402
+from kvledger.engine.model.layers import RMSNorm, RotaryEmbedding  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -52,8 +52,19 @@ def test_qk_norm_rope_store(dtype, qk_norm):
         kn.weight.data = torch.randn(dim, generator=g).to(DEVICE, dtype)
     pool = KVPool(1, 40, kv_heads, dim, dtype=dtype, device=DEVICE)
     q = fused_ops.qk_norm_rope_store(
-        qkv, positions, rotary.inv_freq.to(DEVICE), qn.weight if qk_norm else None, kn.weight if qk_norm else None,
-        1e-6, heads, kv_heads, pool.k[0], pool.v[0], pool.token_dim, out_loc)
+        qkv,
+        positions,
+        rotary.inv_freq.to(DEVICE),
+        qn.weight if qk_norm else None,
+        kn.weight if qk_norm else None,
+        1e-6,
+        heads,
+        kv_heads,
+        pool.k[0],
+        pool.v[0],
+        pool.token_dim,
+        out_loc,
+    )
     q_ref, k_ref, v_ref = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     q_ref, k_ref, v_ref = q_ref.view(t, heads, dim), k_ref.view(t, kv_heads, dim), v_ref.view(t, kv_heads, dim)
     if qk_norm:

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from kvledger.engine.attention import AttentionBatch
 from kvledger.engine.model import tokenizer as tokenizer_mod
 from kvledger.engine.model import weights as weights_mod
-from kvledger.engine.attention import AttentionBatch
 from kvledger.engine.model.config import ModelConfig, builtin_config
 from kvledger.engine.model.kv_pool import KVPool
 from kvledger.engine.model.model import CausalLM

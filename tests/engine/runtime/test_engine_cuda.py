@@ -20,9 +20,18 @@ def test_engine_on_cuda_matches_transformers_greedy_float32(tmp_path, attention)
     from kvledger.fast import SamplingParams
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
     hf = LlamaForCausalLM(cfg).eval()
     for p in hf.parameters():  # larger weights so greedy picks are not near-ties
         p.data.normal_(0, 0.08)
@@ -35,12 +44,27 @@ def test_engine_on_cuda_matches_transformers_greedy_float32(tmp_path, attention)
     for ids in prompts:
         x = torch.tensor([ids], device="cuda")
         with torch.inference_mode():
-            out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, min_new_tokens=12,
-                              do_sample=False, pad_token_id=0)
-        expected.append(out[0, len(ids):].tolist())
+            out = hf.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=12,
+                min_new_tokens=12,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        expected.append(out[0, len(ids) :].tolist())
     for page_size, cache, budget in [(1, "radix", 32), (16, "naive", 2048), (16, "radix", 48)]:
-        llm = LLM(str(tmp_path), device="cuda", attention=attention, page_size=page_size, cache_type=cache, kv_cache_tokens=4096,
-                  max_seq_len=256, max_prefill_tokens=budget, verify=True)
+        llm = LLM(
+            str(tmp_path),
+            device="cuda",
+            attention=attention,
+            page_size=page_size,
+            cache_type=cache,
+            kv_cache_tokens=4096,
+            max_seq_len=256,
+            max_prefill_tokens=budget,
+            verify=True,
+        )
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
         assert [o.token_ids for o in outs] == expected, (attention, page_size, cache)
 
@@ -49,13 +73,21 @@ def test_engine_on_cuda_matches_transformers_greedy_float32(tmp_path, attention)
 def test_cuda_graphs_and_overlap_match_the_eager_serial_engine(dtype, tmp_path):
     """Decode steps replayed from CUDA graphs, scheduled one step ahead, give the tokens of eager
     serial steps; batch sizes cross several captured sizes (40 requests, 6 slots .. 40)."""
+    from kvledger.engine.ledger.trace import read
     from kvledger.engine.runtime.llm import LLM
     from kvledger.properties.lockstep import replay
-    from kvledger.engine.ledger.trace import read
 
     prompts, params = nano_like()
-    kw = dict(dummy_weights=True, device="cuda", dtype=dtype, page_size=16, kv_cache_tokens=20000,
-              max_running_reqs=40, max_seq_len=512, max_prefill_tokens=512)
+    kw = dict(
+        dummy_weights=True,
+        device="cuda",
+        dtype=dtype,
+        page_size=16,
+        kv_cache_tokens=20000,
+        max_running_reqs=40,
+        max_seq_len=512,
+        max_prefill_tokens=512,
+    )
     eager = LLM(tiny_qwen3(), cuda_graphs=False, overlap=False, **kw)
     assert eager.engine.graphs is None and eager.model.uses_fused_path()
     expected = [o.token_ids for o in eager.generate(prompts, params)]
@@ -74,10 +106,21 @@ def test_overlap_with_graphs_under_shadow_verification():
     from kvledger.fast import SamplingParams
 
     prompts, params = nano_like(n=24, seed=1)
-    params = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens) if i % 4 == 0 else p
-              for i, p in enumerate(params)]  # some may stop at EOS (token 5)
-    llm = LLM(tiny_qwen3(), dummy_weights=True, device="cuda", dtype="bfloat16", page_size=4, kv_cache_tokens=3000,
-              max_running_reqs=12, max_seq_len=512, max_prefill_tokens=256, verify=True)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=p.max_tokens) if i % 4 == 0 else p for i, p in enumerate(params)
+    ]  # some may stop at EOS (token 5)
+    llm = LLM(
+        tiny_qwen3(),
+        dummy_weights=True,
+        device="cuda",
+        dtype="bfloat16",
+        page_size=4,
+        kv_cache_tokens=3000,
+        max_running_reqs=12,
+        max_seq_len=512,
+        max_prefill_tokens=256,
+        verify=True,
+    )
     outs = llm.generate(prompts, params)
     assert all(o.finish_reason in ("length", "stop") for o in outs)
     assert llm.shadow.steps > 50
@@ -89,8 +132,17 @@ def test_a_graph_decode_launch_never_waits_for_the_gpu():
     from kvledger.engine.runtime.llm import LLM
 
     prompts, params = nano_like(n=16, seed=2)
-    llm = LLM(tiny_qwen3(), dummy_weights=True, device="cuda", dtype="bfloat16", page_size=16, kv_cache_tokens=20000,
-              max_running_reqs=16, max_seq_len=512, max_prefill_tokens=4096)
+    llm = LLM(
+        tiny_qwen3(),
+        dummy_weights=True,
+        device="cuda",
+        dtype="bfloat16",
+        page_size=16,
+        kv_cache_tokens=20000,
+        max_running_reqs=16,
+        max_seq_len=512,
+        max_prefill_tokens=4096,
+    )
     s = llm.engine
     for p, sp in zip(prompts, params):
         llm._submit(p, sp)
@@ -125,8 +177,15 @@ def test_heavy_preemption_on_cuda_changes_no_greedy_token(dtype):
     from kvledger.engine.runtime.llm import LLM
 
     prompts, params = nano_like(n=24, seed=2)
-    kw = dict(dummy_weights=True, device="cuda", dtype=dtype, page_size=16, max_running_reqs=24, max_seq_len=512,
-              max_prefill_tokens=256)
+    kw = dict(
+        dummy_weights=True,
+        device="cuda",
+        dtype=dtype,
+        page_size=16,
+        max_running_reqs=24,
+        max_seq_len=512,
+        max_prefill_tokens=256,
+    )
     expected = [o.token_ids for o in LLM(tiny_qwen3(), kv_cache_tokens=20000, **kw).generate(prompts, params)]
     small = LLM(tiny_qwen3(), kv_cache_tokens=320, admission="optimistic", reserve_ratio=0.0, verify=True, **kw)
     assert small.engine.overlap.enabled and small.engine.graphs is not None

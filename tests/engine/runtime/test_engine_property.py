@@ -49,9 +49,22 @@ from kvledger.reference.pages import tokens_to_finish
 
 VOCAB = 256
 EOS = 7
-CONFIG = ModelConfig(arch="qwen3", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
-                     num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-                     tie_word_embeddings=False, max_position_embeddings=128, bos_token_id=None, eos_token_ids=(EOS,))
+CONFIG = ModelConfig(
+    arch="qwen3",
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    max_position_embeddings=128,
+    bos_token_id=None,
+    eos_token_ids=(EOS,),
+)
 MAX_SEQ_LEN = 64
 MAX_TOKENS = 16
 MAX_EXAMPLES = 120
@@ -136,12 +149,21 @@ def alone(prompt: Tuple[int, ...]) -> List[int]:
     if prompt not in _ALONE:
         if not _ALONE_ENGINE:
             # naive cache: no prefix survives a request, so every run is that of a fresh engine
-            _ALONE_ENGINE.append(make_engine(cache_type="naive", page_size=4, kv_cache_tokens=1024,
-                                             max_prefill_tokens=1024, max_running_reqs=2, overlap=False,
-                                             verify=False))
+            _ALONE_ENGINE.append(
+                make_engine(
+                    cache_type="naive",
+                    page_size=4,
+                    kv_cache_tokens=1024,
+                    max_prefill_tokens=1024,
+                    max_running_reqs=2,
+                    overlap=False,
+                    verify=False,
+                )
+            )
         llm = _ALONE_ENGINE[0]
-        [out] = llm.generate([list(prompt)], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS),
-                             use_tqdm=False)
+        [out] = llm.generate(
+            [list(prompt)], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS), use_tqdm=False
+        )
         assert out.finish_reason == "length" and out.cached_tokens == 0 and len(out.token_ids) == MAX_TOKENS
         _ALONE[prompt] = out.token_ids
     return _ALONE[prompt]
@@ -223,8 +245,9 @@ def run_case(data) -> None:
         stop = []
         if data.draw(st.integers(0, 2)) == 2:  # a token it will produce: an early stop
             stop = [data.draw(st.sampled_from(ref[:max_tokens]))]
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop,
-                                ignore_eos=data.draw(st.booleans()))
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop, ignore_eos=data.draw(st.booleans())
+        )
         arrival = data.draw(st.sampled_from([0, 0, 0, 1, 3, 8, 20]))
         abort = None
         if data.draw(st.integers(0, 4)) == 4:
@@ -298,7 +321,8 @@ def run_case(data) -> None:
         else:
             assert (tokens[uid], reasons[uid]) == (want, why), (
                 f"request {uid} (prompt {list(prompt)}, {params}) under {options}: "
-                f"got {tokens[uid]} ({reasons[uid]}), alone {want} ({why})")
+                f"got {tokens[uid]} ({reasons[uid]}), alone {want} ({why})"
+            )
             if why == "stop" and len(want) < params.max_tokens:
                 seen.add("early stop")
 
@@ -327,8 +351,14 @@ def run_case(data) -> None:
     COUNTS["steps"] += step
 
 
-@settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None, print_blob=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=MAX_EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(st.data())
 def _property(data):
     run_case(data)

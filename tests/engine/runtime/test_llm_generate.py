@@ -7,19 +7,21 @@ import os
 import pytest
 import torch
 
+from kvledger.engine.ledger.trace import read
 from kvledger.engine.model.default_model import default_model_path
 from kvledger.engine.runtime.llm import LLM
 from kvledger.fast import SamplingParams
 from kvledger.properties.lockstep import replay
-from kvledger.engine.ledger.trace import read
 
 try:
     MODEL = default_model_path()
 except FileNotFoundError as e:  # pragma: no cover - the set-up installs it
     pytest.skip(str(e), allow_module_level=True)
 
-SHARED = ("Paged attention stores the key and value vectors of every token in fixed-size pages, "
-          "and a page table maps each sequence position to a location in the pool. ")
+SHARED = (
+    "Paged attention stores the key and value vectors of every token in fixed-size pages, "
+    "and a page table maps each sequence position to a location in the pool. "
+)
 PROMPTS = [
     "The capital of France is",
     "List three prime numbers:",
@@ -43,22 +45,37 @@ def small_llm():
 def transformers_greedy(small_llm):
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(MODEL), gguf_file=os.path.basename(MODEL),
-                                              dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(MODEL), gguf_file=os.path.basename(MODEL), dtype=torch.float32
+    ).eval()
     outs = []
     for p in PROMPTS:
         ids = torch.tensor([small_llm.encode(p)])
         with torch.inference_mode():
-            gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                              do_sample=False, pad_token_id=small_llm.tokenizer.eos_token_id)
-        outs.append(gen[0, ids.shape[1]:].tolist())
+            gen = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=small_llm.tokenizer.eos_token_id,
+            )
+        outs.append(gen[0, ids.shape[1] :].tolist())
     return outs
 
 
-@pytest.mark.parametrize("page_size,cache_type,budget", [(1, "radix", 24), (16, "radix", 24), (1, "naive", 2048), (16, "naive", 24)])
+@pytest.mark.parametrize(
+    "page_size,cache_type,budget", [(1, "radix", 24), (16, "radix", 24), (1, "naive", 2048), (16, "naive", 24)]
+)
 def test_greedy_matches_transformers(transformers_greedy, page_size, cache_type, budget):
-    llm = LLM(page_size=page_size, cache_type=cache_type, kv_cache_tokens=4096, max_running_reqs=16,
-              max_seq_len=512, max_prefill_tokens=budget, verify=True)
+    llm = LLM(
+        page_size=page_size,
+        cache_type=cache_type,
+        kv_cache_tokens=4096,
+        max_running_reqs=16,
+        max_seq_len=512,
+        max_prefill_tokens=budget,
+        verify=True,
+    )
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS))
     assert [o.token_ids for o in outs] == transformers_greedy
     if budget < 40:
@@ -94,15 +111,22 @@ def test_pool_too_small_gives_the_same_tokens(small_llm):
 
 def test_the_seeds_64_page_example_with_the_real_model(capsys):
     llm = LLM(page_size=1, kv_cache_tokens=64, cache_type="naive", max_running_reqs=8, max_seq_len=128)
-    prompts = ["The capital of France is", "List three prime numbers:", "def fibonacci(n):",
-               "Once upon a time, in a small village by the sea, there lived", "1 + 1 ="]
+    prompts = [
+        "The capital of France is",
+        "List three prime numbers:",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village by the sea, there lived",
+        "1 + 1 =",
+    ]
     d = llm.engine.ledger
     rows = []
 
     def trace(phase, batch):
         rows.append((phase, [r.uid for r in batch], len(d.waiting), len(d.cm.free_slots), d.dm.inflight_tokens))
-        print(f"  {phase:<7} uids={[r.uid for r in batch]!s:<16} waiting={len(d.waiting)} "
-              f"free pages={len(d.cm.free_slots):<3} reserved for running={d.dm.inflight_tokens}")
+        print(
+            f"  {phase:<7} uids={[r.uid for r in batch]!s:<16} waiting={len(d.waiting)} "
+            f"free pages={len(d.cm.free_slots):<3} reserved for running={d.dm.inflight_tokens}"
+        )
 
     d.after_forward = trace
     print("prompt lengths:", [len(llm.encode(p)) for p in prompts], " max_tokens = 8")
@@ -119,8 +143,14 @@ def test_bad_requests_get_a_clear_error_and_the_rest_run(small_llm):
     vocab = small_llm.config.vocab_size
     outs = small_llm.generate(
         ["Hello there", "", [5, vocab + 3], "fine too", "x " * 600],
-        [SamplingParams(max_tokens=4), SamplingParams(max_tokens=4), SamplingParams(max_tokens=4),
-         SamplingParams(max_tokens=0), SamplingParams(max_tokens=4)])
+        [
+            SamplingParams(max_tokens=4),
+            SamplingParams(max_tokens=4),
+            SamplingParams(max_tokens=4),
+            SamplingParams(max_tokens=0),
+            SamplingParams(max_tokens=4),
+        ],
+    )
     ok, empty, oov, zero, long = outs
     assert ok.error is None and len(ok.token_ids) >= 1
     assert isinstance(empty.error, ValueError) and "prompt" in str(empty.error)
@@ -143,8 +173,15 @@ def test_seeded_sampling_replays_and_top_k_1_is_greedy(small_llm):
 
 def test_verify_and_trace_on_a_mixed_workload(tmp_path):
     path = tmp_path / "engine.jsonl"
-    llm = LLM(page_size=4, kv_cache_tokens=512, max_running_reqs=4, max_seq_len=256, max_prefill_tokens=32,
-              verify=True, trace=str(path))
+    llm = LLM(
+        page_size=4,
+        kv_cache_tokens=512,
+        max_running_reqs=4,
+        max_seq_len=256,
+        max_prefill_tokens=32,
+        verify=True,
+        trace=str(path),
+    )
     params = [SamplingParams(max_tokens=n, ignore_eos=bool(n % 2)) for n in (3, 9, 5, 14, 7, 2)]
     outs = llm.generate(PROMPTS[:6], params)
     llm.close()

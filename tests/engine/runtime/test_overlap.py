@@ -7,21 +7,41 @@ import random
 import pytest
 import torch
 
+from kvledger.engine.ledger.trace import read
 from kvledger.engine.model.config import ModelConfig
 from kvledger.engine.runtime.llm import LLM
 from kvledger.fast import SamplingParams
 from kvledger.properties.lockstep import replay
-from kvledger.engine.ledger.trace import read
 
-TINY = ModelConfig(arch="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                   num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
-                   max_position_embeddings=1024, bos_token_id=None, eos_token_ids=(7,))
+TINY = ModelConfig(
+    arch="qwen3",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=1024,
+    bos_token_id=None,
+    eos_token_ids=(7,),
+)
 
 
 def _llm(overlap, **kw):
     torch.set_num_threads(1)
-    opts = dict(dummy_weights=True, page_size=4, kv_cache_tokens=512, max_running_reqs=6, max_seq_len=128,
-                max_prefill_tokens=48, seed=3)
+    opts = dict(
+        dummy_weights=True,
+        page_size=4,
+        kv_cache_tokens=512,
+        max_running_reqs=6,
+        max_seq_len=128,
+        max_prefill_tokens=48,
+        seed=3,
+    )
     opts.update(kw)
     return LLM(TINY, overlap=overlap, **opts)
 

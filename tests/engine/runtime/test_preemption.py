@@ -6,9 +6,9 @@ in the reference model; the recorded trace replays on both implementations."""
 import pytest
 import torch
 
+from kvledger.engine.ledger.trace import read
 from kvledger.engine.model.default_model import default_model_path
 from kvledger.engine.runtime.llm import LLM
-from kvledger.engine.ledger.trace import read
 from kvledger.fast import SamplingParams
 from kvledger.properties.lockstep import replay
 
@@ -17,9 +17,14 @@ try:
 except FileNotFoundError as e:  # pragma: no cover - the set-up installs it
     pytest.skip(str(e), allow_module_level=True)
 
-PROMPTS = ["The capital of France is", "List three prime numbers:", "def fibonacci(n):",
-           "Once upon a time, in a small village by the sea, there lived", "1 + 1 =",
-           "Write a haiku about autumn leaves falling gently on a quiet river at dusk."]
+PROMPTS = [
+    "The capital of France is",
+    "List three prime numbers:",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea, there lived",
+    "1 + 1 =",
+    "Write a haiku about autumn leaves falling gently on a quiet river at dusk.",
+]
 NEW_TOKENS = 30
 ENGINE = dict(page_size=4, max_running_reqs=8, max_seq_len=256)
 
@@ -27,23 +32,35 @@ ENGINE = dict(page_size=4, max_running_reqs=8, max_seq_len=256)
 def _params(kind):
     if kind == "greedy":
         return [SamplingParams(max_tokens=NEW_TOKENS) for _ in PROMPTS]
-    return [SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=NEW_TOKENS) for i in range(len(PROMPTS))]
+    return [
+        SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=NEW_TOKENS) for i in range(len(PROMPTS))
+    ]
 
 
 @pytest.fixture(scope="module")
 def unconstrained():
     torch.set_num_threads(1)  # xdist runs one worker per core
     llm = LLM(kv_cache_tokens=4096, **ENGINE)
-    return {kind: [(o.token_ids, o.finish_reason) for o in llm.generate(PROMPTS, _params(kind))]
-            for kind in ("greedy", "seeded")}
+    return {
+        kind: [(o.token_ids, o.finish_reason) for o in llm.generate(PROMPTS, _params(kind))]
+        for kind in ("greedy", "seeded")
+    }
 
 
 @pytest.mark.parametrize("kind,overlap", [("greedy", False), ("greedy", True), ("seeded", False)])
 def test_heavy_preemption_changes_no_token(unconstrained, kind, overlap, tmp_path):
     path = tmp_path / "run.jsonl"
     # 48 tokens: the longest request alone (16 prompt + 30 output tokens) fits, two rarely do
-    llm = LLM(kv_cache_tokens=48, admission="optimistic", reserve_ratio=0.0, verify=True, overlap=overlap,
-              max_prefill_tokens=8, trace=str(path), **ENGINE)
+    llm = LLM(
+        kv_cache_tokens=48,
+        admission="optimistic",
+        reserve_ratio=0.0,
+        verify=True,
+        overlap=overlap,
+        max_prefill_tokens=8,
+        trace=str(path),
+        **ENGINE,
+    )
     got = [(o.token_ids, o.finish_reason) for o in llm.generate(PROMPTS, _params(kind))]
     llm.close()
     assert got == unconstrained[kind]

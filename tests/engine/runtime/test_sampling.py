@@ -15,15 +15,20 @@ from kvledger.fast import SamplingParams
 
 VOCAB = 64
 
-tiny_or_any_top_p = st.one_of(st.sampled_from([5e-324, 1e-46, 1e-300, 1e-8, 0.5, 1.0]),
-                              st.floats(min_value=5e-324, max_value=1.0))
+tiny_or_any_top_p = st.one_of(
+    st.sampled_from([5e-324, 1e-46, 1e-300, 1e-8, 0.5, 1.0]), st.floats(min_value=5e-324, max_value=1.0)
+)
 temperatures = st.one_of(st.sampled_from([1e-300, 1e-5, 0.7, 2.0, 100.0]), st.floats(min_value=1e-300, max_value=1e6))
 
 
 @settings(max_examples=300, deadline=None)
-@given(logits=st.lists(st.floats(min_value=-1e4, max_value=1e4), min_size=VOCAB, max_size=VOCAB),
-       temperature=temperatures, top_k=st.sampled_from([-1, 1, 2, 5, VOCAB, 10**9]), top_p=tiny_or_any_top_p,
-       seed=st.integers(0, 2**32))
+@given(
+    logits=st.lists(st.floats(min_value=-1e4, max_value=1e4), min_size=VOCAB, max_size=VOCAB),
+    temperature=temperatures,
+    top_k=st.sampled_from([-1, 1, 2, 5, VOCAB, 10**9]),
+    top_p=tiny_or_any_top_p,
+    seed=st.integers(0, 2**32),
+)
 def test_filtering_keeps_the_most_likely_token_and_sampling_never_fails(logits, temperature, top_k, top_p, seed):
     row = torch.tensor(logits, dtype=torch.float32)
     kept = filter_logits(row, temperature, top_k, top_p)
@@ -57,12 +62,22 @@ def test_a_non_finite_row_fails_that_request_alone():
     assert 0 <= result.tokens[0] < VOCAB
 
 
-@pytest.mark.parametrize("field,value,words", [
-    ("temperature", math.nan, "temperature"), ("temperature", math.inf, "temperature"),
-    ("temperature", -1.0, "temperature"), ("top_p", math.nan, "top_p"), ("top_p", 0.0, "top_p"),
-    ("top_k", 0, "top_k"), ("top_k", 2.5, "top_k"), ("max_tokens", True, "max_tokens"),
-    ("seed", 2**64, "seed"), ("seed", "7", "seed"), ("stop_token_ids", (1, "x"), "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "field,value,words",
+    [
+        ("temperature", math.nan, "temperature"),
+        ("temperature", math.inf, "temperature"),
+        ("temperature", -1.0, "temperature"),
+        ("top_p", math.nan, "top_p"),
+        ("top_p", 0.0, "top_p"),
+        ("top_k", 0, "top_k"),
+        ("top_k", 2.5, "top_k"),
+        ("max_tokens", True, "max_tokens"),
+        ("seed", 2**64, "seed"),
+        ("seed", "7", "seed"),
+        ("stop_token_ids", (1, "x"), "stop_token_ids"),
+    ],
+)
 def test_offline_sampling_params_are_validated(field, value, words):
     with pytest.raises(ValueError, match=words):
         validate_sampling(SamplingParams(**{field: value}))

@@ -82,8 +82,10 @@ def test_prompts_are_tokenized_off_the_loop_and_huge_ones_not_at_all(llm):
             assert counting.calls == 0  # refused by size alone
             r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 2})
             assert r.status_code == 200, r.text
-            r = client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2,
-                                                          "messages": [{"role": "user", "content": "Hi"}]})
+            r = client.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]},
+            )
             assert r.status_code == 200, r.text
     finally:
         llm.tokenizer = real

@@ -32,8 +32,20 @@ FAULT_SERVER = SUPPORT / "fault_injecting_server.py"
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess(["--api-key", KEY, "--max-seq-len", "512", "--kv-cache-tokens", "4096",
-                        "--timeout-header", str(HEADER_TIMEOUT), "--timeout-body", "10"]) as srv:
+    with ServerProcess(
+        [
+            "--api-key",
+            KEY,
+            "--max-seq-len",
+            "512",
+            "--kv-cache-tokens",
+            "4096",
+            "--timeout-header",
+            str(HEADER_TIMEOUT),
+            "--timeout-body",
+            "10",
+        ]
+    ) as srv:
         yield srv
         assert "Traceback" not in srv.log(tail=None)
 
@@ -53,7 +65,7 @@ def responses(server, route: str, status: int) -> float:
 
 
 def sse_events(resp: httpx.Response) -> List[str]:
-    return [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in resp.iter_lines() if line.startswith("data: ")]
 
 
 # -- 1. sampling parameters cannot kill the engine ------------------------------------------------
@@ -71,8 +83,11 @@ def test_a_vanishing_top_p_samples_the_most_likely_token(server, temperature, to
 # -- 2. malformed JSON: a 400 naming the field -----------------------------------------------------
 MALFORMED = [
     # (raw body, param, words)
-    (b'{"model": "%s", "prompt": "hi", "max_tokens": ' % MODEL.encode() + b"9" * 5000 + b"}", "max_tokens",
-     "5000 digits"),
+    (
+        b'{"model": "%s", "prompt": "hi", "max_tokens": ' % MODEL.encode() + b"9" * 5000 + b"}",
+        "max_tokens",
+        "5000 digits",
+    ),
     (b'{"model": "%s", "prompt": ' % MODEL.encode() + b"[" * 1000 + b"]" * 1000 + b"}", None, "nested"),
     (b'{"model": "%s", "prompt": ' % MODEL.encode() + b"[" * 50 + b"]" * 50 + b"}", "prompt", "nested"),
     (b'{"model": "%s", "prompt": "a\\ud800b"}' % MODEL.encode(), "prompt", "surrogate"),
@@ -81,14 +96,26 @@ MALFORMED = [
     (b'{"model": "%s", "prompt": "hi", "temperature": NaN}' % MODEL.encode(), "temperature", "not a JSON number"),
     (b'{"model": "%s", "prompt": "hi", "top_p": -Infinity}' % MODEL.encode(), "top_p", "not a JSON number"),
     (b'{"model": "%s", "prompt": "hi\xff"}' % MODEL.encode(), None, "UTF-8"),
-    (b'{"model": "%s", "prompt": "hi", "presence_penalty": ' % MODEL.encode() + b"9" * 700 + b"}",
-     "presence_penalty", "700 digits"),
-    (b'{"model": "%s", "prompt": "hi", "temperature": ' % MODEL.encode() + b"9" * 400 + b"}", "temperature",
-     "out of range"),
-    (b'{"model": "%s", "prompt": "hi", "max_tokens": ' % MODEL.encode() + b"9" * 100 + b"}", "max_tokens",
-     "100 digits"),
-    (b'{"model": "%s", "prompt": "hi", "stop_token_ids": [49152]}' % MODEL.encode(), "stop_token_ids",
-     "outside the vocabulary"),
+    (
+        b'{"model": "%s", "prompt": "hi", "presence_penalty": ' % MODEL.encode() + b"9" * 700 + b"}",
+        "presence_penalty",
+        "700 digits",
+    ),
+    (
+        b'{"model": "%s", "prompt": "hi", "temperature": ' % MODEL.encode() + b"9" * 400 + b"}",
+        "temperature",
+        "out of range",
+    ),
+    (
+        b'{"model": "%s", "prompt": "hi", "max_tokens": ' % MODEL.encode() + b"9" * 100 + b"}",
+        "max_tokens",
+        "100 digits",
+    ),
+    (
+        b'{"model": "%s", "prompt": "hi", "stop_token_ids": [49152]}' % MODEL.encode(),
+        "stop_token_ids",
+        "outside the vocabulary",
+    ),
 ]
 
 
@@ -153,8 +180,11 @@ def test_a_keep_alive_connection_that_trickles_its_next_request_is_closed(server
 
 def test_a_body_shorter_than_its_content_length_gets_408(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
-                  b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\":")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            + KEY.encode()
+            + b'\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"model":'
+        )
         reply = _read_until_closed(s)
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408"), reply
@@ -196,8 +226,9 @@ def test_a_header_just_under_the_limit_is_served(server):
 
 
 def test_connection_limit_flag_is_enforced():
-    with ServerProcess(["--dummy-weights", "--max-seq-len", "64", "--kv-cache-tokens", "256",
-                        "--max-connections", "3"]) as srv:
+    with ServerProcess(
+        ["--dummy-weights", "--max-seq-len", "64", "--kv-cache-tokens", "256", "--max-connections", "3"]
+    ) as srv:
         idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=30) for _ in range(3)]
         try:
             with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
@@ -212,8 +243,12 @@ def test_connection_limit_flag_is_enforced():
 def test_an_aborted_upload_is_dropped_quietly(server):
     before = responses(server, "/v1/completions", 499)
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
-                  b"\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n" + b" " * 1000)
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            + KEY.encode()
+            + b"\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+            + b" " * 1000
+        )
     deadline = time.monotonic() + 30
     while responses(server, "/v1/completions", 499) == before:
         assert time.monotonic() < deadline, "the aborted upload was never seen"
@@ -224,9 +259,16 @@ def test_an_aborted_upload_is_dropped_quietly(server):
 
 
 # -- 9. content type and role injection ------------------------------------------------------------
-@pytest.mark.parametrize("ctype,status", [("text/plain", 415), (None, 415), ("application/x-www-form-urlencoded", 415),
-                                          ("application/json; charset=latin-1", 415),
-                                          ("application/json; charset=UTF-8", 200)])
+@pytest.mark.parametrize(
+    "ctype,status",
+    [
+        ("text/plain", 415),
+        (None, 415),
+        ("application/x-www-form-urlencoded", 415),
+        ("application/json; charset=latin-1", 415),
+        ("application/json; charset=UTF-8", 200),
+    ],
+)
 def test_bodies_must_be_json(server, ctype, status):
     headers = {**AUTH, **({"Content-Type": ctype} if ctype else {})}
     r = post(server, {"model": MODEL, "prompt": "hi", "max_tokens": 1}, headers=headers)
@@ -253,13 +295,13 @@ def test_special_token_text_in_chat_content_stays_text(server):
 def long_stream(*flags: str, entry: Sequence[str] = ("-m", "kvledger", "serve")) -> Iterator[tuple]:
     """A server with `flags`, and a long streaming request on it that has sent its first event:
     yields (server, the first event, an iterator over the events still to come)."""
-    srv = ServerProcess(["--api-key", KEY, "--max-seq-len", "512", "--kv-cache-tokens", "4096", *flags],
-                        entry=entry).start()
+    srv = ServerProcess(
+        ["--api-key", KEY, "--max-seq-len", "512", "--kv-cache-tokens", "4096", *flags], entry=entry
+    ).start()
     try:
-        long = {"model": MODEL, "prompt": "Tell a long story.", "max_tokens": 480, "ignore_eos": True,
-                "stream": True}
+        long = {"model": MODEL, "prompt": "Tell a long story.", "max_tokens": 480, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{srv.url}/v1/completions", json=long, headers=AUTH, timeout=120) as resp:
-            events = (line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: "))
+            events = (line[len("data: ") :] for line in resp.iter_lines() if line.startswith("data: "))
             yield srv, next(events), events
     finally:
         srv.stop()
@@ -273,8 +315,9 @@ def test_sigterm_drains_with_explicit_final_events_then_exits_0():
         assert rest[-1] == "[DONE]"
         final = json.loads(rest[-2])
         # either it finished inside the window or it was stopped with an explicit error event
-        assert final.get("error", {}).get("code") == "shutting_down" or \
-            final["choices"][0]["finish_reason"] == "length", final
+        assert (
+            final.get("error", {}).get("code") == "shutting_down" or final["choices"][0]["finish_reason"] == "length"
+        ), final
         assert srv.proc.wait(60) == 0
         assert "Traceback" not in srv.log(tail=None)
 
@@ -303,8 +346,12 @@ def test_an_engine_fault_answers_open_requests_then_exits_1():
     with long_stream(entry=[str(FAULT_SERVER)]) as (srv, _, events):
 
         def fault() -> None:
-            result["r"] = httpx.post(f"{srv.url}/v1/completions", headers=AUTH, timeout=60,
-                                     json={"model": MODEL, "prompt": FAULT_PROMPT, "max_tokens": 2})
+            result["r"] = httpx.post(
+                f"{srv.url}/v1/completions",
+                headers=AUTH,
+                timeout=60,
+                json={"model": MODEL, "prompt": FAULT_PROMPT, "max_tokens": 2},
+            )
 
         t = threading.Thread(target=fault)
         t.start()
@@ -323,17 +370,29 @@ def test_an_engine_fault_answers_open_requests_then_exits_1():
 
 # -- 8. start-up validation ------------------------------------------------------------------------
 def _serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvledger", "serve", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE",
-                                                       "PATH": "/usr/bin:/bin"})
+    return subprocess.run(
+        [sys.executable, "-m", "kvledger", "serve", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE", "PATH": "/usr/bin:/bin"},
+    )
 
 
-@pytest.mark.parametrize("args,flag", [
-    (["--page-size", "0"], "--page-size"), (["--max-running-reqs", "0"], "--max-running-reqs"),
-    (["--max-prefill-tokens", "0"], "--max-prefill-tokens"), (["--kv-cache-tokens", "0"], "--kv-cache-tokens"),
-    (["--max-seq-len", "0"], "--max-seq-len"), (["--port", "99999"], "--port"),
-    (["--timeout-header", "0"], "--timeout-header"), (["--max-connections", "-1"], "--max-connections"),
-])
+@pytest.mark.parametrize(
+    "args,flag",
+    [
+        (["--page-size", "0"], "--page-size"),
+        (["--max-running-reqs", "0"], "--max-running-reqs"),
+        (["--max-prefill-tokens", "0"], "--max-prefill-tokens"),
+        (["--kv-cache-tokens", "0"], "--kv-cache-tokens"),
+        (["--max-seq-len", "0"], "--max-seq-len"),
+        (["--port", "99999"], "--port"),
+        (["--timeout-header", "0"], "--timeout-header"),
+        (["--max-connections", "-1"], "--max-connections"),
+    ],
+)
 def test_bad_options_fail_at_start_up_in_one_line(args, flag):
     done = _serve(*args)
     assert done.returncode == 2
@@ -349,5 +408,5 @@ def test_a_port_in_use_fails_before_the_model_loads(tmp_path):
         busy.listen()
         done = _serve("--port", str(busy.getsockname()[1]), "--model", str(broken))
     assert done.returncode == 2
-    line, = done.stderr.strip().splitlines()
+    (line,) = done.stderr.strip().splitlines()
     assert line.startswith("kvledger serve: --port: cannot listen") and "in use" in line, done.stderr

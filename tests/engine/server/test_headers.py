@@ -117,8 +117,7 @@ def test_an_oversized_head_after_a_keep_alive_request(server):
 
 
 def test_an_oversized_head_with_a_body_behind_it(server):
-    reply = exchange(server.port, head(100_000, b"POST")[:-2] + b"\r\nContent-Length: 500000\r\n\r\n",
-                     b"x" * 500_000)
+    reply = exchange(server.port, head(100_000, b"POST")[:-2] + b"\r\nContent-Length: 500000\r\n\r\n", b"x" * 500_000)
     assert split(reply)[0].startswith(b"HTTP/1.1 431"), reply[:300]
     assert_clean(server)
 
@@ -185,13 +184,14 @@ def test_reads_after_the_answer_are_dropped_without_a_second_answer():
     async def run() -> _Transport:
         config = Config(app, http=with_header_timeout(5.0), lifespan="off")
         config.load()
-        proto = config.http_protocol_class(config=config, server_state=ServerState(), app_state={},
-                                           _loop=asyncio.get_running_loop())
+        proto = config.http_protocol_class(
+            config=config, server_state=ServerState(), app_state={}, _loop=asyncio.get_running_loop()
+        )
         transport = _Transport()
         proto.connection_made(transport)
         data = head(1 << 20)
         for i in range(0, len(data), 256 << 10):  # four full reads
-            proto.data_received(data[i:i + (256 << 10)])
+            proto.data_received(data[i : i + (256 << 10)])
         proto.connection_lost(None)
         return transport
 

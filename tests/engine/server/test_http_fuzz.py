@@ -31,7 +31,7 @@ def test_random_requests_never_get_a_5xx_and_leave_no_leak():
     assert not summary.stream_errors, summary.format()
     assert not summary.incomplete, summary.format()
     assert not summary.health_failures, summary.format()
-    assert "Traceback" not in log, log[max(0, log.index("Traceback") - 2000):][:8000]
+    assert "Traceback" not in log, log[max(0, log.index("Traceback") - 2000) :][:8000]
     assert summary.integrity_error is None, summary.integrity_error
     assert summary.integrity["ok"] and summary.integrity["leaked_pages"] == 0
     assert summary.integrity["locked_tokens"] == 0

@@ -42,8 +42,9 @@ class Outcome:
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess(["--api-key", KEY, "--verify", "--max-seq-len", "1024",
-                        "--kv-cache-tokens", str(KV_TOKENS)]) as srv:
+    with ServerProcess(
+        ["--api-key", KEY, "--verify", "--max-seq-len", "1024", "--kv-cache-tokens", str(KV_TOKENS)]
+    ) as srv:
         yield srv
 
 
@@ -65,13 +66,25 @@ async def one_client(client: "openai.AsyncOpenAI", i: int, rng: random.Random) -
     extra = {"ignore_eos": True}
     if i % 3 == 0:
         stream = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "system", "content": prefix}, {"role": "user", "content": suffix}],
-            max_tokens=max_tokens, temperature=0.0 if i % 2 else 0.8, stream=True,
-            stream_options={"include_usage": True}, extra_body=extra)
+            model=MODEL,
+            messages=[{"role": "system", "content": prefix}, {"role": "user", "content": suffix}],
+            max_tokens=max_tokens,
+            temperature=0.0 if i % 2 else 0.8,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
     else:
         stream = await client.completions.create(
-            model=MODEL, prompt=prefix + suffix, max_tokens=max_tokens, temperature=0.0 if i % 2 else 0.8,
-            seed=i, stream=True, stream_options={"include_usage": True}, extra_body=extra)
+            model=MODEL,
+            prompt=prefix + suffix,
+            max_tokens=max_tokens,
+            temperature=0.0 if i % 2 else 0.8,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
     chunks, finish, usage = 0, "", None
     async for chunk in stream:
         if chunk.usage is not None:
@@ -98,9 +111,13 @@ async def bad_client(client: "openai.AsyncOpenAI", i: int) -> Outcome:
 
 async def load(server) -> list:
     rng = random.Random(1234)
-    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300,
-                                http_client=openai.DefaultAsyncHttpxClient(
-                                    limits=httpx.Limits(max_connections=CLIENTS + 16)))
+    client = openai.AsyncOpenAI(
+        base_url=f"{server.url}/v1",
+        api_key=KEY,
+        max_retries=0,
+        timeout=300,
+        http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=CLIENTS + 16)),
+    )
     async with client:
         jobs = [one_client(client, i, rng) for i in range(CLIENTS)] + [bad_client(client, i) for i in range(8)]
         return await asyncio.gather(*jobs)
@@ -150,16 +167,21 @@ def test_64_streaming_clients_with_aborts_leave_no_leak(server):
     assert 1 <= delta("aborted") <= len(aborted)
     assert after["kvledger_verified_operations_total"] > before["kvledger_verified_operations_total"]
     assert after["kvledger_prefix_hit_tokens_total"] > before["kvledger_prefix_hit_tokens_total"]
-    print(f"\nload: {CLIENTS} streams + 8 bad in {elapsed:.1f} s; client hang-ups {len(aborted)}, "
-          f"engine aborts {delta('aborted'):.0f}, finished {delta('finished'):.0f}, failed {delta('failed'):.0f}, "
-          f"leaked pages {report['leaked_pages']}, free {report['free_pages']} + cached {report['cached_pages']} "
-          f"= {report['total_pages']}, prefix hit rate {after['kvledger_prefix_hit_rate']:.2f}")
+    print(
+        f"\nload: {CLIENTS} streams + 8 bad in {elapsed:.1f} s; client hang-ups {len(aborted)}, "
+        f"engine aborts {delta('aborted'):.0f}, finished {delta('finished'):.0f}, failed {delta('failed'):.0f}, "
+        f"leaked pages {report['leaked_pages']}, free {report['free_pages']} + cached {report['cached_pages']} "
+        f"= {report['total_pages']}, prefix hit rate {after['kvledger_prefix_hit_rate']:.2f}"
+    )
 
 
 def test_online_benchmark_against_the_server(server, capsys):
     reqs = online_workload(12, 8, 48, 6, shared_prefix_len=32, prefix_groups=2, seed=3)
-    summary = asyncio.run(bench_online.run_online(server.url, reqs, request_rate=20.0, max_concurrency=8,
-                                                  api_key=KEY, progress=False, timeout=120))
+    summary = asyncio.run(
+        bench_online.run_online(
+            server.url, reqs, request_rate=20.0, max_concurrency=8, api_key=KEY, progress=False, timeout=120
+        )
+    )
     assert summary["completed"] == 12 and summary["failed"] == 0, summary["errors"]
     assert summary["output_tokens"] == 12 * 6
     assert summary["ttft_ms"]["p50"] > 0 and summary["itl_ms"]["p99"] >= summary["itl_ms"]["p50"] > 0
@@ -167,6 +189,22 @@ def test_online_benchmark_against_the_server(server, capsys):
     report = bench_online.format_report(summary)
     assert "Serving Benchmark Result" in report and "P99 TTFT (ms):" in report
 
-    code = kvledger_main(["bench", "--serve", server.url, "--api-key", KEY, "--prompts", "4", "--min-len",
-                          "4", "--max-len", "8", "--output-len", "3", "--no-progress"])
+    code = kvledger_main(
+        [
+            "bench",
+            "--serve",
+            server.url,
+            "--api-key",
+            KEY,
+            "--prompts",
+            "4",
+            "--min-len",
+            "4",
+            "--max-len",
+            "8",
+            "--output-len",
+            "3",
+            "--no-progress",
+        ]
+    )
     assert code == 0 and "Successful requests:" in capsys.readouterr().out

@@ -31,21 +31,30 @@ def test_one_element_batches_and_token_ids():
 
 
 def test_chat_aliases_and_content_parts():
-    req = parse_chat_request({"model": "m", "max_completion_tokens": 7, "stream": True,
-                              "stream_options": {"include_usage": True},
-                              "messages": [{"role": "developer", "content": "be brief"},
-                                           {"role": "user", "content": [{"type": "text", "text": "a"},
-                                                                        {"type": "text", "text": "b"}]}]})
+    req = parse_chat_request(
+        {
+            "model": "m",
+            "max_completion_tokens": 7,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            ],
+        }
+    )
     assert req.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
     assert req.sampling.max_tokens == 7 and req.stream and req.include_usage
-    assert parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}]}).sampling.max_tokens \
-        is None
+    assert (
+        parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}]}).sampling.max_tokens is None
+    )
     with pytest.raises(APIError) as e:
         parse_chat_request({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
     assert e.value.param == "messages[0].content[0]"
     with pytest.raises(APIError) as e:
-        parse_chat_request({"model": "m", "stream_options": {"include_usage": True},
-                            "messages": [{"role": "user", "content": "x"}]})
+        parse_chat_request(
+            {"model": "m", "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": "x"}]}
+        )
     assert e.value.param == "stream_options"
 
 

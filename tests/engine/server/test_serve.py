@@ -23,8 +23,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess(["--api-key", KEY, "--verify", "--max-seq-len", str(MAX_SEQ_LEN),
-                        "--kv-cache-tokens", "4096"]) as srv:
+    with ServerProcess(
+        ["--api-key", KEY, "--verify", "--max-seq-len", str(MAX_SEQ_LEN), "--kv-cache-tokens", "4096"]
+    ) as srv:
         yield srv
 
 
@@ -102,8 +103,14 @@ def test_chat_greedy_matches_llm_generate(client, llm):
     assert r.choices[0].message.content == want
     assert r.choices[0].finish_reason == reason and r.usage.completion_tokens == n
 
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -137,8 +144,9 @@ def test_stop_strings(client, llm):
     want = full[: full.index(stop)]
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
     assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
-    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=stop,
-                                            stream=True))
+    chunks = list(
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=stop, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason == "stop"
 
@@ -147,10 +155,22 @@ def test_stop_strings(client, llm):
 def test_abort_mid_stream_frees_pages_at_once_and_spares_others(server, client):
     checks = engine_state(server)["integrity"]["checks"]
     before = parse_metrics(httpx.get(f"{server.url}/metrics").text)
-    other = client.completions.create(model=MODEL, prompt="Count with me: one, two,", max_tokens=40,
-                                      temperature=0, stream=True, extra_body={"ignore_eos": True})
-    body = {"model": MODEL, "prompt": "Write a very long story about a dragon.", "max_tokens": 400,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    other = client.completions.create(
+        model=MODEL,
+        prompt="Count with me: one, two,",
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    body = {
+        "model": MODEL,
+        "prompt": "Write a very long story about a dragon.",
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.Client(headers=AUTH, timeout=60) as http:
         with http.stream("POST", f"{server.url}/v1/completions", json=body) as resp:
             assert resp.status_code == 200
@@ -185,14 +205,24 @@ def test_non_streaming_client_disconnect_aborts(server):
     """A non-streaming client that goes away while its request runs gets it aborted. The client
     leaves once /metrics shows the request running (not after a fixed timeout), so the outcome
     does not depend on how fast the machine generates."""
+
     def metrics() -> dict:
         return parse_metrics(httpx.get(f"{server.url}/metrics", timeout=10).text)
 
     before = metrics()
-    body = json.dumps({"model": MODEL, "prompt": "Tell me everything about the sea.", "max_tokens": 400,
-                       "temperature": 0, "ignore_eos": True}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "prompt": "Tell me everything about the sea.",
+            "max_tokens": 400,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
         s.sendall(head + body)
         deadline = time.monotonic() + 30  # a safety net: the request normally runs within a second
@@ -201,8 +231,9 @@ def test_non_streaming_client_disconnect_aborts(server):
             time.sleep(0.02)
     # the connection is closed while the request generates its 400 tokens
     deadline = time.monotonic() + 30
-    while (now := metrics())['kvledger_requests_total{outcome="aborted"}'] == \
-            before['kvledger_requests_total{outcome="aborted"}']:
+    while (now := metrics())['kvledger_requests_total{outcome="aborted"}'] == before[
+        'kvledger_requests_total{outcome="aborted"}'
+    ]:
         assert time.monotonic() < deadline, "the non-streaming request was not aborted"
         time.sleep(0.05)
     assert now['kvledger_requests_total{outcome="finished"}'] == before['kvledger_requests_total{outcome="finished"}']
@@ -217,7 +248,7 @@ USER = [{"role": "user", "content": "hi"}]
 BAD = [
     # (route, body (dict, or raw bytes), status, param, words in the message)
     (COMPLETION, b'{"model": "x", "prompt": ', 400, None, "not valid JSON"),
-    (COMPLETION, b'[1, 2]', 400, None, "JSON object"),
+    (COMPLETION, b"[1, 2]", 400, None, "JSON object"),
     (COMPLETION, b'{"model": "' + b"x" * (5 << 20) + b'"}', 413, None, "larger than"),
     (COMPLETION, {"model": MODEL}, 400, "prompt", "prompt is required"),
     (COMPLETION, {"prompt": "hi"}, 400, "model", "model is required"),
@@ -252,14 +283,14 @@ BAD = [
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "string"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": LONG}]}, 400, "messages", "context"),
     (CHAT, {"model": "nope", "messages": USER}, 404, "model", "does not exist"),
-    (CHAT, {"model": MODEL, "messages": USER, "max_completion_tokens": 0}, 400, "max_completion_tokens",
-     "at least 1"),
+    (CHAT, {"model": MODEL, "messages": USER, "max_completion_tokens": 0}, 400, "max_completion_tokens", "at least 1"),
     (CHAT, {"model": MODEL, "messages": USER, "temperature": None, "top_p": -1}, 400, "top_p", "greater than 0"),
 ]
 
 
-@pytest.mark.parametrize("route,body,status,param,words", BAD,
-                         ids=[f"{i}-{b[0].rsplit('/', 1)[-1]}-{b[3]}" for i, b in enumerate(BAD)])
+@pytest.mark.parametrize(
+    "route,body,status,param,words", BAD, ids=[f"{i}-{b[0].rsplit('/', 1)[-1]}-{b[3]}" for i, b in enumerate(BAD)]
+)
 def test_bad_request(server, route, body, status, param, words):
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
     r = httpx.post(f"{server.url}{route}", headers={**AUTH, "Content-Type": "application/json"}, timeout=30, **kw)
@@ -301,10 +332,17 @@ def test_api_key_required(server):
 def test_metrics_exposition(server):
     text = httpx.get(f"{server.url}/metrics").text
     m = parse_metrics(text)
-    for name in ("kvledger_requests_running", "kvledger_requests_waiting", "kvledger_pages_free",
-                 "kvledger_pages_cached", "kvledger_pages_owned", "kvledger_prefix_hit_rate",
-                 "kvledger_generation_tokens_per_second", "kvledger_integrity_ok",
-                 "kvledger_verified_operations_total"):
+    for name in (
+        "kvledger_requests_running",
+        "kvledger_requests_waiting",
+        "kvledger_pages_free",
+        "kvledger_pages_cached",
+        "kvledger_pages_owned",
+        "kvledger_prefix_hit_rate",
+        "kvledger_generation_tokens_per_second",
+        "kvledger_integrity_ok",
+        "kvledger_verified_operations_total",
+    ):
         assert name in m, name
     assert m["kvledger_pages_total"] == 4096 // 16
     assert m["kvledger_verified_operations_total"] > 0

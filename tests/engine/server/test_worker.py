@@ -180,6 +180,7 @@ def test_fault_while_submitting_fails_that_request_too(llm, monkeypatch):
     w = EngineWorker(llm)
     w.start()
     try:
+
         def broken_submit(ids, params, uid=None):
             raise RuntimeError("injected submit fault")
 
