@@ -103,3 +103,83 @@ def test_the_cli_layer_is_the_kvledger_folder_and_its_cli_package():
     names = {p.relative_to(ROOT).as_posix() for p in files_of("cli")}
     assert {"kvledger/__main__.py", "kvledger/cli/__init__.py", "kvledger/cli/bench.py"} <= names
     assert not any(n.startswith(("kvledger/tools/", "kvledger/bench/", "kvledger/subjects/")) for n in names)
+
+
+# -- inside engine/: what each sub-package may import of the others (docs: ARCHITECTURE.md) --------
+# The ledger is the verified core: it imports nothing else of the engine. The model imports the
+# attention interface and the tensor-parallel collectives it computes with; attention reads only
+# the KV pool's layout. The runtime builds on all of those; the server only on the runtime (and the
+# ledger's error types). `distributed` holds both the collectives (group, partition: below the
+# model) and the rank orchestration (above the runtime: rank 0's engine subclasses `Engine`).
+ENGINE_PARTS: Dict[str, Set[str]] = {
+    "ledger": set(),
+    "attention": {"model.kv_pool"},
+    "model": {"attention", "distributed.group", "distributed.partition"},
+    "runtime": {"ledger", "model", "attention", "distributed", "engine_config", "options"},
+    "server": {"runtime", "ledger", "engine_config"},
+    "distributed": {"ledger", "model", "runtime"},
+    "engine_config": {"ledger", "options"},
+    "options": {"model", "distributed", "engine_config"},
+}
+
+
+def engine_part(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["kvledger", "engine"] and len(parts) > 2 else None
+
+
+def engine_imports(path: Path) -> Iterator[Tuple[int, str]]:
+    """Like imports(), with `from kvledger.engine.x import y` also yielding x.y (y may be a module)."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.lineno, node.module
+            yield from ((node.lineno, f"{node.module}.{a.name}") for a in node.names)
+        elif isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name) for a in node.names)
+
+
+def _allowed(source: str, module: str) -> bool:
+    target = module.split(".")[2:]
+    for rule in ENGINE_PARTS[source]:
+        head = rule.split(".")
+        if target[: len(head)] == head:
+            return True
+    return False
+
+
+def test_each_engine_part_imports_only_what_it_builds_on():
+    bad = []
+    for path in sorted((ROOT / "engine").rglob("*.py")):
+        rel = path.relative_to(ROOT / "engine").parts
+        source = rel[0] if len(rel) > 1 else rel[0].removesuffix(".py")
+        if source == "__init__":
+            continue
+        for line, module in engine_imports(path):
+            target = engine_part(module)
+            if target is None or target == source or target not in ENGINE_PARTS:
+                continue
+            if not _allowed(source, module):
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {module} ({source} -> {target})")
+    assert not bad, "\n".join(sorted(set(bad)))
+
+
+def test_the_engine_rule_catches_a_forbidden_import():
+    assert not _allowed("ledger", "kvledger.engine.runtime.engine")
+    assert not _allowed("attention", "kvledger.engine.model.model")
+    assert _allowed("attention", "kvledger.engine.model.kv_pool")
+    assert not _allowed("server", "kvledger.engine.model.weights")
+
+
+def test_nothing_outside_the_ledger_reads_its_managers():
+    """The engine, the server, the benchmarks and the CLI ask the ledger (CacheScheduler's methods
+    at the end of the class); only the ledger itself and the harness reach its managers."""
+    import re
+
+    managers = re.compile(r"\bledger\.(cm|dm|tm|policy|preemptor)\b")
+    bad = []
+    for folder in ("engine/runtime", "engine/server", "engine/distributed", "kvledger/bench", "kvledger/cli"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for n, text in enumerate(path.read_text().splitlines(), 1):
+                if managers.search(text):
+                    bad.append(f"{path.relative_to(ROOT)}:{n}: {text.strip()}")
+    assert not bad, "\n".join(bad)
