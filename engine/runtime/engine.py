@@ -5,10 +5,11 @@
     engine.abort(uid)
 
 `LLM`, the server's worker and every benchmark drive this class. A step chooses a batch
-(`scheduler.py`), runs the model over the page table (`model_runner.py`), samples (`sampling.py`)
-and completes the step on the cache scheduler (finishes in one lazy-free region, `cache_req`
-after prefill and at finish). Every cache-side step is one typed operation (`OpRecord`) of the
-trace format, told to the observers (trace recorder, shadow verifier) in order (`op_stream.py`).
+(`scheduler.py`), runs the model over the page table (`model_runner.py`), then postprocesses
+(`postprocess.py`): samples, completes the step on the cache scheduler (finishes in one lazy-free
+region, `cache_req` after prefill and at finish) and delivers the tokens. Every cache-side step
+is one typed operation (`OpRecord`) of the trace format, told to the observers (trace recorder,
+shadow verifier) in order (`op_stream.py`).
 With overlap (`overlap.py`) step N+1 is launched before step N's tokens reach the host.
 """
 
@@ -24,19 +25,18 @@ from kvledger import fast
 from kvledger.engine.engine_config import ResolvedConfig
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler, PageStats
 from kvledger.engine.ledger.observer import Observer
-from kvledger.engine.ledger.ops import Abort, CacheOp, Decode, Expect, Finish, OpRecord, Prefill, Submit
+from kvledger.engine.ledger.ops import Abort, CacheOp, Finish, OpRecord, Submit
 from kvledger.engine.model.model import CausalLM
 from kvledger.engine.runtime.model_runner import ModelRunner
-from kvledger.engine.runtime.op_stream import OpStream
+from kvledger.engine.runtime.op_stream import OpStream, step_record
 from kvledger.engine.runtime.overlap import LaunchedStep, Overlap
+from kvledger.engine.runtime.postprocess import Postprocessor
 from kvledger.engine.runtime.prefix_sharing import PrefixSharing
 from kvledger.engine.runtime.requests import RequestLimits, RequestRecord, TokenEvent
 from kvledger.engine.runtime.sampling import Sampler
 from kvledger.engine.runtime.scheduler import Batch, Scheduler
 
 __all__ = ["Engine", "TokenEvent"]
-
-_GREEDY = fast.SamplingParams(temperature=0.0)
 
 
 class Engine:
@@ -76,6 +76,18 @@ class Engine:
         # host blocked on the GPU), and steps per phase: benchmarks report them
         self.host_seconds: Dict[str, float] = {"schedule": 0.0, "complete": 0.0, "land": 0.0, "wait": 0.0}
         self.steps: Dict[str, int] = {"prefill": 0, "decode": 0}
+        self.post = Postprocessor(
+            self.ledger,
+            self.ops,
+            self.overlap,
+            self.sampler,
+            self.runner,
+            self.requests,
+            self.eos_token_ids,
+            config.max_prefill_tokens,
+            self._forget,
+            self.host_seconds,
+        )
 
     # -- what callers read --------------------------------------------------------------------
     @property
@@ -166,18 +178,18 @@ class Engine:
         self.host_seconds["schedule"] += clock() - t0
         previous = self.overlap.take_inflight()
         if previous is not None:
-            events += self._land(previous)
+            events += self.post.land(previous)
         if launched is not None:
             self.steps[launched.batch.phase] += 1
-            wait = not self.overlap.enabled or self._needs_values(launched)
+            wait = not self.overlap.enabled or self.post.needs_values(launched)
             if wait:
-                self._resolve(launched)
+                self.post.resolve(launched)
             t2 = clock()
             with record_function("kvledger.complete"):
-                self._complete(launched)
+                self.post.complete(launched)
             self.host_seconds["complete"] += clock() - t2
             if wait:
-                events += self._land(launched)
+                events += self.post.land(launched)
             else:
                 self.overlap.inflight = launched
         for uid in self.overlap.pop_late_stops():  # not in this step's batch (a prefill, or it was preempted)
@@ -221,122 +233,9 @@ class Engine:
             if req.uid in batch.hits:  # admitted now, not a later chunk
                 self.prefix_sharing.admitted(req.uid, req.input_ids, batch.hits[req.uid])
 
-    # -- postprocess --------------------------------------------------------------------------
-    def _needs_values(self, step: LaunchedStep) -> bool:
-        """Whether the step's bookkeeping must see its tokens: only when a row samples on the CPU.
-        (A greedy request that may stop on a token is handled by a late stop instead.)"""
-        for i in step.sampled:
-            rec = self.requests.get(step.requests[i].uid)
-            if rec is not None and not rec.params.is_greedy:
-                return True
-        return False
-
-    def _wait(self, step: LaunchedStep) -> None:
-        t = time.perf_counter()
-        with record_function("kvledger.wait"):
-            if step.ready is not None:
-                step.ready.synchronize()
-        self.host_seconds["wait"] += time.perf_counter() - t
-
-    def _resolve(self, step: LaunchedStep) -> None:
-        """Wait for the step's tokens; sample the non-greedy rows on the CPU."""
-        self._wait(step)
-        uids = [step.requests[i].uid for i in step.sampled]
-        # a request that stopped late is still in this batch; its token is dropped: take the greedy one
-        params = [rec.params if (rec := self.requests.get(u)) is not None else _GREEDY for u in uids]
-        if all(p.is_greedy for p in params):
-            step.values = step.host.tolist()
-            return
-        result = self.sampler.sample(step.logits, uids, params)  # greedy rows need no generator
-        step.values, step.failed = result.tokens, result.failed
-        self.runner.set_next_tokens([step.requests[i].table_idx for i in step.sampled], step.values)
-
-    def _complete(self, step: LaunchedStep) -> None:
-        """The step's bookkeeping on the cache scheduler, with placeholder tokens if its own are
-        not known yet."""
-        reqs, values = step.requests, step.values
-        sample = [0] * len(reqs)  # placeholders until the values are known
-        if values is not None:
-            for i, t in zip(step.sampled, values):
-                sample[i] = t
-        # a request whose sampling failed finishes here like a stop; its placeholder token is not output
-        stop = (
-            []
-            if values is None
-            else [
-                reqs[i].uid
-                for i, t in zip(step.sampled, values)
-                if reqs[i].uid in self.requests and (reqs[i].uid in step.failed or self._stops(reqs[i].uid, t))
-            ]
-        )
-        late = [reqs[i].uid for i in step.sampled if reqs[i].uid in self.overlap.late_stops]
-        stop += late
-        self.overlap.late_stops.difference_update(late)
-        self.ledger.complete(reqs, sample, stop, step.batch.phase == "prefill")
-        step.patch_at = [reqs[i].device_len - 1 for i in step.sampled]  # where append_host put it
-        for i in step.sampled:
-            req = reqs[i]
-            if req.uid in step.failed:
-                step.finished[req.uid] = "error"
-            elif req.uid in stop:
-                step.finished[req.uid] = "stop"
-            elif not req.can_decode:
-                step.finished[req.uid] = "length"
-        for uid, reason in step.finished.items():
-            rec = self.requests.get(uid)
-            if rec is not None:  # None: it stopped late, and was delivered as finished already
-                rec.finishing = reason
-        record = OpRecord(
-            self._step_op(step.batch.phase, sample, stop), self._expect([r.uid for r in reqs], step.batch.preempted)
-        )
-        step.entry = self.ops.record(record, ready=values is not None)
-
-    def _land(self, step: LaunchedStep) -> List[TokenEvent]:
-        """The step's tokens are known: patch placeholders, tell observers, emit the tokens."""
-        started = time.perf_counter()
-        if step.values is None:
-            self._wait(step)
-            step.values = step.host.tolist()
-            self.overlap.patch_tokens(step)
-            sample = list(step.entry.record.op.sample)
-            for i, t in zip(step.sampled, step.values):
-                sample[i] = t
-            step.entry.fill_sample(sample)
-            self.ops.flush()
-        events = []
-        for i, t in zip(step.sampled, step.values):
-            uid = step.requests[i].uid
-            reason = step.finished.get(uid)
-            rec = self.requests.get(uid)
-            if rec is None:  # aborted, or stopped late, while this step was in flight
-                continue
-            rec.finishing = None
-            if reason == "length" and self._stops(uid, t):  # its last token is a stop token, as without overlap
-                reason = "stop"
-            elif reason is None and self._stops(uid, t):  # its step's bookkeeping ran before the value was known
-                reason = "stop"
-                self.overlap.stopped_late(uid)
-            events.append(TokenEvent(uid, t, reason is not None, reason, step.failed.get(uid), rec.cached_tokens or 0))
-            if reason is not None:
-                self._forget(uid)
-        self.host_seconds["land"] += time.perf_counter() - started
-        return events
-
-    def _stops(self, uid: int, token: int) -> bool:
-        p = self.requests[uid].params
-        return (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids
-
     # -- operations for the observers ---------------------------------------------------------
-    def _step_op(self, phase: str, sample: Sequence[int], stop: Sequence[int]) -> CacheOp:
-        if phase == "prefill":
-            return Prefill(self.config.max_prefill_tokens, tuple(sample), tuple(stop))
-        return Decode(tuple(sample), tuple(stop))
-
-    def _expect(self, batch: Sequence[int], preempted: Sequence[int]) -> Expect:
-        return Expect(tuple(batch), tuple(preempted) if self.ledger.preempts else None)
-
     def _record_empty(self, phase: str, preempted: List[int]) -> None:
-        self.ops.record(OpRecord(self._step_op(phase, [], []), self._expect([], preempted)))
+        self.ops.record(step_record(phase, self.config.max_prefill_tokens, [], [], [], preempted, self.ledger.preempts))
 
     def _do(self, op: CacheOp) -> None:
         self.ledger.apply(op)

@@ -14,7 +14,7 @@ from typing import Deque, List, Optional, Sequence
 
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler
 from kvledger.engine.ledger.observer import FrozenState, Observer
-from kvledger.engine.ledger.ops import Decode, OpRecord, Prefill
+from kvledger.engine.ledger.ops import Decode, Expect, OpRecord, Prefill
 
 
 @dataclass
@@ -56,3 +56,18 @@ class OpStream:
             state = pending.state if pending.state is not None else self.ledger
             for observer in self.observers:
                 observer(self.delivered, pending.record, state)
+
+
+def step_record(
+    phase: str,
+    budget: int,
+    sample: Sequence[int],
+    stop: Sequence[int],
+    batch: Sequence[int],
+    preempted: Sequence[int],
+    preempts: bool,
+) -> OpRecord:
+    """A prefill (with its token budget) or decode step as the engine ran it: what was sampled and
+    stopped, and what it saw (the batch, and the uids preempted under a preempting policy)."""
+    op = Prefill(budget, tuple(sample), tuple(stop)) if phase == "prefill" else Decode(tuple(sample), tuple(stop))
+    return OpRecord(op, Expect(tuple(batch), tuple(preempted) if preempts else None))

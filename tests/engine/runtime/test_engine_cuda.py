@@ -160,8 +160,8 @@ def test_a_graph_decode_launch_never_waits_for_the_gpu():
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert step is not None and step.batch.phase == "decode"
-        s._land(s.overlap.inflight)
-        s._complete(step)
+        s.post.land(s.overlap.inflight)
+        s.post.complete(step)
         s.overlap.inflight = step
         launched += 1
     assert launched >= 5
