@@ -19,6 +19,7 @@ from kvledger.bench.workloads import nano_vllm as make_nano_workload
 from kvledger.cli import build_parser, main
 from kvledger.engine.model.config import ModelConfig
 from kvledger.engine.model.weights import random_state_dict
+from tests.support.models import tiny_config
 from tests.support.paths import DATA
 
 TINY = str(DATA / "nano_tiny_config.json")
@@ -54,7 +55,7 @@ def test_workload_scales_down():
 
 
 def _hand_config(tied: bool = True) -> ModelConfig:
-    return ModelConfig(
+    return tiny_config(
         arch="llama",
         vocab_size=10,
         hidden_size=4,
@@ -63,12 +64,8 @@ def _hand_config(tied: bool = True) -> ModelConfig:
         num_heads=1,
         num_kv_heads=1,
         head_dim=4,
-        rms_norm_eps=1e-6,
-        rope_theta=1e4,
         tie_word_embeddings=tied,
         max_position_embeddings=64,
-        bos_token_id=None,
-        eos_token_ids=(),
     )
 
 

@@ -13,28 +13,15 @@ import torch
 import kvledger.engine.runtime.build
 from kvledger.cli import main
 from kvledger.engine.engine_config import EngineConfig
-from kvledger.engine.model.config import ModelConfig
 from kvledger.engine.options import EngineOptionError
 from kvledger.engine.runtime.llm import LLM
 from kvledger.fast import SamplingParams
+from tests.support.models import tiny_config
 from tests.support.paths import ROOT as REPO
 
 ROOT = str(REPO)
-TINY = ModelConfig(
-    arch="llama",
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    tie_word_embeddings=True,
-    max_position_embeddings=256,
-    bos_token_id=None,
-    eos_token_ids=(),
+TINY = tiny_config(
+    arch="llama", vocab_size=128, hidden_size=32, intermediate_size=64, head_dim=8, max_position_embeddings=256
 )
 
 BAD = [

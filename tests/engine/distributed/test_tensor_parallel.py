@@ -16,27 +16,15 @@ from kvledger.engine.distributed.ledger import LedgerDivergence
 from kvledger.engine.distributed.partition import FusedRows, PartitionError, TensorParallelShard
 from kvledger.engine.distributed.ranks import RankFailed
 from kvledger.engine.engine_config import EngineConfig
-from kvledger.engine.model.config import ModelConfig, builtin_config
+from kvledger.engine.model.config import builtin_config
 from kvledger.engine.model.weights import load_weights, random_state_dict
 from kvledger.engine.options import EngineOptionError
 from kvledger.engine.runtime.llm import LLM
 from kvledger.fast import SamplingParams
+from tests.support.models import tiny_config
 
-TINY = ModelConfig(
-    arch="qwen3",
-    vocab_size=307,
-    hidden_size=64,
-    intermediate_size=99,
-    num_layers=2,
-    num_heads=6,
-    num_kv_heads=3,
-    head_dim=16,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-    max_position_embeddings=512,
-    bos_token_id=None,
-    eos_token_ids=(5,),
+TINY = tiny_config(
+    vocab_size=307, intermediate_size=99, num_heads=6, num_kv_heads=3, tie_word_embeddings=False, eos_token_ids=(5,)
 )
 SHAPES = (
     [(TINY, n) for n in (1, 2, 3, 6)]

@@ -11,6 +11,7 @@ from kvledger.engine.ledger.divergence import Divergence
 from kvledger.engine.ledger.invariants import InvariantViolation, KVProvenance, prefix_hashes
 from kvledger.properties.lockstep import Lockstep
 from kvledger.tools.invariant_catches import TRUSTS_WHOLE_EDGE, shared
+from tests.support.models import tiny_config
 
 HEADER = trace.Header(num_pages=32, page_size=1, cache_type="radix", table_slots=4, max_seq_len=32)
 WRONG_REUSE = [
@@ -80,25 +81,18 @@ def test_provenance_records_what_a_forward_pass_wrote():
 def test_a_shared_wrong_reuse_stops_the_engine_under_verify():
     """`--verify` mirrors the engine's operations into the reference model, whose judge tracks
     provenance (the engine's own driver cannot: its sampled tokens are still on the device)."""
-    from kvledger.engine.model.config import ModelConfig
     from kvledger.engine.runtime.llm import LLM
     from kvledger.fast import SamplingParams
 
     torch.set_num_threads(1)
-    tiny = ModelConfig(
-        arch="qwen3",
+    tiny = tiny_config(
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
         num_layers=1,
         num_heads=2,
         num_kv_heads=1,
-        head_dim=16,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
         max_position_embeddings=256,
-        bos_token_id=None,
         eos_token_ids=(63,),
     )
     llm = LLM(

@@ -6,30 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvledger.engine.model.config import ModelConfig
 from kvledger.engine.model.kv_pool import FP8, FP8_MAX, KVPool
 from kvledger.engine.model.kv_scales import HEADROOM, calibrate_kv_scales, calibration_ids
 from kvledger.engine.options import EngineOptionError
 from kvledger.engine.runtime.llm import LLM
 from kvledger.fast import SamplingParams
+from tests.support.models import tiny_config
 from tests.support.paths import ROOT
 
-TINY = ModelConfig(
-    arch="qwen3",
-    vocab_size=307,
-    hidden_size=64,
-    intermediate_size=96,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-    max_position_embeddings=512,
-    bos_token_id=None,
-    eos_token_ids=(),
-)
+TINY = tiny_config(vocab_size=307, intermediate_size=96, tie_word_embeddings=False)
 
 
 def test_the_pool_stores_a_scaled_e4m3_value_and_reads_it_back_within_its_precision():

@@ -41,30 +41,15 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvledger.engine.model.config import ModelConfig
 from kvledger.engine.runtime.llm import LLM
 from kvledger.fast import SamplingParams
 from kvledger.reference import events as ref_events
 from kvledger.reference.pages import tokens_to_finish
+from tests.support.models import tiny_config
 
 VOCAB = 256
 EOS = 7
-CONFIG = ModelConfig(
-    arch="qwen3",
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-    max_position_embeddings=128,
-    bos_token_id=None,
-    eos_token_ids=(EOS,),
-)
+CONFIG = tiny_config(vocab_size=VOCAB, tie_word_embeddings=False, max_position_embeddings=128, eos_token_ids=(EOS,))
 MAX_SEQ_LEN = 64
 MAX_TOKENS = 16
 MAX_EXAMPLES = 120

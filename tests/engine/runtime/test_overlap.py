@@ -8,27 +8,12 @@ import pytest
 import torch
 
 from kvledger.engine.ledger.trace import read
-from kvledger.engine.model.config import ModelConfig
 from kvledger.engine.runtime.llm import LLM
 from kvledger.fast import SamplingParams
 from kvledger.properties.lockstep import replay
+from tests.support.models import tiny_config
 
-TINY = ModelConfig(
-    arch="qwen3",
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    tie_word_embeddings=True,
-    max_position_embeddings=1024,
-    bos_token_id=None,
-    eos_token_ids=(7,),
-)
+TINY = tiny_config(max_position_embeddings=1024, eos_token_ids=(7,))
 
 
 def _llm(overlap, **kw):
