@@ -501,14 +501,17 @@ FIELD_CASES = {
             d.cm.prefix_cache, "size_info", lambda s: type(s)(s.evictable_size, s.protected_size + PS)
         ),
         "state:size_info",
+        ["engine_reads"],  # the cached and locked pages the engine reads
     ),
     "table_free": ("base", lambda d: d.tm._free_slots.reverse(), "state:table_free"),
     # a reversed queue breaks first come, first served: the queue-order invariant names it first
     "waiting": ("base", lambda d: d.waiting.reverse(), "invariant:10-queue-order"),
-    "running": ("base", _move_to_back, "state:running"),
+    "running": ("base", _move_to_back, "state:running", ["engine_reads"]),  # the engine reads the order too
     "inflight_tokens": ("base", _max_tokens(0, 6), "state:inflight_tokens"),  # one page less to reserve
     "preemptions": ("preempted", lambda d: setattr(d, "preemptions", d.preemptions + 1), "state:preemptions"),
     "reserve_ratio": ("preempted", lambda d: setattr(d, "policy", d.policy.with_ratio(0.75)), "state:reserve_ratio"),
+    # what the engine reads follows from the fields above, but is answered by methods of its own
+    "engine_reads": ("base", lambda d: setattr(d, "next_uid", lambda: d.last_uid + 2), "state:engine_reads"),
 }
 
 
