@@ -18,6 +18,7 @@ FOLDERS = {
     "engine": "engine",
     "properties": "properties",
     "subjects": "kvledger/subjects",
+    "campaign": "kvledger/campaign",
     "tools": "kvledger/tools",
     "bench": "kvledger/bench",
     "cli": "kvledger",
@@ -30,9 +31,11 @@ ALLOWED: Dict[str, Set[str]] = {
     "properties": {"reference", "fast", "engine"},
     # the adapters of cache managers under test: on the protocol (engine/ledger/subject.py), beside the harness
     "subjects": {"reference", "fast", "engine"},
-    "tools": {"reference", "fast", "engine", "properties", "subjects"},
-    "bench": {"reference", "fast", "engine", "properties", "subjects", "tools"},
-    "cli": {"reference", "fast", "engine", "properties", "subjects", "tools", "bench"},
+    # campaigns run tasks by import path: the generic layer under the tools, which define the tasks
+    "campaign": set(),
+    "tools": {"reference", "fast", "engine", "properties", "subjects", "campaign"},
+    "bench": {"reference", "fast", "engine", "properties", "subjects", "tools", "campaign"},
+    "cli": {"reference", "fast", "engine", "properties", "subjects", "tools", "bench", "campaign"},
 }
 OLD_NAMES = ("engine", "fast", "reference", "properties")
 
@@ -182,4 +185,15 @@ def test_nothing_outside_the_ledger_reads_its_managers():
             for n, text in enumerate(path.read_text().splitlines(), 1):
                 if managers.search(text):
                     bad.append(f"{path.relative_to(ROOT)}:{n}: {text.strip()}")
+    assert not bad, "\n".join(bad)
+
+
+def test_only_the_ray_executor_imports_ray():
+    """The cluster is a dependency of campaigns alone (the `cluster` extra)."""
+    bad = []
+    for layer in FOLDERS:
+        for path in files_of(layer):
+            for line, module in imports(path):
+                if module.split(".")[0] == "ray" and path != ROOT / "kvledger/campaign/ray_executor.py":
+                    bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
     assert not bad, "\n".join(bad)
