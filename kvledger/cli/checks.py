@@ -25,6 +25,44 @@ def _add_subject(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fix", default=None, help="with --subject: apply this upstream-style fix to a copy first")
 
 
+def _add_campaign(p: argparse.ArgumentParser, what: str) -> None:
+    g = p.add_argument_group("campaign", f"run as a campaign of seeded tasks ({what}), here or on a Ray cluster")
+    g.add_argument("--tasks", type=int, default=None, metavar="N", help="run as a campaign of N tasks")
+    g.add_argument("--first-task", type=int, default=0, metavar="K", help="the campaign's tasks are K..K+N-1")
+    g.add_argument(
+        "--cluster",
+        default=None,
+        metavar="ADDRESS",
+        help="run the tasks on this Ray cluster (auto: the one this machine is in; local: start one here "
+        "with --workers CPUs); needs kvledger[cluster]",
+    )
+    g.add_argument(
+        "--campaign",
+        default=None,
+        metavar="DIR",
+        help="the campaign directory: outcomes, findings, summary; a second campaign over it resumes "
+        "(default .kvledger/campaigns/<command>-seed<seed>)",
+    )
+    g.add_argument(
+        "--task-limit", type=float, default=1800.0, metavar="S", help="a task running longer is stopped as hung"
+    )
+
+
+def _campaign_setup(args: argparse.Namespace, command: str):
+    from kvledger.campaign import CampaignDir, executor_for
+
+    if args.tasks < 1:
+        raise ValueError(f"--tasks must be >= 1, got {args.tasks}")
+    if args.first_task < 0:
+        raise ValueError(f"--first-task must be >= 0, got {args.first_task}")
+    directory = CampaignDir(args.campaign or f".kvledger/campaigns/{command}-seed{args.seed}")
+    return directory, executor_for(args.cluster, args.workers)
+
+
+def _shifted(tasks, first: int, count: int):
+    return tasks[first : first + count]
+
+
 # -- check ------------------------------------------------------------------------------------------
 def add_check(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -43,11 +81,20 @@ def add_check(sub: argparse._SubParsersAction) -> None:
     _add_subject(p)
     p.add_argument("--bug", default=None, help="with --subject: apply this zoo bug of the subject to a copy first")
     p.add_argument("--out-dir", default=".kvledger/failures", metavar="DIR", help="where a failing trace goes")
+    p.add_argument(
+        "--seed", type=int, default=0, help="with --tasks: task i runs under a Hypothesis seed from (seed, i)"
+    )
+    p.add_argument(
+        "--workers", type=int, default=1, help="with --tasks: worker processes here (or CPUs of --cluster local)"
+    )
+    _add_campaign(p, "each a Hypothesis run of --examples sequences with its own seed")
     p.set_defaults(func=_check)
 
 
 def _check(args: argparse.Namespace) -> int:
     os.environ["HYPOTHESIS_PROFILE"] = args.profile
+    if args.tasks is not None:
+        return _check_campaign(args)
     if args.subject:
         from kvledger.engine.ledger.subject import SubjectUnavailable
         from kvledger.subjects import SpecError, parse_spec
@@ -62,6 +109,42 @@ def _check(args: argparse.Namespace) -> int:
     from kvledger.tools.check import run_check
 
     return run_check(args.profile, args.examples)
+
+
+def _check_campaign(args: argparse.Namespace) -> int:
+    from kvledger.tools import campaigns
+
+    if args.subject:
+        print(
+            "kvledger check: --tasks runs the lockstep machine; for a subject use kvledger fuzz --subject --tasks",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        directory, executor = _campaign_setup(args, "check")
+    except (ValueError, RuntimeError) as e:
+        return _subject_error("check", e)
+    examples = args.examples or 100
+    tasks = _shifted(
+        campaigns.check_tasks(args.profile, args.seed, args.first_task + args.tasks, examples, args.task_limit),
+        args.first_task,
+        args.tasks,
+    )
+    options = {"profile": args.profile, "seed": args.seed, "examples": examples, "first_task": args.first_task}
+    try:
+        text, code = campaigns.run(
+            "check",
+            options,
+            tasks,
+            executor,
+            directory,
+            lambda run: campaigns.merge_check(run, tasks, directory),
+            campaigns.check_postfix,
+        )
+    except ValueError as e:
+        return _subject_error("check", e)
+    print(text)
+    return code
 
 
 # -- replay -----------------------------------------------------------------------------------------
@@ -145,7 +228,7 @@ def add_fuzz(sub: argparse._SubParsersAction) -> None:
         "fuzz",
         help="random-walk differential fuzzing of reference vs fast, or of one subject in judge mode (--subject)",
     )
-    p.add_argument("--seconds", type=float, required=True, help="how long to fuzz")
+    p.add_argument("--seconds", type=float, default=None, help="how long to fuzz (or --tasks and --cases)")
     p.add_argument("--workers", type=int, default=1, help="worker processes")
     p.add_argument("--seed", type=int, default=0, help="same seed and workers give the same cases")
     p.add_argument("--out-dir", default=".kvledger/fuzz", metavar="DIR", help="where failing traces go")
@@ -170,10 +253,20 @@ def add_fuzz(sub: argparse._SubParsersAction) -> None:
         help="run every case under this admission policy (default: drawn per case, 40%% optimistic)",
     )
     _add_subject(p)
+    p.add_argument("--cases", type=int, default=20, help="with --tasks: the cases each task runs")
+    _add_campaign(p, "task i runs cases 0..--cases-1 of fuzz worker i")
     p.set_defaults(func=_fuzz)
 
 
 def _fuzz(args: argparse.Namespace) -> int:
+    if (args.seconds is None) == (args.tasks is None):
+        print(
+            "kvledger fuzz: give --seconds (fuzz for that long) or --tasks (a campaign of seeded tasks)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.tasks is not None:
+        return _fuzz_campaign(args)
     if args.subject:
         from kvledger.engine.ledger.subject import SubjectUnavailable
         from kvledger.subjects import SpecError, parse_spec
@@ -214,6 +307,35 @@ def _fuzz(args: argparse.Namespace) -> int:
     except (KeyError, ValueError) as e:
         return _subject_error("fuzz", e)
     return result.exit_code
+
+
+def _fuzz_campaign(args: argparse.Namespace) -> int:
+    from kvledger.tools import campaigns
+
+    try:
+        if args.cases < 1:
+            raise ValueError(f"--cases must be >= 1, got {args.cases}")
+        directory, executor = _campaign_setup(args, "fuzz")
+    except (ValueError, RuntimeError) as e:
+        return _subject_error("fuzz", e)
+    n = args.first_task + args.tasks
+    budget, replays = args.minimize_budget, args.minimize_replays
+    if args.subject:
+        tasks = campaigns.subject_tasks(args.subject, args.seed, n, args.cases, args.fix, args.bug, args.task_limit)
+        merge = lambda run: campaigns.merge_subject(run, tasks, directory, budget, replays)  # noqa: E731
+        options = {"subject": args.subject, "fix": args.fix, "bug": args.bug}
+    else:
+        tasks = campaigns.fuzz_tasks(args.seed, n, args.cases, args.bug, args.admission, args.task_limit)
+        merge = lambda run: campaigns.merge_fuzz(run, tasks, directory, budget, replays)  # noqa: E731
+        options = {"bug": args.bug, "admission": args.admission}
+    tasks = _shifted(tasks, args.first_task, args.tasks)
+    options.update(seed=args.seed, cases=args.cases, first_task=args.first_task)
+    try:
+        text, code = campaigns.run("fuzz", options, tasks, executor, directory, merge, campaigns.fuzz_postfix)
+    except ValueError as e:
+        return _subject_error("fuzz", e)
+    print(text)
+    return code
 
 
 # -- minimize ---------------------------------------------------------------------------------------
