@@ -37,6 +37,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--work-dir", default=None, metavar="DIR", help=f"session and copies (default: {WORK_DIR})")
     p.add_argument("--results", default=None, metavar="DIR", help="also write the report to DIR/README.md")
+    p.add_argument(
+        "--cluster",
+        default=None,
+        metavar="ADDRESS",
+        help="run blocks of mutants as campaign tasks on this Ray cluster (auto, local, or an address); "
+        "needs kvledger[cluster]",
+    )
+    p.add_argument("--block", type=int, default=20, help="with --cluster: mutants per task")
     p.set_defaults(func=mutation_command)
 
 
@@ -63,6 +71,8 @@ def mutation_command(args: argparse.Namespace) -> int:
             _split(args.rerun) or (),
             args.work_dir,
             args.results,
+            cluster=args.cluster,
+            block=args.block,
         )
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"kvledger mutation: {e}", file=sys.stderr)

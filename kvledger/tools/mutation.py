@@ -767,6 +767,101 @@ def execute(
             w.close()
 
 
+def mutation_block(root: str, spec: Dict[str, Any], jobs: List[Dict[str, Any]], timeout: float) -> Dict[str, Any]:
+    """A campaign task: a block of mutants in a private copy of the tree at `root` (on the node
+    that runs it), through one worker of the kill stages; the unmutated copy must pass them first.
+    Returns {job_id: the worker's answer}, as `execute` records them."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="kvledger-mutants-") as scratch:
+        tree = Path(scratch) / "tree"
+        _copy_tree(Path(root), tree)
+        spec_path = Path(scratch) / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        worker = _Worker(tree, spec_path)
+        try:
+            base = worker.ask({"baseline": True, "timeout": timeout})
+            if base.get("timeout") or base.get("killed_by") is not None or "error" in base:
+                raise RuntimeError(f"the unmutated copy fails the kill stages: {base}")
+            answers = {job["job_id"]: worker.ask({k: v for k, v in job.items() if k != "job_id"}) for job in jobs}
+        finally:
+            worker.close()
+    return {"baseline_seconds": base["seconds"], "answers": answers}
+
+
+def execute_campaign(
+    cfg: Config,
+    session: Path,
+    work: Path,
+    root: Path,
+    cluster: Optional[str],
+    workers: int,
+    block: int,
+    timeout: float,
+    log: Any = print,
+) -> float:
+    """`execute` as a campaign: blocks of `block` pending mutants, one task each, on the cluster (or
+    on local worker processes); the verdicts go into the session as `execute` records them. The
+    campaign directory (work/campaign) lets an interrupted run resume."""
+    from cosmic_ray.work_db import use_db
+
+    from kvledger.campaign import CampaignDir, Task, executor_for, run_campaign
+
+    with use_db(str(session)) as db:
+        pending = sorted((_mutant(i) for i in db.pending_work_items), key=lambda m: m.sort_key)
+        pending_args = {i.job_id: i.mutations[0].operator_args for i in db.pending_work_items}
+    if not pending:
+        return 0.0
+    jobs = [
+        {
+            "job_id": m.job_id,
+            "module_path": m.path,
+            "operator": m.operator,
+            "occurrence": m.occurrence,
+            "operator_args": pending_args.get(m.job_id) or {},
+            "timeout": timeout,
+        }
+        for m in pending
+    ]
+    blocks = [jobs[i : i + block] for i in range(0, len(jobs), block)]
+    tasks = [
+        Task(
+            f"mutants/{b[0]['module_path']}/{b[0]['job_id'][:12]}",
+            f"{__name__}:mutation_block",
+            {"root": str(root), "spec": cfg.to_json(), "jobs": b, "timeout": timeout},
+            time_limit=timeout * (len(b) + 1),
+        )
+        for b in blocks
+    ]
+    executor = executor_for(cluster, workers)
+    log(f"{len(jobs)} mutants in {len(tasks)} blocks on {executor.workers} worker(s) ({executor.where})")
+    run = run_campaign(
+        "mutation", {"config": str(cfg.path), "block": block}, tasks, executor, CampaignDir(work / "campaign")
+    )
+    by_id = {m.job_id: m for m in pending}
+    counts = {"killed": 0, "survived": 0, "timeout": 0, "other": 0}
+    base_s = 0.0
+    with use_db(str(session)) as db:
+        for task in tasks:
+            outcome = run.outcomes.get(task.key)
+            if outcome is None:
+                continue
+            if outcome.status != "done":
+                why = (outcome.error or "").strip()[-500:]
+                log(f"block {task.key} {outcome.status}: {why}; its mutants stay pending")
+                continue
+            base_s = max(base_s, outcome.value["baseline_seconds"])
+            for job_id, answer in outcome.value["answers"].items():
+                result = _work_result(answer)
+                db.set_result(by_id[job_id].job_id, result)
+                counts[_outcome(result)] += 1
+    log(
+        f"  {sum(counts.values())}/{len(jobs)} done in {run.seconds:.0f}s: "
+        + ", ".join(f"{k} {v}" for k, v in counts.items())
+    )
+    return base_s
+
+
 def _outcome(result: Any) -> str:
     """killed / survived / timeout / other (no mutation, or the machinery failed)."""
     from cosmic_ray.work_item import TestOutcome, WorkerOutcome
@@ -948,6 +1043,8 @@ def run(
     results: Optional[str] = None,
     root: Path = ROOT,
     log: Any = print,
+    cluster: Optional[str] = None,
+    block: int = 20,
 ) -> int:
     cfg = load_config(config, root)
     if stages is not None:
@@ -972,9 +1069,13 @@ def run(
     elif rerun:
         log(f"resuming {session}: {forget_results(session, rerun)} results of {', '.join(rerun)} dropped")
     taken, stale = mark_equivalents(cfg, session, root, log)
-    base_s = execute(
-        cfg, session, work, root, workers or os.cpu_count() or 1, timeout if timeout is not None else cfg.timeout, log
-    )
+    limit_s = timeout if timeout is not None else cfg.timeout
+    if cluster is not None:
+        base_s = execute_campaign(
+            cfg, session, work, root, cluster, workers or os.cpu_count() or 1, block, limit_s, log
+        )
+    else:
+        base_s = execute(cfg, session, work, root, workers or os.cpu_count() or 1, limit_s, log)
     report = build_report(session, root)
     text = format_report(report, cfg, len(taken), len(stale))
     log(text)

@@ -22,15 +22,6 @@ def _tasks(tmp_path):
     ]
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    from kvledger.campaign.ray_executor import RayExecutor
-
-    executor = RayExecutor("local", num_cpus=2)
-    yield executor
-    ray.shutdown()
-
-
 def _check(run):
     out = run.outcomes
     assert out["square/3"].status == "done" and out["square/3"].value["square"] == 9
@@ -49,16 +40,12 @@ def test_local_executor_outcomes(tmp_path):
 
 
 def test_ray_executor_outcomes(tmp_path, ray_cluster):
-    class Kept:  # the module's cluster, not shut down by this campaign
-        workers, where = ray_cluster.workers, ray_cluster.where
-        run = ray_cluster.run
+    from kvledger.campaign.ray_executor import RayExecutor
 
-        def close(self):
-            pass
-
-    run = run_campaign("test", {}, _tasks(tmp_path), Kept(), CampaignDir(tmp_path / "c"), progress=False)
+    run = run_campaign("test", {}, _tasks(tmp_path), RayExecutor("auto"), CampaignDir(tmp_path / "c"), progress=False)
     _check(run)
-    assert run.where == "local" and run.workers == 2
+    assert run.where == "auto" and run.workers == 2
+    assert ray_cluster.is_initialized()  # a cluster the campaign found running is left running
 
 
 def test_a_second_campaign_over_the_directory_runs_only_what_did_not_finish(tmp_path):

@@ -1,0 +1,73 @@
+"""A small campaign of each kind through a real local Ray cluster, against the same campaign on
+local worker processes: fuzz with a planted bug (found, minimized once, replayed alone), the
+Hypothesis check, and a block of mutants (the same verdicts)."""
+
+import json
+import re
+
+import pytest
+
+from kvledger.cli import main
+from kvledger.tools import mutation
+
+pytest.importorskip("ray")
+
+BUG = "double-free-on-finish"
+FUZZ = ["fuzz", "--tasks", "2", "--cases", "5", "--bug", BUG, "--minimize-replays", "300", "-q"]
+
+
+def _summary(directory):
+    """The merged result without timings and paths, which differ between the two runs."""
+    text = (directory / "summary.txt").read_text().replace(str(directory), "DIR")
+    return re.sub(r", [\d.]+s on \d+ worker\(s\) \([^)]*\): [\d,]+ ops/s", "", text).splitlines()
+
+
+def test_a_fuzz_campaign_finds_the_same_on_ray_as_here_and_its_finding_replays_alone(tmp_path, ray_cluster, capsys):
+    here, there = tmp_path / "here", tmp_path / "there"
+    assert main([*FUZZ, "--workers", "2", "--campaign", str(here)]) == 1
+    assert main([*FUZZ, "--cluster", "auto", "--campaign", str(there)]) == 1
+    assert _summary(here) == _summary(there)
+    text = (there / "summary.txt").read_text()
+    assert "FINDING invariant:1-2-partition in task fuzz/seed0/shard0" in text and "minimized (" in text
+    outcomes = [json.loads(line) for line in (there / "outcomes.jsonl").read_text().splitlines()]
+    assert sorted(o["key"] for o in outcomes) == ["fuzz/seed0/shard0", "fuzz/seed0/shard1"]
+    assert all(o["value"]["finding"]["kind"] == "invariant:1-2-partition" for o in outcomes)
+    (minimized,) = sorted(there.glob("findings/*-min.jsonl"))
+    capsys.readouterr()
+    assert main(["replay", str(minimized), "--bug", BUG]) == 1  # it fails alone, with the bug
+    assert main(["replay", str(minimized)]) == 0  # and replays clean without it
+    # its task alone, as the summary says, finds it again
+    assert main([*FUZZ[:2], "1", "--first-task", "0", *FUZZ[3:], "--campaign", str(tmp_path / "alone")]) == 1
+    assert "FINDING invariant:1-2-partition in task fuzz/seed0/shard0, case 1" in (tmp_path / "alone/summary.txt").read_text()
+
+
+def test_a_second_fuzz_campaign_over_the_directory_resumes(tmp_path, capsys):
+    directory = tmp_path / "c"
+    args = ["fuzz", "--tasks", "2", "--cases", "2", "-q", "--campaign", str(directory)]
+    assert main(args) == 0
+    assert main(args) == 0
+    assert "(2 task(s) resumed" in (directory / "summary.txt").read_text()
+    assert len((directory / "outcomes.jsonl").read_text().splitlines()) == 2
+    assert main(["fuzz", "--tasks", "2", "--cases", "3", "-q", "--campaign", str(directory)]) == 2
+    assert "holds a different campaign" in capsys.readouterr().err
+
+
+def test_a_check_campaign_on_ray(tmp_path, ray_cluster, capsys):
+    directory = tmp_path / "c"
+    args = ["check", "--profile", "dev", "--tasks", "2", "--examples", "3", "--cluster", "auto", "-q"]
+    assert main([*args, "--campaign", str(directory)]) == 0
+    text = (directory / "summary.txt").read_text()
+    assert "over 2 of 2 tasks" in text and "passed" in text
+    seeds = [t["args"]["hypothesis_seed"] for t in json.loads((directory / "campaign.json").read_text())["tasks"]]
+    assert len(set(seeds)) == 2  # each task its own Hypothesis seed
+
+
+def test_a_block_of_mutants_on_ray_gets_the_local_verdicts(tmp_path, ray_cluster, capsys):
+    common = dict(only=["reference/pages.py::align_down"], limit=3, stages=["fuzz"], fuzz_cases=2, timeout=3600)
+    assert mutation.run(workers=1, work_dir=str(tmp_path / "local"), **common) == 0
+    local = capsys.readouterr().out
+    assert mutation.run(cluster="auto", block=2, work_dir=str(tmp_path / "ray"), **common) == 0
+    remote = capsys.readouterr().out
+    row = "| reference/pages.py | 3 | 0 | 0 | 3 | 0 | 0 | 0 | 100.0% |"
+    assert row in local and row in remote, remote
+    assert "3 mutants in 2 blocks on 2 worker(s) (auto)" in remote
