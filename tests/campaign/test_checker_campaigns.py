@@ -38,7 +38,8 @@ def test_a_fuzz_campaign_finds_the_same_on_ray_as_here_and_its_finding_replays_a
     assert main(["replay", str(minimized)]) == 0  # and replays clean without it
     # its task alone, as the summary says, finds it again
     assert main([*FUZZ[:2], "1", "--first-task", "0", *FUZZ[3:], "--campaign", str(tmp_path / "alone")]) == 1
-    assert "FINDING invariant:1-2-partition in task fuzz/seed0/shard0, case 1" in (tmp_path / "alone/summary.txt").read_text()
+    alone = (tmp_path / "alone/summary.txt").read_text()
+    assert "FINDING invariant:1-2-partition in task fuzz/seed0/shard0, case 1" in alone
 
 
 def test_a_second_fuzz_campaign_over_the_directory_resumes(tmp_path, capsys):
