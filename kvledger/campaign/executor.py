@@ -33,7 +33,7 @@ POLL_S = 0.5
 
 class Executor(Protocol):
     workers: int  # tasks it runs at once
-    where: str  # for the summary: "local" or the cluster's address
+    where: str  # for the summary: "local", or "ray:" and the cluster's address
 
     def run(self, tasks: Sequence[Task], on_outcome: OnOutcome) -> None:
         """Run every task, reporting each outcome as it ends; on Ctrl-C stop and re-raise."""
@@ -109,15 +109,15 @@ class LocalExecutor:
             if w.task is None:
                 continue
             task, started, attempt = w.task
-            if w.conn.poll():
-                try:
-                    status, value, error, seconds = w.conn.recv()
-                except EOFError:  # it died while sending
-                    status = None
-                if status is not None:
-                    w.task = None
-                    on_outcome(Outcome(task.key, status, value, error, attempt, seconds))
-                    continue
+            try:
+                answer = w.conn.recv() if w.conn.poll() else None
+            except (EOFError, OSError):  # it died before or while sending
+                answer = None
+            if answer is not None:
+                status, value, error, seconds = answer
+                w.task = None
+                on_outcome(Outcome(task.key, status, value, error, attempt, seconds))
+                continue
             if not w.process.is_alive():
                 code = w.process.exitcode
                 w.stop()

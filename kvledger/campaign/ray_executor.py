@@ -56,7 +56,7 @@ class RayExecutor:
                 log_to_driver=False,
                 logging_level=logging.WARNING,
             )
-        self.where = address
+        self.where = f"ray:{address}"
         self.workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
         self._remote = ray.remote(num_cpus=1, max_retries=0)(_run_remote)
 

@@ -71,4 +71,4 @@ def test_a_block_of_mutants_on_ray_gets_the_local_verdicts(tmp_path, ray_cluster
     remote = capsys.readouterr().out
     row = "| reference/pages.py | 3 | 0 | 0 | 3 | 0 | 0 | 0 | 100.0% |"
     assert row in local and row in remote, remote
-    assert "3 mutants in 2 blocks on 2 worker(s) (auto)" in remote
+    assert "3 mutants in 2 blocks on 2 worker(s) (ray:auto)" in remote

@@ -44,7 +44,7 @@ def test_ray_executor_outcomes(tmp_path, ray_cluster):
 
     run = run_campaign("test", {}, _tasks(tmp_path), RayExecutor("auto"), CampaignDir(tmp_path / "c"), progress=False)
     _check(run)
-    assert run.where == "auto" and run.workers == 2
+    assert run.where == "ray:auto" and run.workers == 2
     assert ray_cluster.is_initialized()  # a cluster the campaign found running is left running
 
 
