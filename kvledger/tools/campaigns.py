@@ -48,9 +48,14 @@ def fuzz_shard(
     from kvledger.tools.zoo import patched
 
     torch.set_num_threads(1)
-    reached: set = set()
+    first: Dict[str, int] = {}  # rare event -> the case that first reached it
+    number = 0
+
+    def reached(name: str) -> None:
+        first.setdefault(name, number)
+
     out: Dict[str, Any] = {"ops": 0, "cases": 0, "preemptions": 0, "optimistic_cases": 0, "finding": None}
-    events.set_listener(reached.add)
+    events.set_listener(reached)
     started = time.perf_counter()
     try:
         with patched(bug):
@@ -60,7 +65,7 @@ def fuzz_shard(
                 finding = None
                 try:
                     for _ in limited_steps(
-                        walk(cseed, lock, reached.add, lambda: True, admission=admission), OP_LIMIT_S
+                        walk(cseed, lock, reached, lambda: True, admission=admission), OP_LIMIT_S
                     ):
                         out["ops"] += 1
                 except OpTimeout:
@@ -84,7 +89,8 @@ def fuzz_shard(
                 out["optimistic_cases"] += lock.header.policy.preempts
     finally:
         events.set_listener(None)
-    out["events"] = sorted(reached)
+    out["events"] = sorted(first)
+    out["first_case"] = first
     out["seconds"] = time.perf_counter() - started
     return out
 
@@ -250,6 +256,7 @@ def merge_fuzz(
 
     totals = {"ops": 0, "cases": 0, "preemptions": 0, "optimistic_cases": 0}
     reached: set = set()
+    corpus: Dict[str, Tuple[Task, int]] = {}  # rare event -> the first task and case that reached it
     findings: Dict[str, Tuple[Task, Dict[str, Any]]] = {}
     for task, o in _done(run, tasks):
         if o.status != "done":
@@ -258,6 +265,8 @@ def merge_fuzz(
         for k in totals:
             totals[k] += v.get(k, 0)
         reached |= set(v["events"])
+        for name, case in sorted(v.get("first_case", {}).items()):
+            corpus.setdefault(name, (task, case))
         f = v.get("finding")
         if f is not None and f["kind"] not in findings:
             findings[f["kind"]] = (task, f)
@@ -269,7 +278,8 @@ def merge_fuzz(
     from kvledger.tools.fuzz import _expected_events
 
     expected = _expected_events()
-    lines.append(f"rare events reached ({len(reached & expected)}/{len(expected)})")
+    lines.append(f"rare events reached ({len(reached & expected)}/{len(expected)}); where each was first: corpus.jsonl")
+    _write_corpus(directory, corpus)
     for kind, (task, f) in sorted(findings.items()):
         bug = task.args.get("bug")
         name = f"{task.key.replace('/', '-')}-c{f['case']}"
@@ -296,6 +306,20 @@ def merge_fuzz(
         lines.append(f"interrupted: resume with the same options and --campaign {directory.path}")
     code = 1 if findings else (2 if any(o.status != "done" for _, o in _done(run, tasks)) else 0)
     return "\n".join(lines), code
+
+
+def _write_corpus(directory: CampaignDir, corpus: Dict[str, Tuple[Task, int]]) -> None:
+    """The merged corpus: per rare event, the task and case that first reached it (by task order),
+    so the next campaign, or a regression, can start from the cases that reach the rare branches."""
+    import json
+
+    lines = [
+        json.dumps(
+            {"event": name, "task": task.key, "case": case, "seed": task.args["seed"], "shard": task.args["shard"]}
+        )
+        for name, (task, case) in sorted(corpus.items())
+    ]
+    (directory.path / "corpus.jsonl").write_text("".join(line + "\n" for line in lines))
 
 
 def _minimize(header: Any, ops: List[Dict], bug: Optional[str], budget: float, replays: Optional[int]) -> Any:

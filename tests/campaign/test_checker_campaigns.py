@@ -46,6 +46,8 @@ def test_a_second_fuzz_campaign_over_the_directory_resumes(tmp_path, capsys):
     directory = tmp_path / "c"
     args = ["fuzz", "--tasks", "2", "--cases", "2", "-q", "--campaign", str(directory)]
     assert main(args) == 0
+    corpus = [json.loads(line) for line in (directory / "corpus.jsonl").read_text().splitlines()]
+    assert corpus and all(e["task"].startswith("fuzz/seed0/shard") and 0 <= e["case"] < 2 for e in corpus)
     assert main(args) == 0
     assert "(2 task(s) resumed" in (directory / "summary.txt").read_text()
     assert len((directory / "outcomes.jsonl").read_text().splitlines()) == 2
