@@ -64,9 +64,7 @@ def fuzz_shard(
                 lock = Lockstep(make_case(cseed, admission).header)
                 finding = None
                 try:
-                    for _ in limited_steps(
-                        walk(cseed, lock, reached, lambda: True, admission=admission), OP_LIMIT_S
-                    ):
+                    for _ in limited_steps(walk(cseed, lock, reached, lambda: True, admission=admission), OP_LIMIT_S):
                         out["ops"] += 1
                 except OpTimeout:
                     last = lock.ops[-1].get("op") if lock.ops else None
