@@ -74,3 +74,43 @@ def test_a_block_of_mutants_on_ray_gets_the_local_verdicts(tmp_path, ray_cluster
     row = "| reference/pages.py | 3 | 0 | 0 | 3 | 0 | 0 | 0 | 100.0% |"
     assert row in local and row in remote, remote
     assert "3 mutants in 2 blocks on 2 worker(s) (ray:auto)" in remote
+
+
+def test_ctrl_c_stops_the_campaign_and_keeps_what_finished(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    directory = tmp_path / "c"
+    outcomes = directory / "outcomes.jsonl"
+    args = [
+        sys.executable,
+        "-m",
+        "kvledger",
+        "fuzz",
+        "--tasks",
+        "8",
+        "--cases",
+        "10",
+        "--workers",
+        "1",
+        "-q",
+        "--campaign",
+        str(directory),
+    ]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300  # only a safety net: the test decides by counts
+    while not (outcomes.exists() and outcomes.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    kept = outcomes.read_text().splitlines()
+    assert proc.returncode == 130, err
+    assert 1 <= len(kept) < 8 and "interrupted" in err
+    assert "resume with the same options" in (directory / "summary.txt").read_text()
+    # the same command again runs only the rest
+    again = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert f"({len(kept)} task(s) resumed" in again.stdout
+    assert len(outcomes.read_text().splitlines()) == 8
