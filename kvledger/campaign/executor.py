@@ -122,28 +122,11 @@ class LocalExecutor:
                 code = w.process.exitcode
                 w.stop()
                 self._pool[i] = _Worker(self._ctx)
-                self._lost(task, attempt, f"its worker process died (exit code {code})", queue, on_outcome)
+                lost(task, attempt, f"its worker process died (exit code {code})", queue, on_outcome)
             elif time.monotonic() - started > task.time_limit:
                 w.stop()
                 self._pool[i] = _Worker(self._ctx)
-                on_outcome(
-                    Outcome(
-                        task.key,
-                        "hung",
-                        None,
-                        f"stopped after its time limit of {task.time_limit:g} s",
-                        attempt,
-                        time.monotonic() - started,
-                    )
-                )
-
-    @staticmethod
-    def _lost(task: Task, attempt: int, why: str, queue: Deque[Tuple[Task, int]], on_outcome: OnOutcome) -> None:
-        if attempt < MAX_ATTEMPTS:
-            log.warning("task %s: %s; retrying it on another worker", task.key, why)
-            queue.appendleft((task, attempt + 1))
-        else:
-            on_outcome(Outcome(task.key, "died", None, f"{why}, on each of {attempt} tries", attempt))
+                on_outcome(Outcome.hung(task, attempt, time.monotonic() - started))
 
     def close(self) -> None:
         for w in self._pool:
@@ -156,6 +139,15 @@ class LocalExecutor:
         self._pool = []
 
 
+def lost(task: Task, attempt: int, why: str, queue: Deque[Tuple[Task, int]], on_outcome: OnOutcome) -> None:
+    """A task whose worker was lost: retried once at the front of the queue, then reported."""
+    if attempt < MAX_ATTEMPTS:
+        log.warning("task %s: %s; retrying it on another worker", task.key, why)
+        queue.appendleft((task, attempt + 1))
+    else:
+        on_outcome(Outcome(task.key, "died", None, f"{why}, on each of {attempt} tries", attempt))
+
+
 def executor_for(cluster: Optional[str], workers: int = 1) -> Executor:
     """`cluster`: None for worker processes here, else a Ray address (`auto`: the cluster this
     machine belongs to; `local`: start one on this machine for the campaign)."""
@@ -166,4 +158,4 @@ def executor_for(cluster: Optional[str], workers: int = 1) -> Executor:
     return RayExecutor(cluster, num_cpus=workers if cluster == "local" else None)
 
 
-__all__ = ["Executor", "LocalExecutor", "OnOutcome", "executor_for"]
+__all__ = ["Executor", "LocalExecutor", "OnOutcome", "executor_for", "lost"]

@@ -14,8 +14,8 @@ import time
 from collections import deque
 from typing import Any, Deque, Dict, Optional, Sequence, Tuple
 
-from kvledger.campaign.executor import OnOutcome
-from kvledger.campaign.task import MAX_ATTEMPTS, Outcome, Task
+from kvledger.campaign.executor import OnOutcome, lost
+from kvledger.campaign.task import Outcome, Task
 
 log = logging.getLogger(__name__)
 
@@ -79,16 +79,7 @@ class RayExecutor:
                     if time.monotonic() - started > task.time_limit:
                         ray.cancel(ref, force=True)
                         del running[ref]
-                        on_outcome(
-                            Outcome(
-                                task.key,
-                                "hung",
-                                None,
-                                f"stopped after its time limit of {task.time_limit:g} s",
-                                attempt,
-                                time.monotonic() - started,
-                            )
-                        )
+                        on_outcome(Outcome.hung(task, attempt, time.monotonic() - started))
         except KeyboardInterrupt:
             for ref in running:
                 ray.cancel(ref, force=True)
@@ -109,21 +100,7 @@ class RayExecutor:
         except ray.exceptions.TaskCancelledError:
             return
         except ray.exceptions.RayError as e:  # the worker or its node was lost
-            why = f"its Ray worker was lost ({type(e).__name__})"
-            if attempt < MAX_ATTEMPTS:
-                log.warning("task %s: %s; retrying it on another worker", task.key, why)
-                queue.appendleft((task, attempt + 1))
-            else:
-                on_outcome(
-                    Outcome(
-                        task.key,
-                        "died",
-                        None,
-                        f"{why}, on each of {attempt} tries",
-                        attempt,
-                        time.monotonic() - started,
-                    )
-                )
+            lost(task, attempt, f"its Ray worker was lost ({type(e).__name__})", queue, on_outcome)
             return
         on_outcome(Outcome(task.key, status, value, error, attempt, seconds))
 

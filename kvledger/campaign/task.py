@@ -42,6 +42,10 @@ class Outcome:
         return asdict(self)
 
     @classmethod
+    def hung(cls, task: Task, attempt: int, seconds: float) -> Outcome:
+        return cls(task.key, "hung", None, f"stopped after its time limit of {task.time_limit:g} s", attempt, seconds)
+
+    @classmethod
     def from_json(cls, data: Dict[str, Any]) -> Outcome:
         if data.get("status") not in STATUSES:
             raise ValueError(f"outcome of {data.get('key')!r}: status must be one of {STATUSES}")
