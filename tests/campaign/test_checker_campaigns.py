@@ -114,3 +114,19 @@ def test_ctrl_c_stops_the_campaign_and_keeps_what_finished(tmp_path):
     assert again.returncode == 0, again.stderr
     assert f"({len(kept)} task(s) resumed" in again.stdout
     assert len(outcomes.read_text().splitlines()) == 8
+
+
+def test_a_subject_campaign_finds_mini_sglangs_known_bug_and_not_with_its_fix(tmp_path, capsys):
+    from kvledger.subjects import minisgl
+
+    installed, _, detail = minisgl.probe()
+    if not installed:
+        pytest.skip(detail)
+    args = ["fuzz", "--subject", "minisgl", "--tasks", "2", "--cases", "5", "--workers", "2", "-q"]
+    assert main([*args, "--minimize-replays", "300", "--campaign", str(tmp_path / "bug")]) == 1
+    text = (tmp_path / "bug" / "summary.txt").read_text()
+    assert "FINDING 1-2-partition in task fuzz/minisgl/seed0/shard" in text and "minimized (" in text
+    (minimized,) = sorted((tmp_path / "bug").glob("findings/*-min.jsonl"))
+    assert main(["replay", str(minimized)]) == 1  # the trace names its subject: it fails alone
+    assert main([*args, "--fix", "pr142", "--campaign", str(tmp_path / "fixed")]) == 0
+    assert "no finding" in (tmp_path / "fixed" / "summary.txt").read_text()
