@@ -77,43 +77,43 @@ def test_a_block_of_mutants_on_ray_gets_the_local_verdicts(tmp_path, ray_cluster
 
 
 def test_ctrl_c_stops_the_campaign_and_keeps_what_finished(tmp_path):
+    """Decided by counts: the second task cannot end until the test creates its marker, so the
+    interrupt always lands with exactly one task finished."""
     import signal
     import subprocess
     import sys
     import time
 
-    directory = tmp_path / "c"
+    directory, marker = tmp_path / "c", tmp_path / "go"
     outcomes = directory / "outcomes.jsonl"
-    args = [
-        sys.executable,
-        "-m",
-        "kvledger",
-        "fuzz",
-        "--tasks",
-        "8",
-        "--cases",
-        "10",
-        "--workers",
-        "1",
-        "-q",
-        "--campaign",
-        str(directory),
-    ]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300  # only a safety net: the test decides by counts
-    while not (outcomes.exists() and outcomes.read_text().strip()) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    code = (
+        "import sys; from tests.support.campaign_tasks import run_until_interrupted; "
+        f"sys.exit(run_until_interrupted({str(directory)!r}, {str(marker)!r}))"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not (outcomes.exists() and outcomes.read_text().strip()):  # the first task has ended
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    kept = outcomes.read_text().splitlines()
+    out, err = proc.communicate(timeout=600)
     assert proc.returncode == 130, err
-    assert 1 <= len(kept) < 8 and "interrupted" in err
-    assert "resume with the same options" in (directory / "summary.txt").read_text()
-    # the same command again runs only the rest
-    again = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert [json.loads(line)["key"] for line in outcomes.read_text().splitlines()] == ["first"]
+    assert "interrupted: 1 of 3 tasks finished" in err
+    marker.touch()  # the same campaign again runs only the other two
+    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr
-    assert f"({len(kept)} task(s) resumed" in again.stdout
-    assert len(outcomes.read_text().splitlines()) == 8
+    assert "3 done" in again.stdout and "(1 task(s) resumed" in again.stdout
+    assert sorted(json.loads(line)["key"] for line in outcomes.read_text().splitlines()) == ["first", "last", "waits"]
+
+
+def test_an_interrupted_fuzz_campaign_says_how_to_resume(tmp_path):
+    from kvledger.campaign import CampaignDir, CampaignRun
+    from kvledger.tools.campaigns import fuzz_tasks, merge_fuzz
+
+    directory = CampaignDir(tmp_path / "c")
+    directory.findings.mkdir(parents=True)
+    text, code = merge_fuzz(CampaignRun(interrupted=True), fuzz_tasks(0, 2, 1, None, None), directory, 1.0, None)
+    assert f"interrupted: resume with the same options and --campaign {directory.path}" in text and code == 0
 
 
 def test_a_subject_campaign_finds_mini_sglangs_known_bug_and_not_with_its_fix(tmp_path, capsys):

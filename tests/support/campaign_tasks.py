@@ -34,3 +34,29 @@ def hang(seconds: float) -> Dict[str, int]:
 
 def broken() -> Dict[str, int]:
     raise ValueError("a bug in the task itself")
+
+
+def wait_for(marker: str) -> Dict[str, int]:
+    """Runs until the test creates `marker`: a task that cannot end before the test says so."""
+    while not Path(marker).exists():
+        time.sleep(0.05)
+    return {"waited": 1}
+
+
+def run_until_interrupted(directory: str, marker: str) -> int:
+    """`python -c` driver for the Ctrl-C test: a quick task, then one that waits for `marker`,
+    then another quick one, on one local worker, through the checker's campaign runner."""
+    from kvledger.campaign import CampaignDir, LocalExecutor, Task
+    from kvledger.tools import campaigns
+
+    f = "tests.support.campaign_tasks"
+    tasks = [
+        Task("first", f"{f}:square", {"x": 1}),
+        Task("waits", f"{f}:wait_for", {"marker": marker}),
+        Task("last", f"{f}:square", {"x": 2}),
+    ]
+    text, code = campaigns.run(
+        "test", {}, tasks, LocalExecutor(1), CampaignDir(directory), lambda run: (f"{len(run.outcomes)} done", 0), None
+    )
+    print(text)
+    return code
