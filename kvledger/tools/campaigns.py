@@ -342,8 +342,7 @@ def merge_subject(
     from kvledger.engine.ledger import trace
     from kvledger.engine.ledger.subject import SubjectConfig
     from kvledger.subjects import parse_spec
-    from kvledger.tools.subject_fuzz import header_for
-    from kvledger.tools.subject_minimize import minimize_ops
+    from kvledger.tools.subject_fuzz import header_for, minimize_finding
     from kvledger.tools.subject_replay import edits_for
 
     ops = cases = 0
@@ -375,9 +374,12 @@ def merge_subject(
         trace.write(path, header_for(spec, version, config, f["case_seed"]), f["ops"])
         lines.append(f"FINDING {kind} in task {task.key}, case {f['case']}: {f['detail']}")
         lines.append(f"  trace: {path} ({len(f['ops'])} ops)")
-        small, _ = minimize_ops(factory, config, f["ops"], kind, budget=minimize_budget, max_replays=minimize_replays)
+        sizes = spec.page_sizes((1, 2, 4))
+        small, small_config = minimize_finding(
+            factory, config, f["ops"], kind, sizes, budget=minimize_budget, max_replays=minimize_replays
+        )
         m_path = directory.findings / f"{name}-min.jsonl"
-        trace.write(m_path, header_for(spec, version, config, None), small)
+        trace.write(m_path, header_for(spec, version, small_config, None), small)
         extra = "".join(f" --{k} {task.args[k]}" for k in ("fix", "bug") if task.args.get(k))
         lines.append(f"  minimized ({len(small)} ops): {m_path}")
         lines.append(f"  replay it: kvledger replay {m_path}{extra}")

@@ -141,6 +141,24 @@ def _worker(args: Tuple[str, Tuple[SourceEdit, ...], int, int, int, float, int |
     return out
 
 
+def minimize_finding(
+    factory: Callable[[SubjectConfig], Subject],
+    config: SubjectConfig,
+    ops: List[Dict[str, Any]],
+    kind: str,
+    page_sizes: Sequence[int],
+    budget: float,
+    max_replays: int | None = None,
+) -> Tuple[List[Dict[str, Any]], SubjectConfig]:
+    """A finding's trace made small: delta debugging on its operations, then a search of short
+    cases for the same finding (half the budget each); returns the operations and their config."""
+    from kvledger.tools.subject_minimize import minimize_ops, shortest_failure
+
+    small, finding = minimize_ops(factory, config, ops, kind, budget=budget / 2, max_replays=max_replays)
+    small, small_config, _ = shortest_failure(factory, kind, small, config, finding, page_sizes, budget=budget / 2)
+    return small, small_config
+
+
 def fuzz_subject(
     text: str,
     seconds: float,
@@ -154,8 +172,6 @@ def fuzz_subject(
     page_sizes: Sequence[int] | None = None,
     minimize_replays: int | None = None,
 ) -> FuzzReport:
-    from kvledger.tools.subject_minimize import minimize_ops, shortest_failure
-
     spec = parse_spec(text)
     page_sizes = spec.page_sizes(page_sizes or (1, 2, 4))
     factory = spec.factory(edits)
@@ -183,11 +199,8 @@ def fuzz_subject(
             path = out / f"{spec.name.replace(':', '-')}-{safe}-seed{case_seed}.jsonl"
             trace.write(path, header_for(spec, version, config, case_seed), ops)
             report.traces.append(path)
-            small, finding = minimize_ops(
-                factory, config, ops, kind, budget=minimize_budget / 2, max_replays=minimize_replays
-            )
-            small, small_config, finding = shortest_failure(
-                factory, kind, small, config, finding, page_sizes, budget=minimize_budget / 2
+            small, small_config = minimize_finding(
+                factory, config, ops, kind, page_sizes, budget=minimize_budget, max_replays=minimize_replays
             )
             small_path = path.with_suffix(".min.jsonl")
             trace.write(small_path, header_for(spec, version, small_config, None), small)
