@@ -226,6 +226,31 @@ def _task_problems(run: CampaignRun, tasks: Sequence[Task]) -> List[str]:
     return lines
 
 
+def _finished(run: CampaignRun, tasks: Sequence[Task], field: str) -> Tuple[List[Tuple[Task, Dict]], Dict]:
+    """The tasks that returned, with their values, and the first `field` (finding or failure) of
+    each kind among them, by task order: kind -> (task, what it found)."""
+    done = [(task, o.value) for task, o in _done(run, tasks) if o.status == "done"]
+    first: Dict[str, Tuple[Task, Dict[str, Any]]] = {}
+    for task, value in done:
+        found = value.get(field)
+        if found is not None:
+            first.setdefault(found["kind"], (task, found))
+    return done, first
+
+
+def _close(
+    lines: List[str], run: CampaignRun, tasks: Sequence[Task], directory: CampaignDir, found: bool, clean: str
+) -> Tuple[str, int]:
+    """The summary's end, and the exit status: 1 if something was found, 2 if a task did not finish."""
+    if not found:
+        lines.append(clean)
+    lines += _task_problems(run, tasks)
+    if run.interrupted:
+        lines.append(f"interrupted: resume with the same options and --campaign {directory.path}")
+    unfinished = any(o.status != "done" for _, o in _done(run, tasks))
+    return "\n".join(lines), 1 if found else (2 if unfinished else 0)
+
+
 def replay_task_command(task: Task) -> str:
     a = task.args
     if task.function.endswith(":fuzz_shard"):
@@ -255,19 +280,13 @@ def merge_fuzz(
     totals = {"ops": 0, "cases": 0, "preemptions": 0, "optimistic_cases": 0}
     reached: set = set()
     corpus: Dict[str, Tuple[Task, int]] = {}  # rare event -> the first task and case that reached it
-    findings: Dict[str, Tuple[Task, Dict[str, Any]]] = {}
-    for task, o in _done(run, tasks):
-        if o.status != "done":
-            continue
-        v = o.value
+    done, findings = _finished(run, tasks, "finding")
+    for task, v in done:
         for k in totals:
             totals[k] += v.get(k, 0)
         reached |= set(v["events"])
         for name, case in sorted(v.get("first_case", {}).items()):
             corpus.setdefault(name, (task, case))
-        f = v.get("finding")
-        if f is not None and f["kind"] not in findings:
-            findings[f["kind"]] = (task, f)
     lines = [
         f"{totals['ops']:,} operations in {totals['cases']:,} complete cases over {len(run.outcomes)} of "
         f"{len(tasks)} tasks, {run.seconds:.1f}s on {run.workers} worker(s) ({run.where}): "
@@ -297,13 +316,7 @@ def merge_fuzz(
                 path = m_path
         lines.append(f"  replay it: kvledger replay {path}" + (f" --bug {bug}" if bug else ""))
         lines.append(f"  or its task alone: {replay_task_command(task)}")
-    if not findings:
-        lines.append("no finding")
-    lines += _task_problems(run, tasks)
-    if run.interrupted:
-        lines.append(f"interrupted: resume with the same options and --campaign {directory.path}")
-    code = 1 if findings else (2 if any(o.status != "done" for _, o in _done(run, tasks)) else 0)
-    return "\n".join(lines), code
+    return _close(lines, run, tasks, directory, bool(findings), "no finding")
 
 
 def _write_corpus(directory: CampaignDir, corpus: Dict[str, Tuple[Task, int]]) -> None:
@@ -347,17 +360,12 @@ def merge_subject(
 
     ops = cases = 0
     events: Dict[str, int] = {}
-    findings: Dict[str, Tuple[Task, Dict[str, Any]]] = {}
-    for task, o in _done(run, tasks):
-        if o.status != "done":
-            continue
-        ops += o.value["ops"]
-        cases += o.value["cases"]
-        for name, n in o.value["events"].items():
+    done, findings = _finished(run, tasks, "finding")
+    for _, v in done:
+        ops += v["ops"]
+        cases += v["cases"]
+        for name, n in v["events"].items():
             events[name] = events.get(name, 0) + n
-        f = o.value.get("finding")
-        if f is not None and f["kind"] not in findings:
-            findings[f["kind"]] = (task, f)
     rate = ops / run.seconds if run.seconds else 0.0
     lines = [
         f"{ops:,} operations in {cases:,} complete cases over {len(run.outcomes)} of {len(tasks)} tasks, "
@@ -384,27 +392,15 @@ def merge_subject(
         lines.append(f"  minimized ({len(small)} ops): {m_path}")
         lines.append(f"  replay it: kvledger replay {m_path}{extra}")
         lines.append(f"  or its task alone: {replay_task_command(task)}")
-    if not findings:
-        lines.append("no finding")
-    lines += _task_problems(run, tasks)
-    code = 1 if findings else (2 if any(o.status != "done" for _, o in _done(run, tasks)) else 0)
-    return "\n".join(lines), code
+    return _close(lines, run, tasks, directory, bool(findings), "no finding")
 
 
 def merge_check(run: CampaignRun, tasks: Sequence[Task], directory: CampaignDir) -> Tuple[str, int]:
     from kvledger.properties.machine import EXPECTED_EVENTS
 
-    sequences = 0
-    reached: set = set()
-    failures: Dict[str, Tuple[Task, Dict[str, Any]]] = {}
-    for task, o in _done(run, tasks):
-        if o.status != "done":
-            continue
-        sequences += o.value["sequences"]
-        reached |= set(o.value["events"])
-        f = o.value.get("failure")
-        if f is not None and f["kind"] not in failures:
-            failures[f["kind"]] = (task, f)
+    done, failures = _finished(run, tasks, "failure")
+    sequences = sum(v["sequences"] for _, v in done)
+    reached = set().union(*(v["events"] for _, v in done))
     lines = [
         f"{sequences:,} sequences over {len(run.outcomes)} of {len(tasks)} tasks, {run.seconds:.1f}s on "
         f"{run.workers} worker(s) ({run.where}); rare branches reached "
@@ -419,11 +415,7 @@ def merge_check(run: CampaignRun, tasks: Sequence[Task], directory: CampaignDir)
             path = directory.findings / f"{task.key.replace('/', '-')}.jsonl"
             path.write_text(f["trace"])
             lines.append(f"  the shrunk failing trace: {path} (kvledger replay it)")
-    if not failures:
-        lines.append("passed")
-    lines += _task_problems(run, tasks)
-    code = 1 if failures else (2 if any(o.status != "done" for _, o in _done(run, tasks)) else 0)
-    return "\n".join(lines), code
+    return _close(lines, run, tasks, directory, bool(failures), "passed")
 
 
 def fuzz_postfix(outcomes: List[Outcome], seconds: float) -> Dict[str, Any]:
