@@ -43,7 +43,7 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 
 test: $(STAMP) $(SUBJECTS_STAMP)
-	$(BIN)/python -m pytest -n auto -p no:cacheprovider tests; rc=$$?; \
+	$(BIN)/python -m pytest -n auto -p no:cacheprovider --durations=20 tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 # the mutation score (kvledger/tools/mutation.py, properties/mutation.toml): cosmic-ray over fast/,

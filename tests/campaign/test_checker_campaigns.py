@@ -91,11 +91,16 @@ def test_ctrl_c_stops_the_campaign_and_keeps_what_finished(tmp_path):
         f"sys.exit(run_until_interrupted({str(directory)!r}, {str(marker)!r}))"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    while not (outcomes.exists() and outcomes.read_text().strip()):  # the first task has ended
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=600)
+    try:
+        while not (outcomes.exists() and outcomes.read_text().strip()):  # the first task has ended
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:  # a campaign that did not stop is not left behind
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == 130, err
     assert [json.loads(line)["key"] for line in outcomes.read_text().splitlines()] == ["first"]
     assert "interrupted: 1 of 3 tasks finished" in err

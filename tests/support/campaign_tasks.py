@@ -37,15 +37,24 @@ def broken() -> Dict[str, int]:
 
 
 def wait_for(marker: str) -> Dict[str, int]:
-    """Runs until the test creates `marker`: a task that cannot end before the test says so."""
+    """Runs until the test creates `marker`: a task that cannot end before the test says so (or
+    its campaign process is gone: an orphan would wait forever)."""
+    parent = os.getppid()
     while not Path(marker).exists():
+        if os.getppid() != parent:
+            raise RuntimeError("the campaign that ran this task is gone")
         time.sleep(0.05)
     return {"waited": 1}
 
 
 def run_until_interrupted(directory: str, marker: str) -> int:
     """`python -c` driver for the Ctrl-C test: a quick task, then one that waits for `marker`,
-    then another quick one, on one local worker, through the checker's campaign runner."""
+    then another quick one, on one local worker, through the checker's campaign runner.
+
+    Ctrl-C is Python's KeyboardInterrupt here even where the test runner's parent ignores SIGINT
+    (a job a shell starts in the background inherits SIGINT ignored, and so do its children): at
+    a terminal, Ctrl-C reaches the campaign, and that is what the test models."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from kvledger.campaign import CampaignDir, LocalExecutor, Task
     from kvledger.tools import campaigns
 
