@@ -14,6 +14,8 @@ except the batch size and the split count, which are fixed per captured graph.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvledger.engine.attention.shared_prefix import PrefixGroups, shared_prefix_partials
@@ -171,24 +173,47 @@ def num_splits_for(batch_size: int, kv_heads: int, target_programs: int = 1024, 
     return splits
 
 
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """How a decode kernel is launched: keys per iteration, warps, Triton's pipelining depth (None:
+    its default) and a cap on registers per thread (None: the compiler's choice)."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int | None = None
+    max_registers: int | None = None
+
+    def options(self) -> dict:
+        """Triton's launch options for this launch."""
+        options = {"num_warps": self.num_warps}
+        if self.num_stages is not None:
+            options["num_stages"] = self.num_stages
+        if self.max_registers is not None:
+            options["maxnreg"] = self.max_registers
+        return options
+
+
 def decode_launch_config(
     batch_size: int, kv_heads: int, kv_dtype: torch.dtype | None = None, head_dim: int = 128
-) -> tuple[int, int, int | None]:
-    """(BLOCK_N, num_warps, num_stages) for stage 1 (None: Triton's default stages), chosen by
-    whole-workload runs on the H200, not by per-layer sweeps (which favoured other shapes):
-    64-token blocks on 4 warps for bf16 with head dim 128, 128-token blocks (a 64-wide row is half
-    the bytes) on 4 warps with 2 stages for head dim 64, 2 warps for FP8. The runs behind each
-    choice: docs/attention-kernels.md."""
+) -> DecodeLaunch:
+    """The stage-1 launch, chosen by whole-workload runs on the H200, not by per-layer sweeps
+    (which favoured other shapes): 64-token blocks on 4 warps for bf16 with head dim 128, 128-token
+    blocks (a 64-wide row is half the bytes) on 4 warps with 2 stages for head dim 64.
+
+    FP8: 64-token blocks on 2 warps, at most 168 registers per thread. Left to itself the compiler
+    gives the FP8 kernel 213 registers, so only 4 programs (8 warps) fit on a multiprocessor: too
+    few loads in flight for the memory's rate. The cap fits a fifth program; tighter caps that
+    won more in the per-layer sweep lost over the workload (the runs: docs/attention-kernels.md)."""
     if kv_dtype == torch.float8_e4m3fn:
-        return 64, 2, None
+        return DecodeLaunch(64, 2, max_registers=168)
     if head_dim <= 64:
-        return 128, 4, 2
-    return 64, 4, None
+        return DecodeLaunch(128, 4, 2)
+    return DecodeLaunch(64, 4)
 
 
-# (BLOCK_N, num_warps, num_stages) of the cascade's prefix kernel: two pipeline stages, not
-# Triton's default three, whose buffers halve occupancy (measured: docs/attention-kernels.md)
-PREFIX_LAUNCH = (64, 4, 2)
+# the cascade's prefix kernel: two pipeline stages, not Triton's default three, whose buffers
+# halve occupancy (measured: docs/attention-kernels.md)
+PREFIX_LAUNCH = DecodeLaunch(64, 4, 2)
 
 
 class DecodeWorkspace:
@@ -228,7 +253,8 @@ def decode_attention(
     v_scale: float = 1.0,
     groups: PrefixGroups | None = None,
     num_stages: int | None = None,
-    prefix_launch: tuple[int, int, int | None] | None = None,
+    prefix_launch: DecodeLaunch | None = None,
+    max_registers: int | None = None,
 ) -> torch.Tensor:
     """q [B, heads, D] (each request's one new token, already stored in the cache) attends over
     the request's first seq_lens[b] tokens at table[rows[b], :seq_lens[b]].
@@ -237,8 +263,9 @@ def decode_attention(
     (token_dim 1), in q's dtype or FP8 (e4m3, read back as value * k_scale / v_scale).
     groups: rows sharing a prefix (`find_prefix_groups`): the prefix is read once per group, in
     the workspace's prefix slots (which it must have).
-    num_stages: Triton's software-pipelining depth (None: its default); prefix_launch: (BLOCK_N,
-    num_warps, num_stages) of the prefix kernel (None: those of the decode kernel).
+    num_stages: Triton's software-pipelining depth (None: its default); max_registers: a cap on
+    registers per thread (None: the compiler's choice); prefix_launch: the prefix kernel's launch
+    (None: that of the decode kernel).
     Returns [B, heads, D] in q's dtype.
     """
     if triton is None:
@@ -259,7 +286,7 @@ def decode_attention(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     dot = dot_dtype(q.dtype, k_cache.dtype)
     if groups is not None:
-        pre_block, pre_warps, pre_stages = prefix_launch or (block_n, num_warps, num_stages)
+        pre = prefix_launch or DecodeLaunch(block_n, num_warps, num_stages)
         shared_prefix_partials(
             q,
             k_cache,
@@ -275,9 +302,9 @@ def decode_attention(
             sm_scale,
             v_scale,
             dot,
-            block_n=pre_block,
-            num_warps=pre_warps,
-            num_stages=pre_stages,
+            block_n=pre.block_n,
+            num_warps=pre.num_warps,
+            num_stages=pre.num_stages,
         )
     _decode_attention_split_kernel[(batch, kv_heads, num_splits)](
         q,
@@ -312,8 +339,7 @@ def decode_attention(
         NUM_SPLITS=num_splits,
         DOT=dot,
         PREFIX_SPLITS=prefix_splits,
-        num_warps=num_warps,
-        **({} if num_stages is None else {"num_stages": num_stages}),
+        **DecodeLaunch(block_n, num_warps, num_stages, max_registers).options(),
     )
     slots = num_splits + prefix_splits
     if slots == 1:

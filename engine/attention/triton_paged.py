@@ -224,7 +224,7 @@ class TritonPagedBackend(AttentionBackend):
             table, rows, seq, splits = self._decode
             head_dim = q.shape[2]
             kv_heads = kp.shape[1 - pool.token_dim]
-            block_n, warps, stages = triton_decode.decode_launch_config(q.shape[0], kv_heads, kp.dtype, head_dim)
+            launch = triton_decode.decode_launch_config(q.shape[0], kv_heads, kp.dtype, head_dim)
             return decode_attention(
                 q,
                 kp,
@@ -235,9 +235,10 @@ class TritonPagedBackend(AttentionBackend):
                 seq,
                 self._workspace,
                 splits,
-                block_n=block_n,
-                num_warps=warps,
-                num_stages=stages,
+                block_n=launch.block_n,
+                num_warps=launch.num_warps,
+                num_stages=launch.num_stages,
+                max_registers=launch.max_registers,
                 k_scale=k_scale,
                 v_scale=v_scale,
                 groups=self._groups,

@@ -7,7 +7,13 @@ dim 128, 16-token pages on scattered pages, a head-major pool as the engine keep
   contexts), bf16 and FP8 caches, over BLOCK_N x num_warps x num_stages;
 - `cascade`: the shared-prefix bench's decode shape (32 groups x 8 requests, a 2,048-token shared
   prefix, 272 tokens of their own): flat decode, the whole cascade path, and the prefix kernel
-  alone over prefix splits x BLOCK_N x num_warps x num_stages.
+  alone over prefix splits x BLOCK_N x num_warps x num_stages;
+- `fa3`: kvledger's decode kernels (bf16 and FP8, launched as the engine launches them) side by
+  side with FlashAttention-3's paged decode on the same token-major pool, at four batch shapes.
+  FA3 is a benchmark-only peer, never a dependency: `--fa3-library` names the `_vllm_fa3_C.abi3.so`
+  of a vLLM wheel (`pip download --no-deps vllm==0.26.0`, then unzip
+  `vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so`), loaded with `torch.ops.load_library`. FA3's FP8
+  path takes the query in e4m3 too (with per-head descales), as vLLM runs it.
 
 The results of this stop are in results/gpu/decode-stage-sweep.txt and
 results/gpu/shared-prefix/cascade-kernel-sweep.txt.
@@ -136,14 +142,113 @@ def sweep_cascade(groups: int = 32, per_group: int = 8, prefix: int = 2048, own:
             )
 
 
+FA3_SHAPES = (
+    ("256 x 600", 256, 600, None),
+    ("256 x U(100,1500)", 256, 100, 1500),
+    ("64 x 2000", 64, 2000, None),
+    ("16 x 4000", 16, 4000, None),
+)
+
+
+def _fa3_decode(q, k_pages, v_pages, block_table, seq_lens, descales=None):
+    """FA3's paged decode: q [B, heads, D] (one token per request) over pages [n, PAGE, kv_heads, D].
+    The positional arguments are those of the `fwd` op of vLLM 0.26.0's _vllm_fa3_C."""
+    batch = q.shape[0]
+    cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    q_descale, k_descale, v_descale = descales or (None, None, None)
+    out, *_ = torch.ops._vllm_fa3_C.fwd(
+        q, k_pages, v_pages, None, None, None, None, cu_q, None, None, None, seq_lens, 1, int(seq_lens.max()),
+        block_table, None, None, None, None, None, q_descale, k_descale, v_descale, q.shape[-1] ** -0.5, True,
+        -1, -1, 0.0, True, None, 0, None, 0, None, 1, 0, None,
+    )  # fmt: skip
+    return out
+
+
+def side_by_side_fa3(library: str) -> None:
+    from kvledger.engine.attention.triton_decode import (
+        DecodeWorkspace,
+        decode_attention,
+        decode_launch_config,
+        num_splits_for,
+    )
+
+    torch.ops.load_library(library)
+    fp8 = torch.float8_e4m3fn
+    print("decode attention, kvledger vs FlashAttention-3 (paged), one layer, token-major pool shared by both;")
+    print("GB/s counts the KV bytes read (K and V of every context token) over the kernel's time")
+    for label, batch, low, high in FA3_SHAPES:
+        lens = [low] * batch if high is None else torch.randint(low, high + 1, (batch,)).tolist()
+        pages_of = [-(-n // PAGE) for n in lens]
+        perm = torch.randperm(sum(pages_of) + 8)
+        rows_pages, at = [], 0
+        for n in pages_of:
+            rows_pages.append(perm[at : at + n].tolist() + [0] * (max(pages_of) - n))
+            at += n
+        block_table = torch.tensor(rows_pages, dtype=torch.int32, device="cuda")
+        table = (block_table[:, :, None] * PAGE + torch.arange(PAGE, device="cuda")).flatten(1).to(torch.int32)
+        seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        rows = torch.arange(batch, device="cuda")
+        q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        kf, vf = (torch.randn(len(perm) * PAGE, KV_HEADS, HEAD_DIM, device="cuda") for _ in range(2))
+        ws = DecodeWorkspace(batch, HEADS, HEAD_DIM, 16, "cuda")
+        splits = num_splits_for(batch, KV_HEADS)
+        for dtype in (torch.bfloat16, fp8):
+            ks = float(kf.abs().max() / 448) if dtype == fp8 else 1.0
+            vs = float(vf.abs().max() / 448) if dtype == fp8 else 1.0
+            k, v = (kf / ks).to(dtype), (vf / vs).to(dtype)
+            nbytes = sum(lens) * KV_HEADS * HEAD_DIM * 2 * k.element_size()
+            launch = decode_launch_config(batch, KV_HEADS, dtype, HEAD_DIM)
+
+            def ours():
+                return decode_attention(
+                    q, k, v, 0, table, rows, seq, ws, splits, block_n=launch.block_n, num_warps=launch.num_warps,
+                    num_stages=launch.num_stages, max_registers=launch.max_registers, k_scale=ks, v_scale=vs,
+                )  # fmt: skip
+
+            pages_k, pages_v = (x.view(-1, PAGE, KV_HEADS, HEAD_DIM) for x in (k, v))
+            descales, q_fa3 = None, q
+            if dtype == fp8:
+                qs = float(q.float().abs().max() / 448)
+                q_fa3 = (q.float() / qs).to(fp8)
+                descales = tuple(torch.full((batch, KV_HEADS), x, device="cuda") for x in (qs, ks, vs))
+            truth = _gathered_attention(q, k.float() * ks, v.float() * vs, table, lens)
+            results = {}
+            for name, fn in (
+                ("kvledger", ours),
+                ("FA3", lambda: _fa3_decode(q_fa3, pages_k, pages_v, block_table, seq, descales)),
+            ):
+                err = float((fn().float()[:4] - truth).norm() / truth.norm())
+                results[name] = time_us(fn)
+                print(
+                    f"  {label:18s} {str(dtype).split('.')[-1]:14s} {name:9s} {results[name]:8.1f} us "
+                    f"{nbytes / results[name] / 1e3:6.0f} GB/s  relative error {err:.1e}"
+                )
+            print(f"  {'':18s} {'':14s} kvledger takes {results['kvledger'] / results['FA3']:.2f}x FA3's time")
+
+
+def _gathered_attention(q, k, v, table, lens, rows: int = 4) -> torch.Tensor:
+    """float32 attention of the first `rows` requests over their gathered tokens ([tokens, kv_heads, D])."""
+    outs = []
+    for b in range(rows):
+        locs = table[b, : lens[b]].long()
+        kk = k[locs].transpose(0, 1).repeat_interleave(HEADS // KV_HEADS, 0)
+        vv = v[locs].transpose(0, 1).repeat_interleave(HEADS // KV_HEADS, 0)
+        scores = torch.einsum("hd,hnd->hn", q[b].float(), kk) * HEAD_DIM**-0.5
+        outs.append(torch.einsum("hn,hnd->hd", scores.softmax(-1), vv))
+    return torch.stack(outs)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvledger.bench.decode_kernels", description=__doc__.splitlines()[0])
-    p.add_argument("sweeps", nargs="*", help="plain and/or cascade (default: both)")
+    p.add_argument("sweeps", nargs="*", help="plain, cascade and/or fa3 (default: plain and cascade)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fa3-library", default=None, metavar="SO", help="for fa3: the _vllm_fa3_C.abi3.so to load")
     args = p.parse_args(argv)
-    bad = [s for s in args.sweeps if s not in ("plain", "cascade")]
+    bad = [s for s in args.sweeps if s not in ("plain", "cascade", "fa3")]
     if bad:
-        p.error(f"unknown sweep {bad[0]!r}: choose plain and/or cascade")
+        p.error(f"unknown sweep {bad[0]!r}: choose plain, cascade and/or fa3")
+    if "fa3" in args.sweeps and not args.fa3_library:
+        p.error("the fa3 side by side needs --fa3-library (the _vllm_fa3_C.abi3.so of a vLLM wheel)")
     if not torch.cuda.is_available():
         print("python -m kvledger.bench.decode_kernels: needs a CUDA device", file=sys.stderr)
         return 2
@@ -153,6 +258,8 @@ def main(argv=None) -> int:
         sweep_plain()
     if "cascade" in sweeps:
         sweep_cascade()
+    if "fa3" in sweeps:
+        side_by_side_fa3(args.fa3_library)
     return 0
 
 
