@@ -17,7 +17,7 @@ OWN_LOGGING = ("serve",)
 def commands() -> Tuple[Tuple[str, Callable[[argparse._SubParsersAction], None]], ...]:
     """The subcommands in `kvledger --help`'s order, each with the function that registers it. Every
     module here imports only light modules at the top: building the parser never imports torch."""
-    from kvledger.cli import bench, checks, generate, mutation, serve
+    from kvledger.cli import bench, checks, explore, generate, mutation, serve
 
     return (
         ("check", checks.add_check),
@@ -27,6 +27,7 @@ def commands() -> Tuple[Tuple[str, Callable[[argparse._SubParsersAction], None]]
         ("bench", bench.add_parser),
         ("zoo", checks.add_zoo),
         ("fuzz", checks.add_fuzz),
+        ("explore", explore.add_parser),
         ("minimize", checks.add_minimize),
         ("subjects", checks.add_subjects),
         ("show", checks.add_show),

@@ -53,6 +53,7 @@ def test_the_subcommands_and_their_order():
         "bench",
         "zoo",
         "fuzz",
+        "explore",
         "minimize",
         "subjects",
         "show",
