@@ -116,7 +116,7 @@ class RankProcesses:
         engine = build_rank(options, group, device, hook=hook)
         serve_rank(engine.engine, engine.coordination)
         group.close()
-        sys.exit(0)
+        _leave(0)
 
     # -- failures ------------------------------------------------------------------------------
     def _watch_reports(self) -> None:
@@ -169,6 +169,22 @@ def _spawned_rank(rank: int, size: int, options: Any, init: str, reports: Any, h
     except BaseException:
         reports.put(("failed", rank, traceback.format_exc()))
         os._exit(1)  # no interpreter teardown: the process group's sockets close now, peers notice
+    _leave(0)
+
+
+def _leave(code: int) -> None:
+    """End a rank other than 0 once its work is done and its group closed, without interpreter
+    teardown. The process group's native threads can still be running when the interpreter's
+    destructors run, and a C++ thread destroyed while running aborts the process (SIGABRT,
+    "terminate called without an active exception"): torchrun then reports the run failed, as one
+    CI run of tests/engine/distributed/test_tensor_parallel.py saw."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or a broken pipe: nothing more to deliver
+            pass
+    os._exit(code)
 
 
 def _await_started(procs: List[Any], reports: Any) -> None:
