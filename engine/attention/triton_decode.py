@@ -38,6 +38,7 @@ if triton is not None:
         TABLE,
         ROWS,
         SEQ_LEN,
+        ORDER,
         START,
         PART_O,
         PART_LSE,
@@ -64,9 +65,15 @@ if triton is not None:
         NUM_SPLITS: tl.constexpr,
         DOT: tl.constexpr,
         PREFIX_SPLITS: tl.constexpr,
+        ORDERED: tl.constexpr,
     ):
-        b = tl.program_id(0)
-        kv_head = tl.program_id(1)
+        # the grid runs KV heads fastest, then requests in ORDER (longest first): the programs that
+        # take longest start in the first wave instead of trailing the launch (longest-processing-
+        # time-first scheduling)
+        kv_head = tl.program_id(0)
+        b = tl.program_id(1)
+        if ORDERED:
+            b = tl.load(ORDER + b)
         split = tl.program_id(2)
         seq_len = tl.load(SEQ_LEN + b)
         row = tl.load(ROWS + b).to(tl.int64)
@@ -164,6 +171,13 @@ def dot_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype):
     return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[q_dtype]
 
 
+def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
+    """The batch's indices by descending sequence length, on the device (CUDA-graph safe): the
+    decode kernel starts the longest requests' programs first, so that none of them is left
+    running alone at the end of the launch."""
+    return torch.argsort(seq_lens, descending=True).to(torch.int32)
+
+
 def num_splits_for(batch_size: int, kv_heads: int, target_programs: int = 1024, max_splits: int = 16) -> int:
     """Enough splits that stage 1 has about `target_programs` programs (a power of two)."""
     want = max(1, -(-target_programs // max(1, batch_size * kv_heads)))
@@ -255,6 +269,7 @@ def decode_attention(
     num_stages: int | None = None,
     prefix_launch: DecodeLaunch | None = None,
     max_registers: int | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, heads, D] (each request's one new token, already stored in the cache) attends over
     the request's first seq_lens[b] tokens at table[rows[b], :seq_lens[b]].
@@ -265,7 +280,8 @@ def decode_attention(
     the workspace's prefix slots (which it must have).
     num_stages: Triton's software-pipelining depth (None: its default); max_registers: a cap on
     registers per thread (None: the compiler's choice); prefix_launch: the prefix kernel's launch
-    (None: that of the decode kernel).
+    (None: that of the decode kernel); order: the batch's indices by descending sequence length
+    (`longest_first`), the order in which the programs start (None: batch order).
     Returns [B, heads, D] in q's dtype.
     """
     if triton is None:
@@ -306,13 +322,14 @@ def decode_attention(
             num_warps=pre.num_warps,
             num_stages=pre.num_stages,
         )
-    _decode_attention_split_kernel[(batch, kv_heads, num_splits)](
+    _decode_attention_split_kernel[(kv_heads, batch, num_splits)](
         q,
         k_cache,
         v_cache,
         table,
         rows,
         seq_lens,
+        order if order is not None else seq_lens,
         groups.start if groups is not None else seq_lens,
         po,
         pl,
@@ -339,6 +356,7 @@ def decode_attention(
         NUM_SPLITS=num_splits,
         DOT=dot,
         PREFIX_SPLITS=prefix_splits,
+        ORDERED=order is not None,
         **DecodeLaunch(block_n, num_warps, num_stages, max_registers).options(),
     )
     slots = num_splits + prefix_splits

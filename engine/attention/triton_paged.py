@@ -24,7 +24,12 @@ except ImportError:  # CPU-only installs: the backend is simply unavailable
 from kvledger.engine.attention import triton_decode
 from kvledger.engine.attention.base import AttentionBackend, AttentionBatch
 from kvledger.engine.attention.shared_prefix import PrefixGroups, find_prefix_groups, members_per_group
-from kvledger.engine.attention.triton_decode import DecodeWorkspace, decode_attention, num_splits_for
+from kvledger.engine.attention.triton_decode import (
+    DecodeWorkspace,
+    decode_attention,
+    longest_first,
+    num_splits_for,
+)
 from kvledger.engine.model.kv_pool import KVPool
 
 if triton is not None:
@@ -155,7 +160,7 @@ class TritonPagedBackend(AttentionBackend):
         self.max_batch, self.max_splits = max_batch, max_splits
         self.cascade, self.prefix_splits = cascade, prefix_splits
         self._shape: tuple[int, int, int] | None = None  # (heads, kv_heads, head_dim), from configure
-        self._decode: tuple | None = None  # (table, rows, seq_lens, num_splits) for a pure-decode step
+        self._decode: tuple | None = None  # (table, rows, seq_lens, num_splits, order) for a pure-decode step
         self._groups: PrefixGroups | None = None  # this decode step's shared prefixes (cascade)
         self._workspace: DecodeWorkspace | None = None
 
@@ -191,7 +196,7 @@ class TritonPagedBackend(AttentionBackend):
         cascade=False: no row shares a prefix with another, so plain decode does. The CUDA graphs
         call it inside the captured step, so the grouping below is replayed with it."""
         heads, kv_heads, head_dim = self._configured()
-        self._decode = (table, rows, seq_lens, num_splits)
+        self._decode = (table, rows, seq_lens, num_splits, longest_first(seq_lens))
         prefix_splits = self.prefix_splits if self.cascade else 0
         ws = self._workspace
         if ws is None or ws.part_o.device != table.device:
@@ -221,7 +226,7 @@ class TritonPagedBackend(AttentionBackend):
         # an FP8 pool: the kernels read e4m3, scale the scores by K's scale and the output by V's
         k_scale, v_scale = pool.k_scale[layer], pool.v_scale[layer]
         if self._decode is not None:
-            table, rows, seq, splits = self._decode
+            table, rows, seq, splits, order = self._decode
             head_dim = q.shape[2]
             kv_heads = kp.shape[1 - pool.token_dim]
             launch = triton_decode.decode_launch_config(q.shape[0], kv_heads, kp.dtype, head_dim)
@@ -243,6 +248,7 @@ class TritonPagedBackend(AttentionBackend):
                 v_scale=v_scale,
                 groups=self._groups,
                 prefix_launch=triton_decode.PREFIX_LAUNCH,
+                order=order,
             )
         q = q.contiguous()
         out = torch.empty_like(q)

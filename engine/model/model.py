@@ -137,10 +137,13 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         out_loc: torch.Tensor,
         last_token_idx: torch.Tensor | None = None,
+        float_logits: bool = True,
     ) -> torch.Tensor:
         """The step after the backend's plan: only device tensors, so a CUDA graph can capture it.
 
-        Logits [T, vocab] float32, or [B, vocab] for the rows in last_token_idx.
+        Logits [T, vocab] float32, or [B, vocab] for the rows in last_token_idx; in the model's
+        dtype with float_logits=False (the decode graphs: their argmax is the same, and a
+        float32 copy of every row costs a pass over [B, vocab] that only sampled rows need).
         """
         x = self.embed_tokens(input_ids)
         step = StepInputs.build(self, positions, out_loc, x.dtype)
@@ -150,4 +153,5 @@ class CausalLM(nn.Module):
         if last_token_idx is not None:
             x, residual = x[last_token_idx], residual[last_token_idx]
         x, _ = step.kernels.add_norm(x, residual, self.norm)
-        return self.lm_head(x).float()
+        logits = self.lm_head(x)
+        return logits.float() if float_logits else logits

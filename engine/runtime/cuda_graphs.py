@@ -72,7 +72,7 @@ class DecodeGraphs:
         self.model.attn_backend.plan_decode(
             self.table, rows, seq_lens, num_splits_for(bs, self._kv_heads), cascade=cascade
         )
-        logits = self.model.run(input_ids, positions, out_loc, None)
+        logits = self.model.run(input_ids, positions, out_loc, None, float_logits=False)
         tokens = logits.argmax(-1)
         self.next_tokens[token_rows] = tokens
         return logits, tokens
@@ -83,7 +83,7 @@ class DecodeGraphs:
     def run(
         self, rows: Sequence[int], seq_lens: Sequence[int], cascade: bool = True
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Replay the graph for this batch: (logits [B, vocab] float32, greedy tokens [B]) on the
+        """Replay the graph for this batch: (logits [B, vocab] in the model's dtype, greedy tokens [B]) on the
         device, valid until the next replay. cascade=False: no row shares pages with another."""
         n = len(rows)
         bs = next(s for s in self.sizes if s >= n)

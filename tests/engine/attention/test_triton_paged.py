@@ -77,7 +77,7 @@ def test_matches_gathered_sdpa(dtype, tol, seed):
 def test_split_kv_decode_matches_gathered_sdpa(dtype, tol, seed):
     """The split-KV decode kernel (every split count) reads each request's tokens through its
     table row; lengths from 1 to past several splits, GQA groups 1, 2, 3 and 8."""
-    from kvledger.engine.attention.triton_decode import DecodeWorkspace, decode_attention
+    from kvledger.engine.attention.triton_decode import DecodeWorkspace, decode_attention, longest_first
 
     g = torch.Generator().manual_seed(seed)
     heads, kv_heads, head_dim = [(9, 3, 64), (16, 8, 128), (16, 2, 64)][seed]
@@ -101,15 +101,22 @@ def test_split_kv_decode_matches_gathered_sdpa(dtype, tol, seed):
     expected = _oracle(pool, q, batch, heads, kv_heads)
     ws = DecodeWorkspace(8, heads, head_dim, 16, DEVICE)
     seq_t = torch.tensor(seq, dtype=torch.int32, device=DEVICE)
+    order = longest_first(seq_t)
     for splits in (1, 2, 16):
-        # the workspace and the output start as NaN: a partial or a row nobody wrote shows
-        ws.part_o.fill_(float("nan"))
-        ws.part_lse.fill_(float("nan"))
-        out = torch.full_like(q, float("nan"))
-        decode_attention(q, pool.k[0], pool.v[0], pool.token_dim, table, rows, seq_t, ws, splits, out=out)
-        assert not torch.isnan(out).any(), f"{splits} splits: a row was not written"
-        err = (out.float() - expected).norm() / expected.norm()
-        assert err < tol, f"{splits} splits: relative error {err:.2e}"
+        outs = []
+        for launch_order in (None, order):  # batch order, then longest first: the same function
+            # the workspace and the output start as NaN: a partial or a row nobody wrote shows
+            ws.part_o.fill_(float("nan"))
+            ws.part_lse.fill_(float("nan"))
+            out = torch.full_like(q, float("nan"))
+            decode_attention(
+                q, pool.k[0], pool.v[0], pool.token_dim, table, rows, seq_t, ws, splits, out=out, order=launch_order
+            )
+            assert not torch.isnan(out).any(), f"{splits} splits, order {launch_order}: a row was not written"
+            err = (out.float() - expected).norm() / expected.norm()
+            assert err < tol, f"{splits} splits, order {launch_order}: relative error {err:.2e}"
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), f"{splits} splits: the launch order changed the output"
     # the backend picks the decode kernel for a pure-decode batch
     backend = TritonPagedBackend()
     backend.configure(heads, kv_heads, head_dim)
