@@ -8,6 +8,9 @@ dim 128, 16-token pages on scattered pages, a head-major pool as the engine keep
 - `cascade`: the shared-prefix bench's decode shape (32 groups x 8 requests, a 2,048-token shared
   prefix, 272 tokens of their own): flat decode, the whole cascade path, and the prefix kernel
   alone over prefix splits x BLOCK_N x num_warps x num_stages;
+- `order`: batches of mixed lengths (and one of equal lengths, the control), bf16 and FP8
+  caches: batch order against longest-first order (`longest_first`), over launches and split
+  counts; outputs are compared with the first launch's;
 - `fa3`: kvledger's decode kernels (bf16 and FP8, launched as the engine launches them) side by
   side with FlashAttention-3's paged decode on the same token-major pool, at four batch shapes.
   FA3 is a benchmark-only peer, never a dependency: `--fa3-library` names the `_vllm_fa3_C.abi3.so`
@@ -15,8 +18,8 @@ dim 128, 16-token pages on scattered pages, a head-major pool as the engine keep
   `vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so`), loaded with `torch.ops.load_library`. FA3's FP8
   path takes the query in e4m3 too (with per-head descales), as vLLM runs it.
 
-The results of this stop are in results/gpu/decode-stage-sweep.txt and
-results/gpu/shared-prefix/cascade-kernel-sweep.txt.
+The raw outputs: results/gpu/decode-stage-sweep.txt, results/gpu/shared-prefix/cascade-kernel-sweep.txt,
+results/gpu/launch-order/decode-per-layer-order.txt and results/gpu/fp8/decode-fa3-side-by-side.txt.
 """
 
 from __future__ import annotations
@@ -142,6 +145,64 @@ def sweep_cascade(groups: int = 32, per_group: int = 8, prefix: int = 2048, own:
             )
 
 
+ORDER_SHAPES = ((256, 100, 1500), (256, 100, 2048), (128, 500, 2048), (64, 100, 2048), (256, 600, 600))
+
+
+def sweep_order(seed: int) -> None:
+    from kvledger.engine.attention.triton_decode import (
+        DecodeLaunch,
+        DecodeWorkspace,
+        decode_attention,
+        decode_launch_config,
+        longest_first,
+        num_splits_for,
+    )
+
+    fp8 = torch.float8_e4m3fn
+    g = torch.Generator().manual_seed(seed)
+    for batch, low, high in ORDER_SHAPES:
+        lens = torch.randint(low, high + 1, (batch,), generator=g)
+        per_row = -(-high // PAGE)
+        perm = torch.randperm(batch * per_row + 8)[: batch * per_row].view(batch, per_row)
+        table = table_of(perm.tolist())
+        q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        rows = torch.arange(batch, device="cuda")
+        seq = lens.to(torch.int32).cuda()
+        ws = DecodeWorkspace(batch, HEADS, HEAD_DIM, 16, "cuda")
+        base = num_splits_for(batch, KV_HEADS)
+        for dtype in (fp8, torch.bfloat16):
+            kf, vf = (torch.randn(KV_HEADS, (batch * per_row + 8) * PAGE, HEAD_DIM, device="cuda") for _ in range(2))
+            ks = float(kf.abs().max() / 448) if dtype == fp8 else 1.0
+            vs = float(vf.abs().max() / 448) if dtype == fp8 else 1.0
+            k, v = (kf / ks).to(dtype), (vf / vs).to(dtype)
+            nbytes = int(lens.sum()) * KV_HEADS * HEAD_DIM * 2 * k.element_size()
+            launches = [decode_launch_config(batch, KV_HEADS, dtype, HEAD_DIM)]
+            if dtype == fp8:
+                launches += [DecodeLaunch(128, 4), DecodeLaunch(32, 2, 2, 128)]
+            first = None
+            for launch, splits, order in itertools.product(
+                launches, sorted({base, min(16, base * 2), min(16, base * 4)}), (None, longest_first(seq))
+            ):
+
+                def run():
+                    return decode_attention(
+                        q, k, v, 1, table, rows, seq, ws, splits, block_n=launch.block_n,
+                        num_warps=launch.num_warps, num_stages=launch.num_stages,
+                        max_registers=launch.max_registers, k_scale=ks, v_scale=vs, order=order,
+                    )  # fmt: skip
+
+                out = run().float()
+                first = out if first is None else first
+                diff = float((out - first).norm() / first.norm())
+                us = time_us(run, 50)
+                print(
+                    f"  {batch} x U({low},{high}) {str(dtype).split('.')[-1]:14s} {launch.block_n:3d},"
+                    f"{launch.num_warps},{launch.num_stages},{launch.max_registers} splits {splits:2d} "
+                    f"{'batch order  ' if order is None else 'longest-first'}: {us:7.1f} us "
+                    f"{nbytes / us / 1e3:6.0f} GB/s diff {diff:.0e}"
+                )
+
+
 FA3_SHAPES = (
     ("256 x 600", 256, 600, None),
     ("256 x U(100,1500)", 256, 100, 1500),
@@ -169,6 +230,7 @@ def side_by_side_fa3(library: str) -> None:
         DecodeWorkspace,
         decode_attention,
         decode_launch_config,
+        longest_first,
         num_splits_for,
     )
 
@@ -192,6 +254,7 @@ def side_by_side_fa3(library: str) -> None:
         kf, vf = (torch.randn(len(perm) * PAGE, KV_HEADS, HEAD_DIM, device="cuda") for _ in range(2))
         ws = DecodeWorkspace(batch, HEADS, HEAD_DIM, 16, "cuda")
         splits = num_splits_for(batch, KV_HEADS)
+        order = longest_first(seq)
         for dtype in (torch.bfloat16, fp8):
             ks = float(kf.abs().max() / 448) if dtype == fp8 else 1.0
             vs = float(vf.abs().max() / 448) if dtype == fp8 else 1.0
@@ -203,6 +266,7 @@ def side_by_side_fa3(library: str) -> None:
                 return decode_attention(
                     q, k, v, 0, table, rows, seq, ws, splits, block_n=launch.block_n, num_warps=launch.num_warps,
                     num_stages=launch.num_stages, max_registers=launch.max_registers, k_scale=ks, v_scale=vs,
+                    order=order,
                 )  # fmt: skip
 
             pages_k, pages_v = (x.view(-1, PAGE, KV_HEADS, HEAD_DIM) for x in (k, v))
@@ -240,13 +304,13 @@ def _gathered_attention(q, k, v, table, lens, rows: int = 4) -> torch.Tensor:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvledger.bench.decode_kernels", description=__doc__.splitlines()[0])
-    p.add_argument("sweeps", nargs="*", help="plain, cascade and/or fa3 (default: plain and cascade)")
+    p.add_argument("sweeps", nargs="*", help="plain, cascade, order and/or fa3 (default: plain and cascade)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fa3-library", default=None, metavar="SO", help="for fa3: the _vllm_fa3_C.abi3.so to load")
     args = p.parse_args(argv)
-    bad = [s for s in args.sweeps if s not in ("plain", "cascade", "fa3")]
+    bad = [s for s in args.sweeps if s not in ("plain", "cascade", "order", "fa3")]
     if bad:
-        p.error(f"unknown sweep {bad[0]!r}: choose plain, cascade and/or fa3")
+        p.error(f"unknown sweep {bad[0]!r}: choose plain, cascade, order and/or fa3")
     if "fa3" in args.sweeps and not args.fa3_library:
         p.error("the fa3 side by side needs --fa3-library (the _vllm_fa3_C.abi3.so of a vLLM wheel)")
     if not torch.cuda.is_available():
@@ -258,6 +322,8 @@ def main(argv=None) -> int:
         sweep_plain()
     if "cascade" in sweeps:
         sweep_cascade()
+    if "order" in sweeps:
+        sweep_order(args.seed)
     if "fa3" in sweeps:
         side_by_side_fa3(args.fa3_library)
     return 0
