@@ -16,10 +16,9 @@ With overlap (`overlap.py`) step N+1 is launched before step N's tokens reach th
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Set
 
 import torch
-from torch.profiler import record_function
 
 from kvledger import fast
 from kvledger.engine.engine_config import ResolvedConfig
@@ -27,6 +26,7 @@ from kvledger.engine.ledger.cache_scheduler import CacheScheduler, PageStats
 from kvledger.engine.ledger.observer import Observer
 from kvledger.engine.ledger.ops import Abort, CacheOp, Finish, OpRecord, Submit
 from kvledger.engine.model.model import CausalLM
+from kvledger.engine.runtime.host_ranges import host_range
 from kvledger.engine.runtime.model_runner import ModelRunner
 from kvledger.engine.runtime.op_stream import OpStream, step_record
 from kvledger.engine.runtime.overlap import LaunchedStep, Overlap
@@ -72,6 +72,7 @@ class Engine:
         # only then (a workload without shared prefixes pays nothing for them)
         self.prefix_sharing = PrefixSharing()
         self.requests: Dict[int, RequestRecord] = {}  # the live requests
+        self.cpu_sampled: Set[int] = set()  # the live requests that sample on the CPU (not greedy)
         # host seconds per part of step() (schedule includes launching the GPU work; wait is the
         # host blocked on the GPU), and steps per phase: benchmarks report them
         self.host_seconds: Dict[str, float] = {"schedule": 0.0, "complete": 0.0, "land": 0.0, "wait": 0.0}
@@ -83,7 +84,7 @@ class Engine:
             self.sampler,
             self.runner,
             self.requests,
-            self.eos_token_ids,
+            self.cpu_sampled,
             config.max_prefill_tokens,
             self._forget,
             self.host_seconds,
@@ -153,7 +154,9 @@ class Engine:
         uid = self.next_uid() if uid is None else uid
         ids = list(map(int, token_ids))
         self.limits.validate(ids, params)
-        self.requests[uid] = RequestRecord(uid, params)
+        self.requests[uid] = RequestRecord.of(uid, params, self.eos_token_ids)
+        if not params.is_greedy:
+            self.cpu_sampled.add(uid)
         self.sampler.add(uid, params)
         self._do(Submit(uid, tuple(ids), params.max_tokens))
         return uid
@@ -185,7 +188,7 @@ class Engine:
             if wait:
                 self.post.resolve(launched)
             t2 = clock()
-            with record_function("kvledger.complete"):
+            with host_range("kvledger.complete"):
                 self.post.complete(launched)
             self.host_seconds["complete"] += clock() - t2
             if wait:
@@ -206,7 +209,7 @@ class Engine:
 
     # -- schedule and run ---------------------------------------------------------------------
     def _launch(self) -> Optional[LaunchedStep]:
-        with record_function("kvledger.schedule"):
+        with host_range("kvledger.schedule"):
             batch = self.scheduler.schedule()
             if batch is None:
                 return None
@@ -243,6 +246,7 @@ class Engine:
 
     def _forget(self, uid: int) -> None:
         self.requests.pop(uid, None)
+        self.cpu_sampled.discard(uid)
         self.prefix_sharing.forget(uid)
         self.overlap.forget(uid)
         self.sampler.remove(uid)

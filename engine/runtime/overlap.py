@@ -80,11 +80,13 @@ class Overlap:
 
     def patch_tokens(self, step: LaunchedStep) -> None:
         """The step's tokens arrived: write them where its bookkeeping left placeholders."""
+        reqs, resumed_by_uid = step.requests, self._resumed
         for i, at, t in zip(step.sampled, step.patch_at, step.values):
-            step.requests[i].set_host_token(at, t)
-            resumed = self._resumed.pop(step.requests[i].uid, None)
-            if resumed is not None:  # preempted by the next step: it waits with this token last
-                resumed.input_ids[at] = t
+            reqs[i].set_host_token(at, t)
+            if resumed_by_uid:
+                resumed = resumed_by_uid.pop(reqs[i].uid, None)
+                if resumed is not None:  # preempted by the next step: it waits with this token last
+                    resumed.input_ids[at] = t
 
     def stopped_late(self, uid: int) -> None:
         self.late_stops.add(uid)

@@ -9,12 +9,11 @@ requests that stopped, and returns the delivered tokens.
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, FrozenSet, List
-
-from torch.profiler import record_function
+from typing import Callable, Dict, List, Set
 
 from kvledger import fast
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler
+from kvledger.engine.runtime.host_ranges import host_range
 from kvledger.engine.runtime.model_runner import ModelRunner
 from kvledger.engine.runtime.op_stream import OpStream, step_record
 from kvledger.engine.runtime.overlap import LaunchedStep, Overlap
@@ -33,14 +32,14 @@ class Postprocessor:
         sampler: Sampler,
         runner: ModelRunner,
         requests: Dict[int, RequestRecord],
-        eos_token_ids: FrozenSet[int],
+        cpu_sampled: Set[int],
         budget: int,
         forget: Callable[[int], None],
         host_seconds: Dict[str, float],
     ) -> None:
         self.ledger, self.ops, self.overlap, self.sampler, self.runner = ledger, ops, overlap, sampler, runner
         self.requests = requests  # the engine's live requests (shared)
-        self.eos_token_ids = eos_token_ids
+        self.cpu_sampled = cpu_sampled  # the live ones that sample on the CPU (shared)
         self.budget = budget  # the prefill budget its operations record
         self.forget = forget  # the engine drops a request that ended
         self.host_seconds = host_seconds
@@ -48,15 +47,15 @@ class Postprocessor:
     def needs_values(self, step: LaunchedStep) -> bool:
         """Whether the step's bookkeeping must see its tokens: only when a row samples on the CPU.
         (A greedy request that may stop on a token is handled by a late stop instead.)"""
-        for i in step.sampled:
-            rec = self.requests.get(step.requests[i].uid)
-            if rec is not None and not rec.params.is_greedy:
-                return True
-        return False
+        cpu = self.cpu_sampled
+        if not cpu:  # all greedy, as in the throughput benchmarks: no per-row look
+            return False
+        reqs = step.requests
+        return any(reqs[i].uid in cpu for i in step.sampled)
 
     def wait(self, step: LaunchedStep) -> None:
         t = time.perf_counter()
-        with record_function("kvledger.wait"):
+        with host_range("kvledger.wait"):
             if step.ready is not None:
                 step.ready.synchronize()
         self.host_seconds["wait"] += time.perf_counter() - t
@@ -83,16 +82,14 @@ class Postprocessor:
             for i, t in zip(step.sampled, values):
                 sample[i] = t
         # a request whose sampling failed finishes here like a stop; its placeholder token is not output
-        stop = (
-            []
-            if values is None
-            else [
-                reqs[i].uid
-                for i, t in zip(step.sampled, values)
-                if reqs[i].uid in self.requests and (reqs[i].uid in step.failed or self._stops(reqs[i].uid, t))
-            ]
-        )
-        late = [reqs[i].uid for i in step.sampled if reqs[i].uid in self.overlap.late_stops]
+        stop = []
+        if values is not None:
+            for i, t in zip(step.sampled, values):
+                rec = self.requests.get(reqs[i].uid)
+                if rec is not None and (rec.uid in step.failed or t in rec.stop_ids):
+                    stop.append(rec.uid)
+        late_stops = self.overlap.late_stops
+        late = [reqs[i].uid for i in step.sampled if reqs[i].uid in late_stops] if late_stops else []
         stop += late
         self.overlap.late_stops.difference_update(late)
         self.ledger.complete(reqs, sample, stop, step.batch.phase == "prefill")
@@ -133,24 +130,22 @@ class Postprocessor:
             step.entry.fill_sample(sample)
             self.ops.flush()
         events = []
+        reqs, finished, failed, live = step.requests, step.finished, step.failed, self.requests
         for i, t in zip(step.sampled, step.values):
-            uid = step.requests[i].uid
-            reason = step.finished.get(uid)
-            rec = self.requests.get(uid)
+            uid = reqs[i].uid
+            rec = live.get(uid)
             if rec is None:  # aborted, or stopped late, while this step was in flight
                 continue
+            reason = finished.get(uid)
             rec.finishing = None
-            if reason == "length" and self._stops(uid, t):  # its last token is a stop token, as without overlap
-                reason = "stop"
-            elif reason is None and self._stops(uid, t):  # its step's bookkeeping ran before the value was known
-                reason = "stop"
-                self.overlap.stopped_late(uid)
-            events.append(TokenEvent(uid, t, reason is not None, reason, step.failed.get(uid), rec.cached_tokens or 0))
+            if t in rec.stop_ids:
+                if reason is None:  # its step's bookkeeping ran before the value was known
+                    self.overlap.stopped_late(uid)
+                    reason = "stop"
+                elif reason == "length":  # its last token is a stop token, as without overlap
+                    reason = "stop"
+            events.append(TokenEvent(uid, t, reason is not None, reason, failed.get(uid), rec.cached_tokens or 0))
             if reason is not None:
                 self.forget(uid)
         self.host_seconds["land"] += time.perf_counter() - started
         return events
-
-    def _stops(self, uid: int, token: int) -> bool:
-        p = self.requests[uid].params
-        return (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids

@@ -4,7 +4,7 @@ its record while it lives, and the event that delivers each of its tokens."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import FrozenSet, Optional, Sequence
 
 from kvledger import fast
 from kvledger.engine.runtime.request_error import RequestError
@@ -61,8 +61,14 @@ class RequestRecord:
 
     uid: int
     params: fast.SamplingParams
+    stop_ids: FrozenSet[int] = frozenset()  # tokens that end it: its stop_token_ids, and EOS unless ignore_eos
     cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache, set at admission
     finishing: Optional[str] = None  # its finish reason once bookkeeping released it, before delivery
+
+    @classmethod
+    def of(cls, uid: int, params: fast.SamplingParams, eos_token_ids: FrozenSet[int]) -> RequestRecord:
+        stops = frozenset(params.stop_token_ids)
+        return cls(uid, params, stops if params.ignore_eos else stops | eos_token_ids)
 
 
 @dataclass

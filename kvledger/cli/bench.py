@@ -2,7 +2,8 @@
 Light at import: `kvledger --help` builds the parser without importing torch or the benchmarks.
 
 `kvledger bench [engine]`: this engine vs transformers (bench/engine.py); `bench cache`: the cache
-manager (bench/cache.py); `--workload nano-vllm | early-stop | shared-prefix` (bench/nano.py,
+manager (bench/cache.py); `bench host`: the engine's host cost per step, model stubbed out
+(bench/host.py); `--workload nano-vllm | early-stop | shared-prefix` (bench/nano.py,
 admission.py, shared_prefix.py; their workloads in bench/workloads.py, their runs through
 bench/runner.py); `--serve URL`: a running server (bench/online.py).
 """
@@ -126,9 +127,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "what",
         nargs="?",
         default="engine",
-        choices=["engine", "cache"],
-        help="engine: this engine vs transformers on one workload; cache: the cache manager",
+        choices=["engine", "cache", "host"],
+        help="engine: this engine vs transformers on one workload; cache: the cache manager; host: the "
+        "engine's host cost per step on the nano-vllm workload (--num-requests, --seed), model stubbed out",
     )
+    p.add_argument("--cprofile", action="store_true", help="bench host: also print cProfile's top functions")
     _add_engine_arguments(p)
     _add_online_arguments(p)
     _add_workload_arguments(p)
@@ -368,6 +371,15 @@ def bench_command(args: argparse.Namespace) -> int:
 
         main()
         return 0
+    if args.what == "host":
+        from kvledger.bench.host import main as host_main
+
+        try:
+            cost = host_main(args.num_requests, args.seed, args.cprofile, args.device or "cpu")
+        except ValueError as e:
+            print(f"kvledger bench host: {e}", file=sys.stderr)
+            return 2
+        return 0 if cost.tokens == cost.expected_tokens else 1
     from kvledger.bench.engine import run_bench
 
     run_bench(
