@@ -129,7 +129,7 @@ def measure(
         start = time.perf_counter()
         if profiler is not None:
             profiler.enable()
-        result: LoopResult = step_loop(llm, workload)
+        result: LoopResult = step_loop(llm, workload, first_uid=engine.next_uid())  # after the warm-up's uids
         if profiler is not None:
             profiler.disable()
         seconds = time.perf_counter() - start

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from kvledger.bench.host import measure
 from kvledger.cli import main
 from kvledger.engine.runtime.requests import RequestRecord
@@ -34,3 +36,9 @@ def test_a_request_stops_on_eos_unless_it_ignores_eos():
     assert RequestRecord.of(1, SamplingParams(stop_token_ids=[7]), eos).stop_ids == {2, 5, 7}
     assert RequestRecord.of(1, SamplingParams(stop_token_ids=[7], ignore_eos=True), eos).stop_ids == {7}
     assert RequestRecord.of(1, SamplingParams(ignore_eos=True), eos).stop_ids == frozenset()
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_tiny_model_runs_in_graphs_after_its_warm_up():
+    cost, _ = measure(num_requests=8, seed=1, device="cuda")
+    assert cost.device == "cuda" and cost.tokens == cost.expected_tokens > 0
