@@ -11,6 +11,8 @@ Query head h reads KV head h // (heads // kv_heads).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 try:
@@ -31,6 +33,17 @@ from kvledger.engine.attention.triton_decode import (
     num_splits_for,
 )
 from kvledger.engine.model.kv_pool import KVPool
+
+
+class DecodePlan(NamedTuple):
+    """A pure-decode step's metadata, on the device (`plan_decode`)."""
+
+    table: torch.Tensor  # [rows, width] token locations
+    rows: torch.Tensor  # [B] each request's table row
+    seq_lens: torch.Tensor  # [B]
+    num_splits: int
+    order: torch.Tensor  # [B] the batch by descending length (`longest_first`): the launch order
+
 
 if triton is not None:
 
@@ -160,7 +173,7 @@ class TritonPagedBackend(AttentionBackend):
         self.max_batch, self.max_splits = max_batch, max_splits
         self.cascade, self.prefix_splits = cascade, prefix_splits
         self._shape: tuple[int, int, int] | None = None  # (heads, kv_heads, head_dim), from configure
-        self._decode: tuple | None = None  # (table, rows, seq_lens, num_splits, order) for a pure-decode step
+        self._decode: DecodePlan | None = None  # set for a pure-decode step
         self._groups: PrefixGroups | None = None  # this decode step's shared prefixes (cascade)
         self._workspace: DecodeWorkspace | None = None
 
@@ -196,7 +209,7 @@ class TritonPagedBackend(AttentionBackend):
         cascade=False: no row shares a prefix with another, so plain decode does. The CUDA graphs
         call it inside the captured step, so the grouping below is replayed with it."""
         heads, kv_heads, head_dim = self._configured()
-        self._decode = (table, rows, seq_lens, num_splits, longest_first(seq_lens))
+        self._decode = DecodePlan(table, rows, seq_lens, num_splits, longest_first(seq_lens))
         prefix_splits = self.prefix_splits if self.cascade else 0
         ws = self._workspace
         if ws is None or ws.part_o.device != table.device:
@@ -225,8 +238,8 @@ class TritonPagedBackend(AttentionBackend):
         q = q.to(pool.compute_dtype)
         # an FP8 pool: the kernels read e4m3, scale the scores by K's scale and the output by V's
         k_scale, v_scale = pool.k_scale[layer], pool.v_scale[layer]
-        if self._decode is not None:
-            table, rows, seq, splits, order = self._decode
+        plan = self._decode
+        if plan is not None:
             head_dim = q.shape[2]
             kv_heads = kp.shape[1 - pool.token_dim]
             launch = triton_decode.decode_launch_config(q.shape[0], kv_heads, kp.dtype, head_dim)
@@ -235,11 +248,11 @@ class TritonPagedBackend(AttentionBackend):
                 kp,
                 vp,
                 pool.token_dim,
-                table,
-                rows,
-                seq,
+                plan.table,
+                plan.rows,
+                plan.seq_lens,
                 self._workspace,
-                splits,
+                plan.num_splits,
                 block_n=launch.block_n,
                 num_warps=launch.num_warps,
                 num_stages=launch.num_stages,
@@ -248,7 +261,7 @@ class TritonPagedBackend(AttentionBackend):
                 v_scale=v_scale,
                 groups=self._groups,
                 prefix_launch=triton_decode.PREFIX_LAUNCH,
-                order=order,
+                order=plan.order,
             )
         q = q.contiguous()
         out = torch.empty_like(q)
