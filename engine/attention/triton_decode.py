@@ -66,6 +66,8 @@ if triton is not None:
         DOT: tl.constexpr,
         PREFIX_SPLITS: tl.constexpr,
         ORDERED: tl.constexpr,
+        MASK_TAIL_ONLY: tl.constexpr,
+        NARROW: tl.constexpr,
     ):
         # the grid runs KV heads fastest, then requests in ORDER (longest first): the programs that
         # take longest start in the first wave instead of trailing the launch (longest-processing-
@@ -114,6 +116,8 @@ if triton is not None:
             BLOCK_N,
             PRECISION,
             DOT,
+            MASK_TAIL_ONLY=MASK_TAIL_ONLY,
+            NARROW=NARROW,
         )
         out, lse = finish_partial(m_i, l_i, acc, v_scale)  # a split past a short request's end is empty
         if NUM_SPLITS + PREFIX_SPLITS == 1:  # the only partial is the answer: no merge
@@ -178,6 +182,12 @@ def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
     return torch.argsort(seq_lens, descending=True).to(torch.int32)
 
 
+def narrow_offsets(cache: torch.Tensor) -> bool:
+    """Whether every element offset into one layer's cache fits in int32: the kernels then
+    compute token offsets in 32 bits (fewer registers per block of keys)."""
+    return cache.numel() < 2**31
+
+
 def num_splits_for(batch_size: int, kv_heads: int, target_programs: int = 1024, max_splits: int = 16) -> int:
     """Enough splits that stage 1 has about `target_programs` programs (a power of two)."""
     want = max(1, -(-target_programs // max(1, batch_size * kv_heads)))
@@ -190,12 +200,16 @@ def num_splits_for(batch_size: int, kv_heads: int, target_programs: int = 1024, 
 @dataclass(frozen=True)
 class DecodeLaunch:
     """How a decode kernel is launched: keys per iteration, warps, Triton's pipelining depth (None:
-    its default) and a cap on registers per thread (None: the compiler's choice)."""
+    its default), a cap on registers per thread (None: the compiler's choice), whether only the last
+    partial block of keys is bounds-masked (the whole blocks then run without masks), and whether
+    token offsets are computed in int32 where the pool allows (`narrow_offsets`)."""
 
     block_n: int
     num_warps: int
     num_stages: int | None = None
     max_registers: int | None = None
+    mask_tail_only: bool = False
+    narrow: bool = False
 
     def options(self) -> dict:
         """Triton's launch options for this launch."""
@@ -214,12 +228,14 @@ def decode_launch_config(
     (which favoured other shapes): 64-token blocks on 4 warps for bf16 with head dim 128, 128-token
     blocks (a 64-wide row is half the bytes) on 4 warps with 2 stages for head dim 64.
 
-    FP8: 64-token blocks on 2 warps, at most 168 registers per thread. Left to itself the compiler
-    gives the FP8 kernel 213 registers, so only 4 programs (8 warps) fit on a multiprocessor: too
-    few loads in flight for the memory's rate. The cap fits a fifth program; tighter caps that
-    won more in the per-layer sweep lost over the workload (the runs: docs/attention-kernels.md)."""
+    FP8: 64-token blocks on 2 warps, at most 168 registers per thread, the whole blocks unmasked and
+    int32 token offsets. Left to itself the compiler gives the FP8 kernel over 200 registers, so only
+    4 programs (8 warps) fit on a multiprocessor: too few loads in flight for the memory's rate; the
+    cap fits 6, and tighter caps that won in per-layer sweeps lost over the workload. Masks on the
+    last block only and int32 offsets shorten the loop enough that the cap no longer spills; bf16
+    gained nothing from them and head dim 64 lost (the runs: docs/attention-kernels.md)."""
     if kv_dtype == torch.float8_e4m3fn:
-        return DecodeLaunch(64, 2, max_registers=168)
+        return DecodeLaunch(64, 2, max_registers=168, mask_tail_only=True, narrow=True)
     if head_dim <= 64:
         return DecodeLaunch(128, 4, 2)
     return DecodeLaunch(64, 4)
@@ -270,6 +286,8 @@ def decode_attention(
     prefix_launch: DecodeLaunch | None = None,
     max_registers: int | None = None,
     order: torch.Tensor | None = None,
+    mask_tail_only: bool = False,
+    narrow: bool = False,
 ) -> torch.Tensor:
     """q [B, heads, D] (each request's one new token, already stored in the cache) attends over
     the request's first seq_lens[b] tokens at table[rows[b], :seq_lens[b]].
@@ -281,7 +299,8 @@ def decode_attention(
     num_stages: Triton's software-pipelining depth (None: its default); max_registers: a cap on
     registers per thread (None: the compiler's choice); prefix_launch: the prefix kernel's launch
     (None: that of the decode kernel); order: the batch's indices by descending sequence length
-    (`longest_first`), the order in which the programs start (None: batch order).
+    (`longest_first`), the order in which the programs start (None: batch order); mask_tail_only and
+    narrow: as in `DecodeLaunch` (neither changes the result).
     Returns [B, heads, D] in q's dtype.
     """
     if triton is None:
@@ -357,6 +376,8 @@ def decode_attention(
         DOT=dot,
         PREFIX_SPLITS=prefix_splits,
         ORDERED=order is not None,
+        MASK_TAIL_ONLY=mask_tail_only,
+        NARROW=narrow and narrow_offsets(k_cache),
         **DecodeLaunch(block_n, num_warps, num_stages, max_registers).options(),
     )
     slots = num_splits + prefix_splits

@@ -257,6 +257,8 @@ class TritonPagedBackend(AttentionBackend):
                 num_warps=launch.num_warps,
                 num_stages=launch.num_stages,
                 max_registers=launch.max_registers,
+                mask_tail_only=launch.mask_tail_only,
+                narrow=launch.narrow,
                 k_scale=k_scale,
                 v_scale=v_scale,
                 groups=self._groups,

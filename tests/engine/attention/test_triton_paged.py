@@ -3,6 +3,8 @@ sizes, prefix hits and lengths, float32 and bfloat16. On the GPU when there is o
 Triton's CPU interpreter when Triton is installed (tests/conftest.py sets
 TRITON_INTERPRET); skipped otherwise (CI has neither)."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -102,7 +104,8 @@ def test_split_kv_decode_matches_gathered_sdpa(dtype, tol, seed):
     ws = DecodeWorkspace(8, heads, head_dim, 16, DEVICE)
     seq_t = torch.tensor(seq, dtype=torch.int32, device=DEVICE)
     order = longest_first(seq_t)
-    for splits in (1, 2, 16):
+    # every block masked, or only the last partial one with int32 offsets (the FP8 launch's way)
+    for splits, fast_blocks in itertools.product((1, 2, 16), (False, True)):
         outs = []
         for launch_order in (None, order):  # batch order, then longest first: the same function
             # the workspace and the output start as NaN: a partial or a row nobody wrote shows
@@ -110,11 +113,13 @@ def test_split_kv_decode_matches_gathered_sdpa(dtype, tol, seed):
             ws.part_lse.fill_(float("nan"))
             out = torch.full_like(q, float("nan"))
             decode_attention(
-                q, pool.k[0], pool.v[0], pool.token_dim, table, rows, seq_t, ws, splits, out=out, order=launch_order
-            )
-            assert not torch.isnan(out).any(), f"{splits} splits, order {launch_order}: a row was not written"
+                q, pool.k[0], pool.v[0], pool.token_dim, table, rows, seq_t, ws, splits, out=out, order=launch_order,
+                mask_tail_only=fast_blocks, narrow=fast_blocks,
+            )  # fmt: skip
+            case = f"{splits} splits, order {launch_order}, tail-only masks {fast_blocks}"
+            assert not torch.isnan(out).any(), f"{case}: a row was not written"
             err = (out.float() - expected).norm() / expected.norm()
-            assert err < tol, f"{splits} splits, order {launch_order}: relative error {err:.2e}"
+            assert err < tol, f"{case}: relative error {err:.2e}"
             outs.append(out)
         assert torch.equal(outs[0], outs[1]), f"{splits} splits: the launch order changed the output"
     # the backend picks the decode kernel for a pure-decode batch
@@ -126,3 +131,12 @@ def test_split_kv_decode_matches_gathered_sdpa(dtype, tol, seed):
     out = backend.forward(q, k_new.transpose(0, 1), v_new.transpose(0, 1), 0, pool)
     err = (out.float() - expected).norm() / expected.norm()
     assert err < tol, f"backend decode path: relative error {err:.2e}"
+
+
+def test_narrow_offsets_only_below_int32_range():
+    """int32 token offsets are used only while every element offset of a layer's pool fits: one more
+    element would wrap them and read another token's K/V."""
+    from kvledger.engine.attention.triton_decode import narrow_offsets
+
+    assert narrow_offsets(torch.empty(2**31 - 1, dtype=torch.float8_e4m3fn, device="meta"))
+    assert not narrow_offsets(torch.empty(8, 2**28, dtype=torch.float8_e4m3fn, device="meta"))
