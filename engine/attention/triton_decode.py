@@ -14,7 +14,7 @@ except the batch size and the split count, which are fixed per captured graph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -210,6 +210,10 @@ class DecodeLaunch:
     max_registers: int | None = None
     mask_tail_only: bool = False
     narrow: bool = False
+
+    def kernel_args(self) -> dict:
+        """`decode_attention`'s keyword arguments for this launch (its fields, by name)."""
+        return asdict(self)
 
     def options(self) -> dict:
         """Triton's launch options for this launch."""

@@ -253,17 +253,12 @@ class TritonPagedBackend(AttentionBackend):
                 plan.seq_lens,
                 self._workspace,
                 plan.num_splits,
-                block_n=launch.block_n,
-                num_warps=launch.num_warps,
-                num_stages=launch.num_stages,
-                max_registers=launch.max_registers,
-                mask_tail_only=launch.mask_tail_only,
-                narrow=launch.narrow,
                 k_scale=k_scale,
                 v_scale=v_scale,
                 groups=self._groups,
                 prefix_launch=triton_decode.PREFIX_LAUNCH,
                 order=plan.order,
+                **launch.kernel_args(),
             )
         q = q.contiguous()
         out = torch.empty_like(q)

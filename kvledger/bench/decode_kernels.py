@@ -186,9 +186,8 @@ def sweep_order(seed: int) -> None:
 
                 def run():
                     return decode_attention(
-                        q, k, v, 1, table, rows, seq, ws, splits, block_n=launch.block_n,
-                        num_warps=launch.num_warps, num_stages=launch.num_stages,
-                        max_registers=launch.max_registers, k_scale=ks, v_scale=vs, order=order,
+                        q, k, v, 1, table, rows, seq, ws, splits, k_scale=ks, v_scale=vs, order=order,
+                        **launch.kernel_args(),
                     )  # fmt: skip
 
                 out = run().float()
@@ -264,9 +263,8 @@ def side_by_side_fa3(library: str) -> None:
 
             def ours():
                 return decode_attention(
-                    q, k, v, 0, table, rows, seq, ws, splits, block_n=launch.block_n, num_warps=launch.num_warps,
-                    num_stages=launch.num_stages, max_registers=launch.max_registers, k_scale=ks, v_scale=vs,
-                    order=order,
+                    q, k, v, 0, table, rows, seq, ws, splits, k_scale=ks, v_scale=vs, order=order,
+                    **launch.kernel_args(),
                 )  # fmt: skip
 
             pages_k, pages_v = (x.view(-1, PAGE, KV_HEADS, HEAD_DIM) for x in (k, v))
