@@ -11,6 +11,9 @@ dim 128, 16-token pages on scattered pages, a head-major pool as the engine keep
 - `order`: batches of mixed lengths (and one of equal lengths, the control), bf16 and FP8
   caches: batch order against longest-first order (`longest_first`), over launches and split
   counts; outputs are compared with the first launch's;
+- `blocks`: every block of keys bounds-masked or only the last partial one (`mask_tail_only`),
+  with 64- or 32-bit token offsets (`narrow`), per launch, bf16 and FP8 at three Qwen3 shapes and
+  bf16 at SmolLM2-135M's (9 query heads, 3 KV heads, head dim 64), longest-first order;
 - `fa3`: kvledger's decode kernels (bf16 and FP8, launched as the engine launches them) side by
   side with FlashAttention-3's paged decode on the same token-major pool, at four batch shapes.
   FA3 is a benchmark-only peer, never a dependency: `--fa3-library` names the `_vllm_fa3_C.abi3.so`
@@ -19,7 +22,8 @@ dim 128, 16-token pages on scattered pages, a head-major pool as the engine keep
   path takes the query in e4m3 too (with per-head descales), as vLLM runs it.
 
 The raw outputs: results/gpu/decode-stage-sweep.txt, results/gpu/shared-prefix/cascade-kernel-sweep.txt,
-results/gpu/launch-order/decode-per-layer-order.txt and results/gpu/fp8/decode-fa3-side-by-side.txt.
+results/gpu/launch-order/decode-per-layer-order.txt, results/gpu/fp8-blocks/decode-per-layer-blocks.txt
+and results/gpu/fp8-blocks/decode-fa3-side-by-side.txt.
 """
 
 from __future__ import annotations
@@ -210,6 +214,67 @@ FA3_SHAPES = (
 )
 
 
+BLOCKS_SHAPES = (  # (batch, shortest, longest, query heads, KV heads, head dim, KV dtypes)
+    (256, 600, 600, HEADS, KV_HEADS, HEAD_DIM, ("float8_e4m3fn", "bfloat16")),
+    (256, 100, 1500, HEADS, KV_HEADS, HEAD_DIM, ("float8_e4m3fn", "bfloat16")),
+    (64, 2000, 2000, HEADS, KV_HEADS, HEAD_DIM, ("float8_e4m3fn", "bfloat16")),
+    (256, 100, 1500, 9, 3, 64, ("bfloat16",)),
+)
+
+
+def sweep_blocks(seed: int) -> None:
+    from kvledger.engine.attention.triton_decode import (
+        DecodeLaunch,
+        DecodeWorkspace,
+        decode_attention,
+        decode_launch_config,
+        longest_first,
+        num_splits_for,
+    )
+
+    g = torch.Generator().manual_seed(seed)
+    for batch, low, high, heads, kv_heads, head_dim, dtypes in BLOCKS_SHAPES:
+        lens = torch.randint(low, high + 1, (batch,), generator=g)
+        per_row = -(-high // PAGE)
+        tokens = (batch * per_row + 8) * PAGE
+        table = table_of(torch.randperm(batch * per_row + 8)[: batch * per_row].view(batch, per_row).tolist())
+        q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        rows, seq = torch.arange(batch, device="cuda"), lens.to(torch.int32).cuda()
+        order, splits = longest_first(seq), num_splits_for(batch, kv_heads)
+        ws = DecodeWorkspace(batch, heads, head_dim, 16, "cuda")
+        for dtype in (getattr(torch, d) for d in dtypes):
+            kf, vf = (torch.randn(kv_heads, tokens, head_dim, device="cuda") for _ in range(2))
+            fp8 = dtype == torch.float8_e4m3fn
+            ks, vs = (float(kf.abs().max() / 448), float(vf.abs().max() / 448)) if fp8 else (1.0, 1.0)
+            k, v = (kf / ks).to(dtype), (vf / vs).to(dtype)
+            nbytes = int(lens.sum()) * kv_heads * head_dim * 2 * k.element_size()
+            engine = decode_launch_config(batch, kv_heads, dtype, head_dim)
+            others = [(64, 2), (64, 4)] if head_dim > 64 else [(64, 4), (128, 4, 3)]
+            print(f"{batch} x U({low},{high}), heads {heads}/{kv_heads}, dim {head_dim}, {dtype} KV, {splits} splits")
+            first = None
+            for shape, masks in itertools.product(
+                [engine] + [DecodeLaunch(*o) for o in others], ((0, 0), (1, 0), (1, 1))
+            ):
+                launch = DecodeLaunch(
+                    shape.block_n, shape.num_warps, shape.num_stages, shape.max_registers, *map(bool, masks)
+                )
+
+                def run():
+                    return decode_attention(
+                        q, k, v, 1, table, rows, seq, ws, splits, k_scale=ks, v_scale=vs, order=order,
+                        **launch.kernel_args(),
+                    )  # fmt: skip
+
+                out = run().float()
+                first = out if first is None else first
+                us = time_us(run, 50)
+                print(
+                    f"  {launch.block_n:3d},{launch.num_warps},{launch.num_stages},{launch.max_registers} "
+                    f"tail-only masks {masks[0]} narrow {masks[1]}: {us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s "
+                    f"diff {float((out - first).norm() / first.norm()):.0e}"
+                )
+
+
 def _fa3_decode(q, k_pages, v_pages, block_table, seq_lens, descales=None):
     """FA3's paged decode: q [B, heads, D] (one token per request) over pages [n, PAGE, kv_heads, D].
     The positional arguments are those of the `fwd` op of vLLM 0.26.0's _vllm_fa3_C."""
@@ -302,13 +367,13 @@ def _gathered_attention(q, k, v, table, lens, rows: int = 4) -> torch.Tensor:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvledger.bench.decode_kernels", description=__doc__.splitlines()[0])
-    p.add_argument("sweeps", nargs="*", help="plain, cascade, order and/or fa3 (default: plain and cascade)")
+    p.add_argument("sweeps", nargs="*", help="plain, cascade, order, blocks and/or fa3 (default: plain and cascade)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fa3-library", default=None, metavar="SO", help="for fa3: the _vllm_fa3_C.abi3.so to load")
     args = p.parse_args(argv)
-    bad = [s for s in args.sweeps if s not in ("plain", "cascade", "order", "fa3")]
+    bad = [s for s in args.sweeps if s not in ("plain", "cascade", "order", "blocks", "fa3")]
     if bad:
-        p.error(f"unknown sweep {bad[0]!r}: choose plain, cascade, order and/or fa3")
+        p.error(f"unknown sweep {bad[0]!r}: choose plain, cascade, order, blocks and/or fa3")
     if "fa3" in args.sweeps and not args.fa3_library:
         p.error("the fa3 side by side needs --fa3-library (the _vllm_fa3_C.abi3.so of a vLLM wheel)")
     if not torch.cuda.is_available():
@@ -322,6 +387,8 @@ def main(argv=None) -> int:
         sweep_cascade()
     if "order" in sweeps:
         sweep_order(args.seed)
+    if "blocks" in sweeps:
+        sweep_blocks(args.seed)
     if "fa3" in sweeps:
         side_by_side_fa3(args.fa3_library)
     return 0

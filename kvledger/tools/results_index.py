@@ -53,6 +53,14 @@ DESCRIPTIONS: Dict[str, str] = {
     "gpu/early-stop-qwen3-pool12k.json": "every figure of early-stop.txt section 3 (pool 12,288 tokens, 512 requests)",
     "gpu/early-stop-qwen3-pool24k.json": "every figure of early-stop.txt section 2 (pool 24,576 tokens, 512 requests)",
     "gpu/early-stop-qwen3-pool98k.json": "every figure of early-stop.txt section 1 (pool 98,304 tokens, 256 requests)",
+    "gpu/fp8-blocks/ncu-after-sass.csv.xz": (
+        "ncu's per-instruction source page (SASS, stall samples) of the FP8 decode kernel at aba922a, xz; "
+        "summarized by ncu-after-stalls.txt"
+    ),
+    "gpu/fp8-blocks/ncu-before-sass.csv.xz": (
+        "ncu's per-instruction source page (SASS, stall samples) of the FP8 and bf16 decode kernels at "
+        "6a491b8, xz; summarized by ncu-before-stalls.txt"
+    ),
     "gpu/fp8/qwen3-0.6b-kv-fp8.txt": (
         "`kvledger bench --workload nano-vllm --kv-cache-dtype fp8_e4m3`, Qwen3-0.6B, one H200: 24,427 tok/s,"
         " both bandwidth floors, decode profile"
