@@ -52,6 +52,20 @@ def time_us(fn: Callable[[], object], reps: int = 30) -> float:
     return start.elapsed_time(end) / reps * 1000
 
 
+def timed_launch(launch, q, k, v, table, rows, seq, ws, splits, k_scale, v_scale, order) -> Tuple[torch.Tensor, float]:
+    """A head-major pool's decode at one launch: its output (float32) and microseconds per call."""
+    from kvledger.engine.attention.triton_decode import decode_attention
+
+    def run():
+        return decode_attention(
+            q, k, v, 1, table, rows, seq, ws, splits, k_scale=k_scale, v_scale=v_scale, order=order,
+            **launch.kernel_args(),
+        )  # fmt: skip
+
+    out = run().float()
+    return out, time_us(run, 50)
+
+
 def head_major_pool(tokens: int, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     k, v = (torch.randn(KV_HEADS, tokens, HEAD_DIM, device="cuda").to(dtype) for _ in range(2))
     return k, v
@@ -156,7 +170,6 @@ def sweep_order(seed: int) -> None:
     from kvledger.engine.attention.triton_decode import (
         DecodeLaunch,
         DecodeWorkspace,
-        decode_attention,
         decode_launch_config,
         longest_first,
         num_splits_for,
@@ -187,17 +200,9 @@ def sweep_order(seed: int) -> None:
             for launch, splits, order in itertools.product(
                 launches, sorted({base, min(16, base * 2), min(16, base * 4)}), (None, longest_first(seq))
             ):
-
-                def run():
-                    return decode_attention(
-                        q, k, v, 1, table, rows, seq, ws, splits, k_scale=ks, v_scale=vs, order=order,
-                        **launch.kernel_args(),
-                    )  # fmt: skip
-
-                out = run().float()
+                out, us = timed_launch(launch, q, k, v, table, rows, seq, ws, splits, ks, vs, order)
                 first = out if first is None else first
                 diff = float((out - first).norm() / first.norm())
-                us = time_us(run, 50)
                 print(
                     f"  {batch} x U({low},{high}) {str(dtype).split('.')[-1]:14s} {launch.block_n:3d},"
                     f"{launch.num_warps},{launch.num_stages},{launch.max_registers} splits {splits:2d} "
@@ -226,7 +231,6 @@ def sweep_blocks(seed: int) -> None:
     from kvledger.engine.attention.triton_decode import (
         DecodeLaunch,
         DecodeWorkspace,
-        decode_attention,
         decode_launch_config,
         longest_first,
         num_splits_for,
@@ -258,16 +262,8 @@ def sweep_blocks(seed: int) -> None:
                 launch = DecodeLaunch(
                     shape.block_n, shape.num_warps, shape.num_stages, shape.max_registers, *map(bool, masks)
                 )
-
-                def run():
-                    return decode_attention(
-                        q, k, v, 1, table, rows, seq, ws, splits, k_scale=ks, v_scale=vs, order=order,
-                        **launch.kernel_args(),
-                    )  # fmt: skip
-
-                out = run().float()
+                out, us = timed_launch(launch, q, k, v, table, rows, seq, ws, splits, ks, vs, order)
                 first = out if first is None else first
-                us = time_us(run, 50)
                 print(
                     f"  {launch.block_n:3d},{launch.num_warps},{launch.num_stages},{launch.max_registers} "
                     f"tail-only masks {masks[0]} narrow {masks[1]}: {us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s "
