@@ -5,8 +5,9 @@ the KV stores); at decode batch sizes each takes a few microseconds, which for a
 milliseconds per step even inside a CUDA graph. These three kernels cut a layer to ~10 launches:
 
 - `add_rmsnorm`: residual add + RMSNorm, one program per token;
-- `qk_norm_rope_store`: per head, optional RMSNorm of q/k (Qwen3), rotary on q and k, and the
-  k/v store into the KV pool at the step's token locations; returns q;
+- `qk_norm_rope_store`: one program per token, all its heads at once: optional RMSNorm of q/k
+  (Qwen3), rotary on q and k, and the k/v store into the KV pool at the step's token locations;
+  returns q;
 - `silu_mul`: SiLU(gate) * up of the fused gate/up projection.
 
 The numerics follow the torch modules in engine/layers (float32 statistics, rounding to the model
@@ -81,57 +82,63 @@ if triton is not None:
         v_scale,
         HEADS: tl.constexpr,
         KV_HEADS: tl.constexpr,
+        ROWS_PAD: tl.constexpr,
+        KV_PAD: tl.constexpr,
         HALF: tl.constexpr,
         QK_NORM: tl.constexpr,
         FP8: tl.constexpr,
     ):
+        # one program per token, every head at once: rows [0, HEADS) are the query heads, then
+        # [HEADS, HEADS + KV_HEADS) the key heads, which follow them in the qkv row; the rotary
+        # angles are computed once per token, not once per head
         t = tl.program_id(0)
-        h = tl.program_id(1)  # [0, HEADS) query heads, then [HEADS, HEADS + KV_HEADS) key heads
-        is_k = h >= HEADS
-        col = tl.where(is_k, HEADS * 2 * HALF + (h - HEADS) * 2 * HALF, h * 2 * HALF)
+        rows = tl.arange(0, ROWS_PAD)
         offs = tl.arange(0, HALF)
-        base = QKV + t * stride_t + col
-        x1 = tl.load(base + offs)
-        x2 = tl.load(base + HALF + offs)
+        is_k = (rows >= HEADS)[:, None]
+        row_mask = (rows < HEADS + KV_HEADS)[:, None]
+        base = QKV + t * stride_t + rows[:, None] * (2 * HALF) + offs[None, :]
+        x1 = tl.load(base, mask=row_mask, other=0.0)
+        x2 = tl.load(base + HALF, mask=row_mask, other=0.0)
         dtype = x1.dtype
         if QK_NORM:
             f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-            rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) / (2 * HALF) + eps)
-            w_base = tl.where(is_k, KN_W, QN_W)
-            w1 = tl.load(w_base + offs).to(tl.float32)
-            w2 = tl.load(w_base + HALF + offs).to(tl.float32)
-            x1 = ((f1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype)
-            x2 = ((f2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype)
+            rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / (2 * HALF) + eps)
+            w1 = tl.where(is_k, tl.load(KN_W + offs)[None, :], tl.load(QN_W + offs)[None, :]).to(tl.float32)
+            w2 = tl.where(is_k, tl.load(KN_W + HALF + offs)[None, :], tl.load(QN_W + HALF + offs)[None, :])
+            x1 = ((f1 * rstd[:, None]).to(dtype).to(tl.float32) * w1).to(dtype)
+            x2 = ((f2 * rstd[:, None]).to(dtype).to(tl.float32) * w2.to(tl.float32)).to(dtype)
         pos = tl.load(POS + t).to(tl.float32)
         freq = pos * tl.load(INV_FREQ + offs)
-        cos = tl.cos(freq).to(dtype).to(tl.float32)
-        sin = tl.sin(freq).to(dtype).to(tl.float32)
+        cos = tl.cos(freq).to(dtype).to(tl.float32)[None, :]
+        sin = tl.sin(freq).to(dtype).to(tl.float32)[None, :]
         a, b = x1.to(tl.float32), x2.to(tl.float32)
         # torch rounds each product and the sum to the model dtype; do the same
         o1 = ((a * cos).to(dtype).to(tl.float32) + (-(b * sin)).to(dtype).to(tl.float32)).to(dtype)
         o2 = ((b * cos).to(dtype).to(tl.float32) + (a * sin).to(dtype).to(tl.float32)).to(dtype)
-        if is_k:
-            kh = h - HEADS
-            loc = tl.load(OUT_LOC + t).to(tl.int64)
-            dst = loc * stride_kn + kh * stride_kh
-            vcol = HEADS * 2 * HALF + KV_HEADS * 2 * HALF + kh * 2 * HALF
-            v1 = tl.load(QKV + t * stride_t + vcol + offs)
-            v2 = tl.load(QKV + t * stride_t + vcol + HALF + offs)
-            k1, k2 = o1.to(tl.float32), o2.to(tl.float32)  # exact for the model dtypes
-            w1, w2 = v1.to(tl.float32), v2.to(tl.float32)
-            if FP8:  # x / scale, clamped to e4m3's range (a cast past 448 would be NaN)
-                k1 = tl.minimum(tl.maximum(k1 / k_scale, -448.0), 448.0)
-                k2 = tl.minimum(tl.maximum(k2 / k_scale, -448.0), 448.0)
-                w1 = tl.minimum(tl.maximum(w1 / v_scale, -448.0), 448.0)
-                w2 = tl.minimum(tl.maximum(w2 / v_scale, -448.0), 448.0)
-            tl.store(K_CACHE + dst + offs, k1.to(K_CACHE.dtype.element_ty))
-            tl.store(K_CACHE + dst + HALF + offs, k2.to(K_CACHE.dtype.element_ty))
-            tl.store(V_CACHE + dst + offs, w1.to(V_CACHE.dtype.element_ty))
-            tl.store(V_CACHE + dst + HALF + offs, w2.to(V_CACHE.dtype.element_ty))
-        else:
-            q_base = Q_OUT + t * stride_qt + h * stride_qh
-            tl.store(q_base + offs, o1)
-            tl.store(q_base + HALF + offs, o2)
+        q_mask = rows[:, None] < HEADS
+        q_base = Q_OUT + t * stride_qt + rows[:, None] * stride_qh + offs[None, :]
+        tl.store(q_base, o1, mask=q_mask)
+        tl.store(q_base + HALF, o2, mask=q_mask)
+
+        loc = tl.load(OUT_LOC + t).to(tl.int64)
+        k_mask = is_k & row_mask
+        k_dst = K_CACHE + loc * stride_kn + (rows[:, None] - HEADS) * stride_kh + offs[None, :]
+        kv_rows = tl.arange(0, KV_PAD)
+        v_mask = (kv_rows < KV_HEADS)[:, None]
+        v_src = QKV + t * stride_t + (HEADS + KV_HEADS + kv_rows[:, None]) * (2 * HALF) + offs[None, :]
+        v_dst = V_CACHE + loc * stride_kn + kv_rows[:, None] * stride_kh + offs[None, :]
+        k1, k2 = o1.to(tl.float32), o2.to(tl.float32)  # exact for the model dtypes
+        w1 = tl.load(v_src, mask=v_mask, other=0.0).to(tl.float32)
+        w2 = tl.load(v_src + HALF, mask=v_mask, other=0.0).to(tl.float32)
+        if FP8:  # x / scale, clamped to e4m3's range (a cast past 448 would be NaN)
+            k1 = tl.minimum(tl.maximum(k1 / k_scale, -448.0), 448.0)
+            k2 = tl.minimum(tl.maximum(k2 / k_scale, -448.0), 448.0)
+            w1 = tl.minimum(tl.maximum(w1 / v_scale, -448.0), 448.0)
+            w2 = tl.minimum(tl.maximum(w2 / v_scale, -448.0), 448.0)
+        tl.store(k_dst, k1.to(K_CACHE.dtype.element_ty), mask=k_mask)
+        tl.store(k_dst + HALF, k2.to(K_CACHE.dtype.element_ty), mask=k_mask)
+        tl.store(v_dst, w1.to(V_CACHE.dtype.element_ty), mask=v_mask)
+        tl.store(v_dst + HALF, w2.to(V_CACHE.dtype.element_ty), mask=v_mask)
 
     @triton.jit
     def _silu_mul_kernel(GU, OUT, stride_g, stride_o, N, BLOCK: tl.constexpr):
@@ -193,7 +200,7 @@ def qk_norm_rope_store(
     head_dim = qkv.shape[1] // (heads + 2 * kv_heads)
     q = torch.empty(t, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     qk_norm = q_norm_weight is not None
-    _qk_norm_rope_store_kernel[(t, heads + kv_heads)](
+    _qk_norm_rope_store_kernel[(t,)](
         qkv,
         positions,
         inv_freq,
@@ -213,6 +220,8 @@ def qk_norm_rope_store(
         v_scale,
         HEADS=heads,
         KV_HEADS=kv_heads,
+        ROWS_PAD=triton.next_power_of_2(heads + kv_heads),
+        KV_PAD=triton.next_power_of_2(kv_heads),
         HALF=head_dim // 2,
         QK_NORM=qk_norm,
         FP8=k_cache.dtype == torch.float8_e4m3fn,

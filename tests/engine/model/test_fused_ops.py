@@ -38,9 +38,10 @@ def test_add_rmsnorm(dtype, with_residual):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_qk_norm_rope_store(dtype, qk_norm):
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (9, 3)])  # 9 + 3 rows pad to 16 and 3 KV heads to 4
+def test_qk_norm_rope_store(dtype, qk_norm, heads, kv_heads):
     g = torch.Generator().manual_seed(1)
-    t, heads, kv_heads, dim = 5, 6, 2, 32
+    t, dim = 5, 32
     qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=g).to(DEVICE, dtype)
     positions = torch.tensor([0, 3, 17, 200, 4095], device=DEVICE)
     out_loc = torch.tensor([9, 2, 30, 11, 0], device=DEVICE)
@@ -78,6 +79,7 @@ def test_qk_norm_rope_store(dtype, qk_norm):
     untouched = torch.ones(41, dtype=torch.bool)
     untouched[out_loc.cpu()] = False
     assert not pool.k[0][:, untouched.to(DEVICE)].any()  # nothing written elsewhere
+    assert not pool.v[0][:, untouched.to(DEVICE)].any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
