@@ -103,10 +103,12 @@ if triton is not None:
         if QK_NORM:
             f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
             rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / (2 * HALF) + eps)
-            w1 = tl.where(is_k, tl.load(KN_W + offs)[None, :], tl.load(QN_W + offs)[None, :]).to(tl.float32)
-            w2 = tl.where(is_k, tl.load(KN_W + HALF + offs)[None, :], tl.load(QN_W + HALF + offs)[None, :])
+            kw1, kw2 = tl.load(KN_W + offs)[None, :], tl.load(KN_W + HALF + offs)[None, :]
+            qw1, qw2 = tl.load(QN_W + offs)[None, :], tl.load(QN_W + HALF + offs)[None, :]
+            w1 = tl.where(is_k, kw1, qw1).to(tl.float32)
+            w2 = tl.where(is_k, kw2, qw2).to(tl.float32)
             x1 = ((f1 * rstd[:, None]).to(dtype).to(tl.float32) * w1).to(dtype)
-            x2 = ((f2 * rstd[:, None]).to(dtype).to(tl.float32) * w2.to(tl.float32)).to(dtype)
+            x2 = ((f2 * rstd[:, None]).to(dtype).to(tl.float32) * w2).to(dtype)
         pos = tl.load(POS + t).to(tl.float32)
         freq = pos * tl.load(INV_FREQ + offs)
         cos = tl.cos(freq).to(dtype).to(tl.float32)[None, :]
