@@ -29,7 +29,8 @@ from kvledger.engine.attention.triton_decode import num_splits_for
 def step_metadata(rows: Sequence[int], seq_lens: Sequence[int], batch_size: int) -> np.ndarray:
     """[3, batch_size] int64: each row's table row, sequence length and whether it is real. Padded
     rows read table row 0 with length 1 and are not real (their K/V and token go to scratch).
-    Filled through numpy: `torch.tensor` over three Python lists cost 74 us a step, this 16."""
+    Filled through numpy, which is cheaper per step than `torch.tensor` over three Python lists
+    (measured: notes/gpu-speed.md, "GPU speed round 3, second session")."""
     n = len(rows)
     meta = np.zeros((3, batch_size), dtype=np.int64)
     meta[0, :n] = rows

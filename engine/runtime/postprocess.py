@@ -91,7 +91,7 @@ class Postprocessor:
         late_stops = self.overlap.late_stops
         late = [reqs[i].uid for i in step.sampled if reqs[i].uid in late_stops] if late_stops else []
         stop += late
-        self.overlap.late_stops.difference_update(late)
+        late_stops.difference_update(late)
         self.ledger.complete(reqs, sample, stop, step.batch.phase == "prefill")
         step.patch_at = [reqs[i].device_len - 1 for i in step.sampled]  # where append_host put it
         for i in step.sampled:
