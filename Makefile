@@ -46,7 +46,7 @@ test: $(STAMP) $(SUBJECTS_STAMP)
 	$(BIN)/python -m pytest -n auto -p no:cacheprovider --durations=20 tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
-# the mutation score (kvledger/tools/mutation.py, properties/mutation.toml): cosmic-ray over fast/,
+# the mutation score (kvledger/checker/audit/mutation.py, properties/mutation.toml): cosmic-ray over fast/,
 # reference/ and engine/ledger/cache_scheduler.py, one worker per CPU; the table goes to results/mutation/.
 # About 3400 mutants: hours on 2 cores, minutes on 16 (WORKERS=N to choose).
 mutation: $(STAMP)

@@ -1,1 +1,2 @@
-"""Model side of the kvledger serving engine: weights, tokenizer, model, KV pool, attention."""
+"""The serving engine on `fast`: the cache-side scheduler and its trace format (`ledger/`), the
+model, attention, the runtime that steps them, the HTTP server and tensor parallelism."""

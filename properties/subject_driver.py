@@ -2,7 +2,7 @@
 
 The driver plays the scheduler around the subject's cache: it owns the waiting queue (first come,
 first served; a preempted request rejoins at the head), the token budget, sampling and stops,
-and talks to the subject only through the protocol (`engine/ledger/subject.py`). It interprets the
+and talks to the subject only through the protocol (`properties/subject.py`). It interprets the
 cache scheduler's operations (`engine/ledger/ops.py`), so a subject's run is a trace like any
 other: submit, prefill(budget, sample, stop), decode(sample, stop), finish, abort, evict.
 
@@ -15,7 +15,7 @@ When an allocation finds no room, a subject that preempts gives up its newest li
 victim waits again at the head of the queue) and the allocation is retried; for a subject that
 promises worst-case admission it is a finding (3-no-oom).
 
-Every finding is a `Finding`: an invariant the judge (`engine/ledger/subject_judge.py`) or the driver
+Every finding is a `Finding`: an invariant the judge (`properties/subject_judge.py`) or the driver
 found broken, or `subject-raised:X`, an exception out of the subject, with its traceback.
 """
 
@@ -28,10 +28,10 @@ import threading
 import traceback
 from typing import Any, Callable, Dict, Iterator, List, Sequence, Set, Union
 
-from kvledger.engine.ledger.invariants import InvariantViolation
+from kvledger.engine.ledger.invariants import InvariantViolation, check_queue_order
 from kvledger.engine.ledger.ops import Abort, CacheOp, Decode, Evict, Finish, InvalidOp, Prefill, Probe, Submit, parse
-from kvledger.engine.ledger.subject import Capabilities, Subject, SubjectConfig, SubjectUnavailable, View
-from kvledger.engine.ledger.subject_judge import Ledger, check_queue_order, judge
+from kvledger.properties.subject import Capabilities, Subject, SubjectConfig, SubjectUnavailable, View
+from kvledger.properties.subject_judge import Ledger, judge
 from kvledger.reference.pages import div_ceil
 
 __all__ = ["Finding", "SubjectDriver", "InvalidOp"]

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from kvledger.engine.ledger.ops import InvalidOp
-from kvledger.engine.ledger.subject import Subject, SubjectConfig
+from kvledger.properties.subject import Subject, SubjectConfig
 from kvledger.properties.subject_driver import Finding, SubjectDriver
 from kvledger.properties.subject_workload import ALPHABET, drain_op
 

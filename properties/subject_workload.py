@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence
 
-from kvledger.engine.ledger.subject import SubjectConfig
+from kvledger.properties.subject import SubjectConfig
 
 ALPHABET = 4
 

@@ -19,23 +19,28 @@ FOLDERS = {
     "properties": "properties",
     "subjects": "kvledger/subjects",
     "campaign": "kvledger/campaign",
+    "checker": "kvledger/checker",
     "tools": "kvledger/tools",
     "bench": "kvledger/bench",
     "cli": "kvledger",
 }
-# layer -> the layers it may import (itself always)
+# layer -> the layers it may import (itself always); ARCHITECTURE.md gives the reason for each floor
 ALLOWED: Dict[str, Set[str]] = {
     "reference": set(),
     "fast": {"reference"},
     "engine": {"reference", "fast"},
+    # the checker's core: the subject protocol, its judge, the drivers, lockstep, the machines
     "properties": {"reference", "fast", "engine"},
-    # the adapters of cache managers under test: on the protocol (engine/ledger/subject.py), beside the harness
-    "subjects": {"reference", "fast", "engine"},
-    # campaigns run tasks by import path: the generic layer under the tools, which define the tasks
+    # the adapters of cache managers under test: on the protocol (properties/subject.py)
+    "subjects": {"reference", "fast", "engine", "properties"},
+    # campaigns run tasks by import path: the generic layer under the checker, which defines the tasks
     "campaign": set(),
-    "tools": {"reference", "fast", "engine", "properties", "subjects", "campaign"},
-    "bench": {"reference", "fast", "engine", "properties", "subjects", "tools", "campaign"},
-    "cli": {"reference", "fast", "engine", "properties", "subjects", "tools", "bench", "campaign"},
+    # the checker's commands (check, fuzz, minimize, replay, show, explore, zoo) and its audit
+    "checker": {"reference", "fast", "engine", "properties", "subjects", "campaign"},
+    # the engine's tools (the HTTP fuzzer, the results index) and benchmarks: on the product only
+    "tools": {"reference", "fast", "engine"},
+    "bench": {"reference", "fast", "engine"},
+    "cli": {"reference", "fast", "engine", "properties", "subjects", "campaign", "checker", "tools", "bench"},
 }
 OLD_NAMES = ("engine", "fast", "reference", "properties")
 
@@ -105,7 +110,9 @@ def test_the_checker_sees_a_forbidden_import(tmp_path):
 def test_the_cli_layer_is_the_kvledger_folder_and_its_cli_package():
     names = {p.relative_to(ROOT).as_posix() for p in files_of("cli")}
     assert {"kvledger/__main__.py", "kvledger/cli/__init__.py", "kvledger/cli/bench.py"} <= names
-    assert not any(n.startswith(("kvledger/tools/", "kvledger/bench/", "kvledger/subjects/")) for n in names)
+    assert not any(
+        n.startswith(("kvledger/tools/", "kvledger/bench/", "kvledger/subjects/", "kvledger/checker/")) for n in names
+    )
 
 
 # -- inside engine/: what each sub-package may import of the others (docs: ARCHITECTURE.md) --------

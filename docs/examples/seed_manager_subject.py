@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
-from kvledger.engine.ledger.subject import CachedEntry, Capabilities, SubjectConfig, View
+from kvledger.checker import CachedEntry, Capabilities, SubjectConfig, View
 from kvledger.reference import CacheManager, PendingReq, Req, SamplingParams, make_page_table
 
 

@@ -1,2 +1,2 @@
 """The verified ledger: the cache-side scheduler, its typed operations and trace format, the
-judges, and the observers that record and verify the engine's operations."""
+judge (invariants.py), and the observers that record and verify the engine's operations."""

@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Sequence, Union
 
-from kvledger.engine.ledger.invariants import InvariantViolation, KVProvenance, judge, tolist
+from kvledger.engine.ledger.invariants import InvariantViolation, KVProvenance, check_queue_order, judge, tolist
 from kvledger.engine.ledger.ops import Abort, CacheOp, Decode, Evict, Finish, InvalidOp, Prefill, Probe, Submit, parse
 from kvledger.engine.ledger.rollback import Checkpoint
-from kvledger.engine.ledger.subject_judge import check_queue_order
 from kvledger.reference.admission_policy import RESERVE, AdmissionPolicy, ObservedOutputRatio
 from kvledger.reference.events import note
 from kvledger.reference.pages import div_ceil, tokens_to_finish

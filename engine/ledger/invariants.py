@@ -24,7 +24,7 @@ requests) concern one operation, and are checked where it happens (`cache_schedu
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -255,3 +255,28 @@ def _check_provenance(
         tokens, locations = paths[node.id]
         start = len(tokens) - len(node.key)
         provenance.check(f"cache node {node.id}", locations[start:], prefix_hashes(tokens)[start:], start)
+
+
+def check_queue_order(
+    waiting: Sequence[int], arrival: Dict[int, int], admitted: Dict[int, int], preempted: Set[int]
+) -> None:
+    """10-queue-order over a waiting queue (head first): requests never admitted wait in arrival
+    order, and every request that was admitted before (preempted, or mid-prefill) waits ahead of
+    every request never admitted. Among requests waiting again the order is the scheduler's (a
+    stack of victims, the request mid-prefill first), which this leaves alone. `arrival` and
+    `admitted` map uids to submission and admission order numbers; `preempted` is informative."""
+    fresh = [u for u in waiting if u not in admitted]
+    if fresh != sorted(fresh, key=lambda u: arrival[u]):
+        raise InvariantViolation(
+            "10-queue-order", f"requests never admitted wait in the order {fresh}, not in arrival order"
+        )
+    seen_fresh = None
+    for uid in waiting:
+        if uid not in admitted:
+            seen_fresh = uid if seen_fresh is None else seen_fresh
+        elif seen_fresh is not None:
+            again = "preempted" if uid in preempted else "admitted before"
+            raise InvariantViolation(
+                "10-queue-order",
+                f"uid {uid}, {again} and waiting again, waits behind uid {seen_fresh}, which was never admitted",
+            )

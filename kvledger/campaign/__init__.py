@@ -5,7 +5,7 @@ its seed and example count, a block of mutants), an executor that runs them (`Lo
 worker processes on this machine; `RayExecutor`: a Ray cluster) and a merge of their outcomes,
 kept in a campaign directory a later campaign resumes from. The local path and the cluster path
 are the same code with a different executor. The tools define the tasks and the merges
-(`kvledger/tools/campaigns.py`); this package knows nothing of what a task checks.
+(`kvledger/checker/campaigns.py`); this package knows nothing of what a task checks.
 """
 
 from kvledger.campaign.directory import CampaignDir

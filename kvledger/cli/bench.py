@@ -368,8 +368,10 @@ def bench_command(args: argparse.Namespace) -> int:
         return _workload(args)
     if args.what == "cache":
         from kvledger.bench.cache import main
+        from kvledger.checker.audit.lockstep_bench import main as lockstep_main
 
         main()
+        lockstep_main()
         return 0
     if args.what == "host":
         from kvledger.bench.host import main as host_main

@@ -96,17 +96,17 @@ def _check(args: argparse.Namespace) -> int:
     if args.tasks is not None:
         return _check_campaign(args)
     if args.subject:
-        from kvledger.engine.ledger.subject import SubjectUnavailable
+        from kvledger.checker.subject_check import run_subject_check
+        from kvledger.checker.subject_replay import edits_for
+        from kvledger.properties.subject import SubjectUnavailable
         from kvledger.subjects import SpecError, parse_spec
-        from kvledger.tools.subject_check import run_subject_check
-        from kvledger.tools.subject_replay import edits_for
 
         try:
             edits = edits_for(parse_spec(args.subject), fix=args.fix, bug=args.bug)
             return run_subject_check(args.subject, args.profile, args.examples, edits, args.out_dir)[0]
         except (SpecError, SubjectUnavailable, KeyError) as e:
             return _subject_error("check", e)
-    from kvledger.tools.check import run_check
+    from kvledger.checker.check import run_check
 
     return run_check(args.profile, args.examples)
 
@@ -177,10 +177,10 @@ def _replay(args: argparse.Namespace) -> int:
     if isinstance(named, int):
         return named
     if args.subject or named:
-        from kvledger.tools.subject_replay import replay_subject_file
+        from kvledger.checker.subject_replay import replay_subject_file
 
         return replay_subject_file(args.trace, args.subject, fix=args.fix, bug=args.bug)
-    from kvledger.tools.replay import replay_file
+    from kvledger.checker.replay import replay_file
 
     return replay_file(args.trace, device=args.device, bug=args.bug)
 
@@ -206,9 +206,9 @@ def add_zoo(sub: argparse._SubParsersAction) -> None:
 
 def _zoo(args: argparse.Namespace) -> int:
     if args.subject:
-        from kvledger.engine.ledger.subject import SubjectUnavailable
+        from kvledger.checker.subject_zoo import print_subject_zoo, run_subject_zoo
+        from kvledger.properties.subject import SubjectUnavailable
         from kvledger.subjects import SpecError
-        from kvledger.tools.subject_zoo import print_subject_zoo, run_subject_zoo
 
         bugs = args.bugs.split(",") if args.bugs else None
         try:
@@ -217,7 +217,7 @@ def _zoo(args: argparse.Namespace) -> int:
             return _subject_error("zoo", e)
         print_subject_zoo(args.subject, rows)
         return 0 if all(r.caught for r in rows) else 1
-    from kvledger.tools.zoo_run import main_zoo
+    from kvledger.checker.audit.zoo_run import main_zoo
 
     return main_zoo(args.bugs, args.fuzz_seconds, args.out_dir, args.hypothesis_seconds)
 
@@ -268,10 +268,10 @@ def _fuzz(args: argparse.Namespace) -> int:
     if args.tasks is not None:
         return _fuzz_campaign(args)
     if args.subject:
-        from kvledger.engine.ledger.subject import SubjectUnavailable
+        from kvledger.checker.subject_fuzz import fuzz_subject, print_report
+        from kvledger.checker.subject_replay import edits_for
+        from kvledger.properties.subject import SubjectUnavailable
         from kvledger.subjects import SpecError, parse_spec
-        from kvledger.tools.subject_fuzz import fuzz_subject, print_report
-        from kvledger.tools.subject_replay import edits_for
 
         try:
             edits = edits_for(parse_spec(args.subject), fix=args.fix, bug=args.bug)
@@ -290,7 +290,7 @@ def _fuzz(args: argparse.Namespace) -> int:
             return _subject_error("fuzz", e)
         print_report(args.subject, report, args.workers)
         return 1 if report.findings else 0
-    from kvledger.tools.fuzz import fuzz
+    from kvledger.checker.fuzz import fuzz
 
     try:
         result = fuzz(
@@ -365,15 +365,15 @@ def _minimize(args: argparse.Namespace) -> int:
     if isinstance(named, int):
         return named
     if args.subject or named:
-        from kvledger.engine.ledger.subject import SubjectUnavailable
+        from kvledger.checker.subject_minimize import main_minimize_subject
+        from kvledger.properties.subject import SubjectUnavailable
         from kvledger.subjects import SpecError
-        from kvledger.tools.subject_minimize import main_minimize_subject
 
         try:
             return main_minimize_subject(args.trace, args.output, args.budget, args.subject, args.max_replays)
         except (SpecError, SubjectUnavailable) as e:
             return _subject_error("minimize", e)
-    from kvledger.tools.minimize import main_minimize
+    from kvledger.checker.minimize import main_minimize
 
     return main_minimize(args.trace, args.output, args.budget, args.bug, args.max_replays)
 
@@ -405,7 +405,7 @@ def add_show(sub: argparse._SubParsersAction) -> None:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from kvledger.tools.show import main_show
+    from kvledger.checker.show import main_show
 
     return main_show(args.trace, args.output, args.bug)
 
@@ -417,6 +417,6 @@ def add_coverage(sub: argparse._SubParsersAction) -> None:
 
 
 def _coverage(args: argparse.Namespace) -> int:
-    from kvledger.tools.coverage_report import main_coverage
+    from kvledger.checker.audit.coverage_report import main_coverage
 
     return main_coverage(args.examples)

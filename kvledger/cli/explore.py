@@ -1,4 +1,4 @@
-"""`kvledger explore`: visit every state of a small scope breadth-first (kvledger/tools/explore.py).
+"""`kvledger explore`: visit every state of a small scope breadth-first (kvledger/checker/explore.py).
 
 A named scope (`--scope ci|small|large|bug-...`) or its parameters one by one (each flag overrides
 the named scope's value). The report (stdout): the scope, states, transitions, depth, exhausted or
@@ -59,8 +59,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def scope_from_args(args: argparse.Namespace):
     """The named scope with the command line's overrides (ValueError or KeyError when bad)."""
-    from kvledger.tools.explore import parse_ints, parse_prompts
-    from kvledger.tools.explore_scope import SCOPES
+    from kvledger.checker.explore import parse_ints, parse_prompts
+    from kvledger.checker.explore_scope import SCOPES
 
     if args.scope not in SCOPES:
         raise KeyError(f"unknown scope {args.scope!r}; named scopes: {', '.join(SCOPES)}")
@@ -98,8 +98,8 @@ def scope_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvledger.tools.explore import explore, format_result
-    from kvledger.tools.explore_scope import SCOPES
+    from kvledger.checker.explore import explore, format_result
+    from kvledger.checker.explore_scope import SCOPES
 
     if args.list:
         for scope in SCOPES.values():
@@ -113,9 +113,9 @@ def run(args: argparse.Namespace) -> int:
     edits = ()
     bug = args.bug
     if args.subject:
-        from kvledger.engine.ledger.subject import SubjectUnavailable
+        from kvledger.checker.subject_replay import edits_for
+        from kvledger.properties.subject import SubjectUnavailable
         from kvledger.subjects import SpecError, parse_spec
-        from kvledger.tools.subject_replay import edits_for
 
         try:
             edits = edits_for(parse_spec(args.subject), fix=args.fix, bug=args.bug)

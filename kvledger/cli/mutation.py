@@ -1,5 +1,5 @@
 """`kvledger mutation` (`make mutation`): the mutation score of the cache logic with cosmic-ray;
-`kvledger/tools/mutation.py` runs it (and, as a script, its workers and its kill stages)."""
+`kvledger/checker/audit/mutation.py` runs it (and, as a script, its workers and its kill stages)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import List, Optional
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from kvledger.tools.mutation import DEFAULT_CONFIG, WORK_DIR  # nothing heavy at the module's top
+    from kvledger.checker.audit.mutation import DEFAULT_CONFIG, WORK_DIR  # nothing heavy at the module's top
 
     p = sub.add_parser("mutation", help="mutation score of fast/, reference/ and the cache scheduler (cosmic-ray)")
     p.add_argument("--config", default=DEFAULT_CONFIG, help="the cosmic-ray config with its [kvledger-mutation] table")
@@ -53,7 +53,7 @@ def _split(text: Optional[str]) -> Optional[List[str]]:
 
 
 def mutation_command(args: argparse.Namespace) -> int:
-    from kvledger.tools.mutation import run
+    from kvledger.checker.audit.mutation import run
 
     try:
         return run(

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable, Dict, List, Sequence, Tuple
 
-from kvledger.engine.ledger.subject import Subject, SubjectConfig, SubjectUnavailable
+from kvledger.properties.subject import Subject, SubjectConfig, SubjectUnavailable
 from kvledger.subjects.edits import SourceEdit
 
 BUILTINS: Dict[str, str] = {
-    "fast": "kvledger.subjects.seed_fast",
-    "reference": "kvledger.subjects.seed_fast",
+    "fast": "kvledger.subjects.kvledger_own",
+    "reference": "kvledger.subjects.kvledger_own",
     "minisgl": "kvledger.subjects.minisgl",
     "nanovllm": "kvledger.subjects.nanovllm",
     "vllm": "kvledger.subjects.vllm",

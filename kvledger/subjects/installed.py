@@ -8,7 +8,7 @@ import importlib.util
 import threading
 from typing import Callable, Generic, Sequence, Tuple, TypeVar
 
-from kvledger.engine.ledger.subject import SubjectUnavailable
+from kvledger.properties.subject import SubjectUnavailable
 
 T = TypeVar("T")
 

@@ -1,5 +1,5 @@
 """mini-sglang 20fcd7f: `minisgl.scheduler.cache.CacheManager` over its radix cache, driven by the
-seed-API adapter (`seed_api.py`) with its own `PrefillAdder`, `TableManager` and `DecodeManager`.
+seed-API adapter (`minisgl_api.py`) with its own `PrefillAdder`, `TableManager` and `DecodeManager`.
 
 The spec path is a checkout directory or a `.tar.gz` snapshot of one (the shipped peer
 `mini-sglang-20fcd7f.tar.gz`); its `python/` goes on `sys.path`. Importing the scheduler's modules
@@ -21,10 +21,10 @@ from typing import Any, List, Sequence, Tuple
 import torch
 from torch.overrides import TorchFunctionMode
 
-from kvledger.engine.ledger.subject import Capabilities, SubjectConfig, SubjectUnavailable
+from kvledger.properties.subject import Capabilities, SubjectConfig, SubjectUnavailable
 from kvledger.subjects.edits import SourceEdit
+from kvledger.subjects.minisgl_api import MinisglApiSubject, MinisglApiModules, radix_entries
 from kvledger.subjects.peers import cache_dir, checkout, commit_of, peer_path
-from kvledger.subjects.seed_api import SeedApiSubject, SeedModules, radix_entries
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def _set_page_size(core: Any, page_size: int) -> None:
         core.get_global_ctx().page_size = page_size
 
 
-def _modules(m: SimpleNamespace) -> SeedModules:
+def _modules(m: SimpleNamespace) -> MinisglApiModules:
     def managers(config: SubjectConfig):
         ps, rows = config.page_size, config.max_running
         # Engine.__init__: one more row for the dummy request, rows aligned to 32 entries (here also
@@ -147,7 +147,7 @@ def _modules(m: SimpleNamespace) -> SeedModules:
             lambda n: f"node {n.uuid}",
         )
 
-    return SeedModules(
+    return MinisglApiModules(
         PrefillAdder=m.prefill.PrefillAdder,
         ChunkedReq=m.prefill.ChunkedReq,
         managers=managers,
@@ -159,7 +159,7 @@ def _modules(m: SimpleNamespace) -> SeedModules:
     )
 
 
-def build(config: SubjectConfig, path: str | None = None, edits: Sequence[SourceEdit] = ()) -> SeedApiSubject:
+def build(config: SubjectConfig, path: str | None = None, edits: Sequence[SourceEdit] = ()) -> MinisglApiSubject:
     root, m = _load(path)
     caps = Capabilities(
         page_size=config.page_size,
@@ -170,7 +170,7 @@ def build(config: SubjectConfig, path: str | None = None, edits: Sequence[Source
         cached_pages_in_free_pool=False,
     )
     log.debug("mini-sglang %s from %s", commit_of(root), root)
-    return SeedApiSubject(NAME, commit_of(root), caps, _modules(m), config, edits)
+    return MinisglApiSubject(NAME, commit_of(root), caps, _modules(m), config, edits)
 
 
 _CACHE = "minisgl.scheduler.cache:CacheManager"

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Hashable, List, Sequence, Set, Tuple
 
-from kvledger.engine.ledger.subject import CachedEntry, Capabilities, SubjectConfig, SubjectUnavailable, View
+from kvledger.properties.subject import CachedEntry, Capabilities, SubjectConfig, SubjectUnavailable, View
 from kvledger.subjects.edits import EditError, SourceEdit, bind, edited_function
 from kvledger.subjects.peers import checkout, commit_of
 

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import List
 
-from kvledger.engine.ledger.subject import SubjectUnavailable
+from kvledger.properties.subject import SubjectUnavailable
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC_NAMES = {"mini-sglang": "minisgl", "nano-vllm": "nanovllm"}

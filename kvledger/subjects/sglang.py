@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Hashable, Iterator, List, Sequence, Tuple
 
-from kvledger.engine.ledger.subject import CachedEntry, Capabilities, SubjectConfig, View
+from kvledger.properties.subject import CachedEntry, Capabilities, SubjectConfig, View
 from kvledger.subjects.edits import EditError, SourceEdit, bind, edited_function
 from kvledger.subjects.installed import InstalledPackage
 

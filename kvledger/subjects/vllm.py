@@ -30,7 +30,7 @@ import importlib.util
 import logging
 from typing import Any, Dict, Hashable, List, Sequence, Tuple
 
-from kvledger.engine.ledger.subject import CachedEntry, Capabilities, SubjectConfig, View
+from kvledger.properties.subject import CachedEntry, Capabilities, SubjectConfig, View
 from kvledger.subjects.edits import EditError, SourceEdit, bind
 from kvledger.subjects.installed import InstalledPackage
 

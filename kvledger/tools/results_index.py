@@ -27,11 +27,11 @@ _EARLIER = "an earlier run of the same benchmark, cited by notes/gpu-speed.md; t
 # path below results/ -> its description (where the file's own first line would not say enough)
 DESCRIPTIONS: Dict[str, str] = {
     "cpu/invariant-catches.txt": (
-        "`python -m kvledger.tools.invariant_catches`: which zoo bugs lockstep, and the judge on fast alone "
+        "`python -m kvledger.checker.audit.invariant_catches`: which zoo bugs lockstep, and the judge on fast alone "
         "with and without invariant 7, catch on seeded fuzz walks (the same on every machine)"
     ),
     "cpu/invariant-catches-shared.txt": (
-        "`python -m kvledger.tools.invariant_catches --shared`: the CI-profile sequence that catches a radix "
+        "`python -m kvledger.checker.audit.invariant_catches --shared`: the CI-profile sequence that catches a radix "
         "bug shared by reference and fast, with and without invariant 7"
     ),
     "gpu/decode-configs.txt": (

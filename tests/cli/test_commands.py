@@ -134,7 +134,7 @@ def test_minimize_progress_is_logged_and_the_result_printed(tmp_path, capsys, ca
     trace, out = str(TRACES / "allocate-floor-pages.jsonl"), tmp_path / "min.jsonl"
     with caplog.at_level(logging.INFO):
         assert main(["minimize", trace, "-o", str(out), "--bug", "allocate-floor-pages", "--budget", "30"]) == 0
-    progress = [r for r in caplog.records if r.name == "kvledger.tools.minimize" and r.levelno == logging.INFO]
+    progress = [r for r in caplog.records if r.name == "kvledger.checker.minimize" and r.levelno == logging.INFO]
     assert any(r.getMessage().startswith("fingerprint ") for r in progress)
     stdout = capsys.readouterr().out
     assert f": {out}" in stdout and "replay it: kvledger replay" in stdout

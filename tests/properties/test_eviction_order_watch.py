@@ -8,7 +8,7 @@ from kvledger.engine.ledger.trace import Header
 from kvledger.properties.lockstep import Divergence, Lockstep
 from kvledger.properties.machine import EvictionOrderWatch
 from kvledger.reference import events
-from kvledger.tools.zoo import patched
+from kvledger.subjects.fast_zoo import patched
 
 RETOUCHED = "radix: eviction after a cached leaf was re-touched"
 GAINED = "radix: eviction after a leaf gained a child"

@@ -7,12 +7,12 @@ import math
 import pytest
 
 from kvledger import fast, reference
+from kvledger.checker.audit.invariant_catches import shared
+from kvledger.checker.minimize import minimize
 from kvledger.engine.ledger import trace
 from kvledger.engine.ledger.divergence import Divergence
 from kvledger.properties.lockstep import Lockstep, replay
-from kvledger.tools.invariant_catches import shared
-from kvledger.tools.minimize import minimize
-from kvledger.tools.zoo import Bug
+from kvledger.subjects.fast_zoo import Bug
 from tests.support.paths import REGRESSIONS
 
 # the same edit on both sides: a request turned away after locking its prefix hit keeps the lock

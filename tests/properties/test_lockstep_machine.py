@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
+from kvledger.checker.audit.coverage_report import EXCLUSIONS, against_exclusions, read_exclusions, report_from
 from kvledger.properties.machine import EXPECTED_EVENTS
-from kvledger.tools.coverage_report import EXCLUSIONS, against_exclusions, read_exclusions, report_from
 from tests.support.paths import ROOT
 
 # A fresh interpreter: the count of generated cases (and so which rare branches a derandomized run
@@ -20,7 +20,7 @@ from tests.support.paths import ROOT
 _RUN = """
 import json, sys
 from pathlib import Path
-from kvledger.tools.coverage_report import start_coverage
+from kvledger.checker.audit.coverage_report import start_coverage
 cov = start_coverage(Path(sys.argv[1]))
 from kvledger.properties.profiles import register_profiles
 register_profiles()

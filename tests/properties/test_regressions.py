@@ -6,7 +6,7 @@ import pytest
 
 from kvledger.engine.ledger.trace import read
 from kvledger.properties.lockstep import Divergence, replay
-from kvledger.tools.zoo import BUGS, patched
+from kvledger.subjects.fast_zoo import BUGS, patched
 from tests.support.paths import REGRESSIONS
 
 CORPUS = sorted(REGRESSIONS.glob("*.jsonl"))

@@ -1,7 +1,7 @@
 """The judge-mode driver (properties/subject_driver.py) around the subject-independent judge: one bug
 planted in a small block cache (tests/support/toy_block_subject.py), and the finding, its kind, and
 that the fuzzer and minimizer turn it into a short trace. The judge's clauses one by one are
-tests/engine/ledger/test_subject_judge.py's."""
+tests/properties/test_subject_judge.py's."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvledger.engine.ledger.subject import SubjectConfig
+from kvledger.properties.subject import SubjectConfig
 from kvledger.properties.subject_driver import SubjectDriver, replay
 from tests.support.paths import SUPPORT
 from tests.support.toy_block_subject import ToyBlockCache

@@ -9,7 +9,7 @@ import torch
 
 from kvledger import fast
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvariantViolation
-from kvledger.tools.zoo import patched
+from kvledger.subjects.fast_zoo import patched
 from tests.support.impls import as_list
 
 

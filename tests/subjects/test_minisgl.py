@@ -13,16 +13,16 @@ from typing import List, Sequence
 import pytest
 import torch
 
+from kvledger.checker.subject_fuzz import run_case
 from kvledger.engine.ledger.ops import InvalidOp
-from kvledger.engine.ledger.subject import Subject, SubjectConfig, SubjectUnavailable
+from kvledger.properties.subject import Subject, SubjectConfig, SubjectUnavailable
 from kvledger.properties.subject_driver import SubjectDriver
 from kvledger.properties.subject_driver import drive as _drive
 from kvledger.properties.subject_workload import draw_shape, next_op
-from kvledger.subjects import minisgl, seed_fast
+from kvledger.subjects import minisgl, kvledger_own
 from kvledger.subjects.edits import EditError, SourceEdit, edited_function
+from kvledger.subjects.minisgl_api import DriverMismatch
 from kvledger.subjects.peers import peer_path
-from kvledger.subjects.seed_api import DriverMismatch
-from kvledger.tools.subject_fuzz import run_case
 
 CFG = SubjectConfig(num_pages=16, page_size=2, max_seq_len=32, max_running=4)
 FIX = minisgl.FIXES["pr142"]
@@ -279,7 +279,7 @@ def test_fixed_build_agrees_with_the_reference_view_for_view():
         shape = draw_shape(rng)
         shape = replace(shape, config=replace(shape.config, num_pages=200))
         ours = SubjectDriver(minisgl.build(shape.config, path, FIX), shape.config)
-        model = SubjectDriver(seed_fast.build(shape.config, "reference"), shape.config)
+        model = SubjectDriver(kvledger_own.build(shape.config, "reference"), shape.config)
         history: List[List[int]] = []
         uid = 0
         for _ in range(40):

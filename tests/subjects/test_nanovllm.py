@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import pytest
 
 from kvledger.engine.ledger.ops import InvalidOp
-from kvledger.engine.ledger.subject import Subject, SubjectConfig, SubjectUnavailable
+from kvledger.properties.subject import Subject, SubjectConfig, SubjectUnavailable
 from kvledger.properties.subject_driver import Finding, SubjectDriver
 from kvledger.properties.subject_driver import drive as _drive
 from kvledger.subjects import nanovllm

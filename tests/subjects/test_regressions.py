@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvledger.engine.ledger.subject import SubjectUnavailable
+from kvledger.checker.subject_fuzz import config_of
+from kvledger.checker.subject_replay import edits_for
 from kvledger.engine.ledger.trace import read
+from kvledger.properties.subject import SubjectUnavailable
 from kvledger.properties.subject_driver import replay
 from kvledger.subjects import parse_spec
-from kvledger.tools.subject_fuzz import config_of
-from kvledger.tools.subject_replay import edits_for
 from tests.support.paths import SUBJECT_REGRESSIONS
 
 CORPUS = SUBJECT_REGRESSIONS

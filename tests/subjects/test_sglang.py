@@ -15,7 +15,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import pytest
 
-from kvledger.engine.ledger.subject import Subject, SubjectConfig, SubjectUnavailable
+from kvledger.properties.subject import Subject, SubjectConfig, SubjectUnavailable
 from kvledger.properties.subject_driver import drive as _drive
 from kvledger.subjects import sglang
 from kvledger.subjects.edits import SourceEdit, edited_function
@@ -80,7 +80,7 @@ def test_a_fresh_process_writes_nothing_under_home(tmp_path):
     home.mkdir()
     code = (
         "import os, sys, json\n"
-        "from kvledger.engine.ledger.subject import SubjectConfig\n"
+        "from kvledger.properties.subject import SubjectConfig\n"
         "from kvledger.subjects import sglang\n"
         "s = sglang.build(SubjectConfig(num_pages=4, page_size=2, max_seq_len=8))\n"
         "s.submit(1, [1, 2, 3], 2); s.admit(1, 8); s.allocate(1, 0, 3)\n"
@@ -342,7 +342,7 @@ def test_function_edits_stay_with_their_subject():
 
 
 def _cases(seeds: Sequence[int]) -> set:
-    from kvledger.tools.subject_fuzz import run_case
+    from kvledger.checker.subject_fuzz import run_case
 
     events: set = set()
     for seed in seeds:

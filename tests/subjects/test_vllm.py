@@ -10,7 +10,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import pytest
 
-from kvledger.engine.ledger.subject import SubjectConfig, View
+from kvledger.properties.subject import SubjectConfig, View
 from kvledger.properties.subject_driver import Finding, SubjectDriver
 from kvledger.subjects import vllm
 from kvledger.subjects.edits import SourceEdit, edited_function

@@ -8,4 +8,4 @@ SUPPORT = TESTS / "support"
 DATA = TESTS / "data"
 REGRESSIONS = TESTS / "regressions"  # traces that replay clean (tests/properties/test_regressions.py)
 SUBJECT_REGRESSIONS = REGRESSIONS / "subjects"  # the subjects' (tests/subjects/test_regressions.py)
-ZOO_TRACES = TESTS / "zoo_traces"  # a minimized failing trace per zoo bug (tests/tools/test_zoo.py)
+ZOO_TRACES = TESTS / "zoo_traces"  # a minimized failing trace per zoo bug (tests/checker/test_zoo.py)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Dict, List, Sequence
 
-from kvledger.engine.ledger.subject import CachedEntry, Capabilities, SubjectConfig, View
+from kvledger.properties.subject import CachedEntry, Capabilities, SubjectConfig, View
 
 
 class ToyBlockCache:

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from kvledger import fast, reference
+from kvledger.checker.audit.invariant_catches import TRUSTS_WHOLE_EDGE, shared
 from kvledger.engine.ledger import trace
 from kvledger.engine.ledger.divergence import Divergence
 from kvledger.engine.ledger.invariants import InvariantViolation, KVProvenance, prefix_hashes
 from kvledger.properties.lockstep import Lockstep
-from kvledger.tools.invariant_catches import TRUSTS_WHOLE_EDGE, shared
 from tests.support.models import tiny_config
 
 HEADER = trace.Header(num_pages=32, page_size=1, cache_type="radix", table_slots=4, max_seq_len=32)

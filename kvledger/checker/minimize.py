@@ -1,0 +1,576 @@
+"""`kvledger minimize`: structure-aware delta debugging of a failing trace.
+
+The fingerprint is the kind of the Divergence the original trace raises ("state:owner",
+"invariant:3-no-oom", ...). A candidate counts only if replaying it raises a Divergence of the
+same kind. Passes, repeated until none makes progress (or the time budget runs out):
+
+  pool       fewer pages and table slots (binary search; a smaller pool often fails sooner)
+  requests   remove whole requests (a submit and every op naming its uid), ddmin-style
+  header     a smaller page size, fewer pages and table slots, a shorter max_seq_len
+  ops        remove chunks of operations (halving), down to single operations
+  merge      two prefills in a row become one with both budgets
+  values     shorten token lists, lower max_tokens, budgets, samples, evict sizes
+  renumber   uids densely in order of submission, token values 0, 1, 2, ... by first use
+
+Every accepted candidate is strictly simpler (`_size`), outcomes are cached by the hash of the
+serialized candidate, and the time budget is checked before every replay.
+
+Removing something often makes a later operation invalid (finish of a request that is gone,
+an evict larger than what is evictable). Such a candidate is repaired rather than thrown away:
+the replay skips operations the model rejects as invalid before changing anything, and the
+operations that did apply become the candidate. Replays stop at the first divergence, so what
+follows it is dropped too. A fixpoint of the single-operation pass is therefore 1-minimal: no
+single operation can be removed, repaired or not.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import sys
+import time
+from dataclasses import replace
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+from kvledger import fast, reference
+from kvledger.engine.ledger.cache_scheduler import InvalidOp
+from kvledger.engine.ledger.trace import Header, dumps
+from kvledger.properties.lockstep import Divergence, Lockstep, replay
+
+_log = logging.getLogger(__name__)  # `log` is the minimizer's callback
+
+Ops = List[Dict]
+# ops that name a request: submit/finish/abort through "uid", prefill/decode through "stop"
+_UID_OPS = ("submit", "finish", "abort")
+PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+class MinimizeError(ValueError):
+    """The input cannot be minimized (it does not fail, or it is invalid)."""
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+def fingerprint_of(header: Header, ops: Ops) -> Tuple[str, int]:
+    """Replay strictly; return the Divergence's (kind, step). Raises MinimizeError if the trace
+    passes or is invalid."""
+    try:
+        replay(header, ops)
+    except Divergence as e:
+        return e.kind, e.step
+    except InvalidOp as e:
+        raise MinimizeError(f"the trace is invalid at operation {getattr(e, 'step', '?')}: {e}") from None
+    raise MinimizeError(
+        f"the trace does not fail: its {len(ops)} operations replay with no divergence "
+        "(nothing to minimize; a bug-zoo trace needs its bug patched in, e.g. --bug NAME)"
+    )
+
+
+def _key(header: Header, ops: Ops) -> str:
+    return hashlib.sha1(dumps(header, ops).encode()).hexdigest()
+
+
+def _replay_repairing(
+    header: Header, ops: Ops, on_step: Callable[[Lockstep], None] | None = None
+) -> Tuple[Optional[str], Ops]:
+    """Replay, skipping operations the model rejects before changing anything. Returns the
+    divergence kind (None if none) and the operations applied, up to and including the one
+    that diverged. `on_step` sees the harness after each operation that applied cleanly."""
+    try:
+        lock = Lockstep(header)
+    except Exception:  # a header the managers refuse
+        return None, []
+    return _continue(lock, ops, on_step)
+
+
+def _continue(lock: Lockstep, ops: Ops, on_step: Callable[[Lockstep], None] | None = None) -> Tuple[Optional[str], Ops]:
+    for op in ops:
+        try:
+            lock.apply(op)
+        except InvalidOp:
+            # A bad stop list changes nothing either, but a candidate that left one behind is
+            # dropped whole: skipping those steps instead made the search slower (the long fuzz
+            # walk of tests/checker/test_minimize.py no longer reached 10 operations in its replays).
+            if op.get("stop"):
+                return None, []
+            continue
+        except Divergence as e:
+            return e.kind, list(lock.ops)
+        except Exception:  # the reference itself crashed: not the failure we are after
+            return None, []
+        if on_step is not None:
+            on_step(lock)
+    return None, list(lock.ops)
+
+
+def _copy(lock: Lockstep) -> Lockstep:
+    # everything but the implementation modules themselves
+    return copy.deepcopy(lock, {id(fast): fast, id(reference): reference})
+
+
+class _Checkpoints:
+    """Copies of the harness along the current trace: a candidate sharing its first n
+    operations resumes from the copy at n instead of replaying from the start. Long traces
+    only (a copy costs about as much as a dozen operations)."""
+
+    MIN_OPS = 64
+
+    def __init__(self, n_ops: int = 0) -> None:
+        self.every = max(16, n_ops // 40)
+        self.saved: List[Tuple[int, Lockstep]] = []
+
+    def record(self, lock: Lockstep) -> None:
+        if len(lock.ops) % self.every == 0:
+            self.saved.append((len(lock.ops), _copy(lock)))
+
+    def resume(self, limit: int) -> Optional[Tuple[int, Lockstep]]:
+        """A fresh copy of the latest checkpoint at or before operation `limit`."""
+        best = None
+        for n, lock in self.saved:
+            if n <= limit:
+                best = (n, lock)
+        return None if best is None else (best[0], _copy(best[1]))
+
+
+def _common_prefix(a: Ops, b: Ops) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class _Minimizer:
+    def __init__(
+        self,
+        header: Header,
+        ops: Ops,
+        kind: str,
+        deadline: float,
+        log: Callable[[str], None],
+        max_replays: Optional[int] = None,
+    ) -> None:
+        self.header, self.ops, self.kind = header, ops, kind
+        self.deadline = deadline
+        self.max_replays = max_replays
+        self.log = log
+        # candidate key -> (passes, applied ops, replayed from the start?)
+        self.cache: Dict[str, Tuple[bool, Ops, bool]] = {}
+        self.tests = 0
+        self.strict = False  # replay every candidate from the start (the final pass)
+        self.checkpoints = _Checkpoints()
+        self._rebuild_checkpoints()  # the input failed this way already: this only records
+
+    # -- the oracle -------------------------------------------------------------------------
+    def test(self, ops: Ops, header: Header | None = None) -> bool:
+        """Does the candidate still fail the same way? On success it becomes the current trace."""
+        header = header or self.header
+        ops = [_tidy(op) for op in ops]
+        key = _key(header, ops)
+        if key not in self.cache or (self.strict and not self.cache[key][2]):
+            if time.monotonic() > self.deadline or (self.max_replays is not None and self.tests >= self.max_replays):
+                raise _OutOfTime
+            self.tests += 1
+            self.cache[key] = self._evaluate(header, ops)
+        same, applied, fresh = self.cache[key]
+        if not same or _size(header, applied) >= _size(self.header, self.ops):
+            return False  # not the failure, or no simpler than what we have (avoids cycles)
+        old = (self.header, self.ops)
+        self.header, self.ops = header, applied
+        if not self._rebuild_checkpoints(verify=not fresh):
+            self.header, self.ops = old  # a resumed copy disagreed with a fresh replay
+            self.cache[key] = (False, applied, True)
+            return False
+        return True
+
+    def _evaluate(self, header: Header, ops: Ops) -> Tuple[bool, Ops, bool]:
+        start = None
+        if not self.strict and header == self.header:
+            start = self.checkpoints.resume(_common_prefix(ops, self.ops))
+        if start is None:
+            kind, applied = _replay_repairing(header, ops)
+            return kind == self.kind, applied, True
+        n, lock = start
+        kind, applied = _continue(lock, ops[n:])
+        return kind == self.kind, applied, False
+
+    def _rebuild_checkpoints(self, verify: bool = False) -> bool:
+        """Checkpoints along the (new) current trace, from a replay from the start that must
+        fail the same way: no candidate is accepted on the word of a resumed copy alone."""
+        self.checkpoints = _Checkpoints(len(self.ops))
+        short = len(self.ops) < _Checkpoints.MIN_OPS  # short traces replay from the start anyway
+        if short and not verify:
+            return True
+        kind, applied = _replay_repairing(self.header, self.ops, None if short else self.checkpoints.record)
+        if kind != self.kind or applied != self.ops:
+            self.checkpoints = _Checkpoints()
+            return False
+        return True
+
+    # -- passes -----------------------------------------------------------------------------
+    def remove_requests(self) -> bool:
+        progress = False
+        uids = _submitted_uids(self.ops)
+        size = max(len(uids) // 2, 1)
+        while size >= 1 and uids:
+            i = 0
+            while i < len(uids):
+                group = set(uids[i : i + size])
+                if self.test(_without_uids(self.ops, group)):
+                    progress = True
+                    uids = _submitted_uids(self.ops)
+                else:
+                    i += size
+            size //= 2
+        return progress
+
+    def remove_ops(self, single_only: bool = False) -> bool:
+        progress = False
+        size = 1 if single_only else max(len(self.ops) // 2, 1)
+        while size >= 1:
+            i = 0
+            while i < len(self.ops):
+                if self.test(self.ops[:i] + self.ops[i + size :]):
+                    progress = True
+                else:
+                    i += size
+            size //= 2
+        return progress
+
+    def merge_prefills(self) -> bool:
+        """Two prefills in a row become one with both budgets (one chunking step fewer)."""
+        progress = False
+        i = 0
+        while i + 1 < len(self.ops):
+            a, b = self.ops[i], self.ops[i + 1]
+            if a["op"] == b["op"] == "prefill" and not a.get("stop"):
+                merged = {**b, "budget": a["budget"] + b["budget"]}
+                if self.test(self.ops[:i] + [merged] + self.ops[i + 2 :]):
+                    progress = True
+                    continue
+            i += 1
+        return progress
+
+    def simplify_values(self) -> bool:
+        progress = False
+        for i in range(len(self.ops)):
+            if i >= len(self.ops):
+                break
+            for field, kind, low in _simplifiable_fields(self.ops[i]):
+                if kind == "int":
+                    progress |= self._shrink_int(i, field, low)
+                else:
+                    progress |= self._shrink_list(i, field, low, zero=(kind == "tokens"))
+        return progress
+
+    def _with(self, i: int, field: str, value: object) -> bool:
+        return self.test(self.ops[:i] + [{**self.ops[i], field: value}] + self.ops[i + 1 :])
+
+    def _current(self, i: int, field: str, op_kind: str) -> object:
+        """The field's value now (None if a repair dropped or replaced op i)."""
+        if i < len(self.ops) and self.ops[i]["op"] == op_kind:
+            return self.ops[i].get(field)
+        return None
+
+    def _shrink_int(self, i: int, field: str, low: int) -> bool:
+        """Binary search for the smallest value that still fails (assuming rough monotony)."""
+        op_kind, value = self.ops[i]["op"], self.ops[i][field]
+        if value <= low:
+            return False
+        if self._with(i, field, low):
+            return True
+        lo, hi, progress = low, value, False  # lo: loses the failure, hi: keeps it
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self._current(i, field, op_kind) is None:
+                break
+            if self._with(i, field, mid):
+                hi, progress = mid, True
+            else:
+                lo = mid
+        return progress
+
+    def _shrink_list(self, i: int, field: str, min_len: int, zero: bool) -> bool:
+        """ddmin over the list's items, then (token lists) values lowered to 0."""
+        op_kind, progress = self.ops[i]["op"], False
+        values = list(self.ops[i].get(field) or [])
+        if min_len == 0 and values and self._with(i, field, []):
+            return True
+        size = len(values) // 2
+        while size >= 1:
+            j = 0
+            while j < len(values):
+                cand = values[:j] + values[j + size :]
+                if len(cand) >= min_len and self._with(i, field, cand):
+                    progress = True
+                    values = self._current(i, field, op_kind)
+                    if values is None:
+                        return progress
+                else:
+                    j += size
+            size //= 2
+        if zero and any(values):
+            if self._with(i, field, [0] * len(values)):
+                return True
+            for j in range(len(values)):
+                if values[j] and self._with(i, field, values[:j] + [0] + values[j + 1 :]):
+                    progress = True
+                    values = self._current(i, field, op_kind)
+                    if values is None:
+                        return progress
+        return progress
+
+    def shrink_pool(self) -> bool:
+        """Binary search for fewer pages and table slots: a smaller pool often fails sooner,
+        and a replay stops at the divergence, so this can cut a long trace at once."""
+        progress = False
+        for field in ("num_pages", "table_slots"):
+            lo, hi = 0, getattr(self.header, field)  # lo: loses the failure, hi: keeps it
+            while hi - lo > 1:
+                mid = (lo + hi) // 2 if lo else 1  # try the smallest first
+                if self.test(self.ops, replace(self.header, **{field: mid})):
+                    hi, progress = mid, True
+                else:
+                    lo = mid
+        return progress
+
+    def shrink_header(self) -> bool:
+        progress = False
+        for header in _header_candidates(self.header, self.ops):
+            if header != self.header and self.test(self.ops, header):
+                progress = True
+        return progress
+
+    def renumber(self) -> bool:
+        progress = False
+        for ops in (_renumbered(self.ops), _relabeled_tokens(self.ops)):
+            if ops != self.ops and self.test(ops):
+                progress = True
+        return progress
+
+    def run(self) -> bool:
+        """Returns True when the result is 1-minimal, False if the budget ran out first."""
+        # the pool first (it can end a long trace sooner), the header early: smaller pages make
+        # every later replay cheaper and many steps removable
+        passes = [
+            ("pool", self.shrink_pool),
+            ("requests", self.remove_requests),
+            ("header", self.shrink_header),
+            ("ops", self.remove_ops),
+            ("merge", self.merge_prefills),
+            ("values", self.simplify_values),
+            ("renumber", self.renumber),
+        ]
+        try:
+            while True:
+                progress = False
+                for name, fn in passes:
+                    before = len(self.ops)
+                    if fn():
+                        progress = True
+                        self.log(f"  {name:8s} pass: {before} -> {len(self.ops)} ops ({self.tests} replays)")
+                # values/header/uid changes may free an op: the last word is single-op removal,
+                # every candidate replayed from the start
+                if not progress:
+                    self.strict = True
+                    if not self.remove_ops(single_only=True):
+                        return True
+                    self.strict = False
+        except _OutOfTime:
+            return False
+
+
+def _size(header: Header, ops: Ops) -> tuple:
+    """Smaller is simpler: fewer ops, then smaller values, then a smaller header (page size
+    first: with small pages fewer steps cross a page), then uids numbered densely in submission
+    order, then smaller token values. Every accepted candidate is strictly smaller, so the
+    passes terminate."""
+    values = sum(_op_magnitude(op) for op in ops)
+    uid_cost = sum(abs(uid - i) for i, uid in enumerate(_submitted_uids(ops)))
+    token_values = sum(
+        sum(op.get("sample", ())) + (sum(op["tokens"]) if isinstance(op.get("tokens"), list) else 0) for op in ops
+    )
+    return (
+        len(ops),
+        values,
+        header.page_size,
+        header.page_size * header.num_pages,
+        header.num_pages,
+        header.table_slots,
+        header.max_seq_len,
+        uid_cost,
+        token_values,
+    )
+
+
+def _op_magnitude(op: Dict) -> int:
+    tokens = op.get("tokens", 0)
+    return (
+        (len(tokens) if isinstance(tokens, list) else tokens)
+        + op.get("max_tokens", 0)
+        + op.get("budget", 0)
+        + len(op.get("sample", ()))
+        + len(op.get("stop", ()))
+    )
+
+
+def _tidy(op: Dict) -> Dict:
+    """An empty stop list says nothing: drop it."""
+    if "stop" in op and not op["stop"]:
+        return {k: v for k, v in op.items() if k != "stop"}
+    return op
+
+
+def _submitted_uids(ops: Ops) -> List[int]:
+    return [op["uid"] for op in ops if op["op"] == "submit"]
+
+
+def _without_uids(ops: Ops, uids: set) -> Ops:
+    out = []
+    for op in ops:
+        if op["op"] in _UID_OPS and op.get("uid") in uids:
+            continue
+        if op.get("stop"):
+            op = {**op, "stop": [u for u in op["stop"] if u not in uids]}
+        out.append(op)
+    return out
+
+
+def _smaller_ints(value: int, low: int) -> Iterator[int]:
+    for v in (low, value // 2, value - 1):
+        if low <= v < value:
+            yield v
+
+
+def _simplifiable_fields(op: Dict) -> List[Tuple[str, str, int]]:
+    """(field, "int" | "tokens" | "list", lowest value or shortest length) for each field of
+    `op` the values pass may shrink."""
+    kind = op["op"]
+    fields: List[Tuple[str, str, int]] = []
+    if kind in ("submit", "probe"):
+        fields.append(("tokens", "tokens", 1 if kind == "submit" else 0))
+    if kind == "submit":
+        fields.append(("max_tokens", "int", 1))
+    if kind == "prefill":
+        fields.append(("budget", "int", 1))
+    if kind in ("prefill", "decode"):
+        fields.append(("sample", "tokens", 0))
+        if op.get("stop"):
+            fields.append(("stop", "list", 0))
+    if kind == "evict":
+        fields.append(("tokens", "int", 0))
+    return fields
+
+
+def _header_candidates(header: Header, ops: Ops) -> Iterator[Header]:
+    for v in _smaller_ints(header.num_pages, 1):
+        yield replace(header, num_pages=v)
+    for v in _smaller_ints(header.table_slots, 1):
+        yield replace(header, table_slots=v)
+    longest = max((len(op["tokens"]) + op["max_tokens"] for op in ops if op["op"] == "submit"), default=1)
+    for ps in [p for p in PAGE_SIZES if p < header.page_size]:
+        # the same pool in smaller pages (at most 64 more pages: every step costs per page),
+        # then as many pages of the smaller size
+        pool = min(header.num_pages * header.page_size // ps, max(header.num_pages, 64))
+        for num_pages in (pool, header.num_pages) if pool != header.num_pages else (pool,):
+            yield replace(header, page_size=ps, num_pages=num_pages, max_seq_len=_round_up(header.max_seq_len, ps))
+    # max_seq_len stays a multiple of the page size: a row must hold whole pages
+    for v in (longest, header.max_seq_len // 2, header.max_seq_len - header.page_size):
+        v = _round_up(max(v, longest), header.page_size)
+        if v < header.max_seq_len:
+            yield replace(header, max_seq_len=v)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _renumbered(ops: Ops) -> Ops:
+    new = {uid: i for i, uid in enumerate(_submitted_uids(ops))}
+    out = []
+    for op in ops:
+        op = dict(op)
+        if op["op"] in _UID_OPS and op.get("uid") in new:
+            op["uid"] = new[op["uid"]]
+        if op.get("stop"):
+            op["stop"] = [new.get(u, u) for u in op["stop"]]
+        out.append(op)
+    return out
+
+
+def _relabeled_tokens(ops: Ops) -> Ops:
+    """Token values renamed 0, 1, 2, ... in order of first appearance (prompts, probes, samples)."""
+    names: Dict[int, int] = {}
+
+    def rename(tokens: List[int]) -> List[int]:
+        return [names.setdefault(t, len(names)) for t in tokens]
+
+    out = []
+    for op in ops:
+        op = dict(op)
+        if op["op"] in ("submit", "probe"):
+            op["tokens"] = rename(op["tokens"])
+        if op.get("sample"):
+            op["sample"] = rename(op["sample"])
+        out.append(op)
+    return out
+
+
+def minimize(
+    header: Header,
+    ops: Ops,
+    budget: float = 60.0,
+    log: Callable[[str], None] | None = None,
+    max_replays: Optional[int] = None,
+) -> Tuple[Header, Ops, str]:
+    """Shrink a failing trace within `budget` seconds (math.inf: no time limit) and at most
+    `max_replays` candidate replays; returns (header, ops, fingerprint). A replay count, unlike
+    seconds, gives the same result on a loaded machine: tests bound the work with it.
+
+    Raises MinimizeError if the trace does not fail (or is invalid). If the budget runs out the
+    best trace so far is returned (log says so); otherwise the result is 1-minimal.
+    """
+    log = log or (lambda msg: None)
+    start = time.monotonic()
+    kind, step = fingerprint_of(header, ops)
+    log(f"fingerprint {kind} at step {step} of {len(ops)}")
+    ops = [dict(op) for op in ops[:step]]
+    if not kind.startswith("expect:") and any("expect" in op for op in ops):
+        # recorded expectations only get in the way of shrinking
+        stripped = [{k: v for k, v in op.items() if k != "expect"} for op in ops]
+        kind2, _ = _replay_repairing(header, stripped)
+        if kind2 == kind:
+            ops = stripped
+    m = _Minimizer(header, ops, kind, start + budget, log, max_replays)
+    complete = m.run()
+    log(
+        f"{'1-minimal' if complete else 'budget exhausted (result may not be 1-minimal)'}: "
+        f"{len(m.ops)} ops after {m.tests} replays in {time.monotonic() - start:.1f}s"
+    )
+    out_header = replace(m.header, producer="minimize")
+    return out_header, m.ops, kind
+
+
+def main_minimize(
+    path: str, output: str, budget: float = 60.0, bug: str | None = None, max_replays: Optional[int] = None
+) -> int:
+    """`kvledger minimize TRACE -o OUT`: exit 0 with the minimized trace written, 2 on an error."""
+    from kvledger.engine.ledger.trace import TraceError, read, write
+    from kvledger.subjects.fast_zoo import patched
+
+    try:
+        header, ops = read(path)
+        with patched(bug):
+            start = time.monotonic()
+            m_header, m_ops, kind = minimize(header, ops, budget=budget, log=_log.info, max_replays=max_replays)
+    except (OSError, TraceError, MinimizeError, KeyError) as e:
+        print(f"kvledger minimize: {path}: {e}", file=sys.stderr)
+        return 2
+    write(output, m_header, m_ops)
+    print(f"{len(ops)} -> {len(m_ops)} operations in {time.monotonic() - start:.1f}s, fingerprint {kind}: {output}")
+    print(f"replay it: kvledger replay {output}" + (f"  (needs bug {bug!r} patched in)" if bug else ""))
+    return 0

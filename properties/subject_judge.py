@@ -1,0 +1,298 @@
+"""The subject-independent judge: every invariant of a cache manager, from its raw `View`.
+
+It reads the view (the subject's free structure, request rows, prefix-cache entries, counts) and
+what the harness recorded (`Ledger`: what was submitted, what each request holds computed, and
+which token prefix each location's KV was written for), and does its own arithmetic. It calls no
+method of the subject but `cache_key` (a hash-chained cache's own hash, to recompute a key).
+The invariants keep the names of kvledger's own judge (`invariants.py`) where they mean the same:
+
+  5-quiescence    with no live request, no entry is locked and no page is referenced
+  1-2-partition   every page of the pool is free (once), held by live requests, or cached; a free
+                  page is held by no live request (and is cached only where the subject keeps
+                  cached pages in its free pool, where then every cached page nobody holds must
+                  be); a page two requests hold is cached, at the same
+                  positions; each request's row is page-aligned and page-contiguous; reference and
+                  lock counts equal the live requests that hold the page or entry
+  8-request       the view's live requests are the harness's; each holds at least what it computed;
+                  a prefix hit never covers the last prompt token (checked at admission)
+  9-counters      the subject's counters equal the structures they count
+  7-kv-provenance every location a live request reads, and every cached entry, holds KV written for
+                  exactly that prefix (for a hash-chained cache: its key is the key of the tokens
+                  the KV was written for)
+  3-no-oom        (at allocation, by the driver) a subject promising worst-case admission never
+                  fails an allocation of an admitted request
+  4-failed-admission (by the driver) a refused admission leaves the view unchanged
+  10-queue-order  (by the driver) the waiting queue is first come, first served, and a request
+                  waiting again (preempted, mid-prefill) waits ahead of every request never admitted
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Sequence, Set, Tuple
+
+import numpy as np
+
+from kvledger.engine.ledger.invariants import InvariantViolation, check_queue_order, prefix_hashes
+from kvledger.properties.subject import CachedEntry, Capabilities, View
+
+__all__ = ["InvariantViolation", "Ledger", "judge"]
+
+
+@dataclass
+class Ledger:
+    """What the harness knows independently of the subject."""
+
+    tokens: Dict[int, List[int]] = field(default_factory=dict)  # uid -> prompt + sampled tokens
+    prompt_len: Dict[int, int] = field(default_factory=dict)
+    computed: Dict[int, int] = field(default_factory=dict)  # live uid -> positions with KV (hit included)
+    # location -> (hash of the token prefix its KV encodes, that prefix's length)
+    written: Dict[int, Tuple[int, int]] = field(default_factory=dict)
+    prefixes: Dict[int, Tuple[int, ...]] = field(default_factory=dict)  # prefix hash -> the prefix
+
+    def wrote(self, locations: Sequence[int], tokens: Sequence[int], start: int) -> None:
+        """A forward pass computed positions [start, start + len(locations)) of `tokens`."""
+        hashes = prefix_hashes(tokens[: start + len(locations)])
+        for i, loc in enumerate(locations):
+            pos = start + i
+            self.written[int(loc)] = (hashes[pos], pos + 1)
+            self.prefixes.setdefault(hashes[pos], tuple(tokens[: pos + 1]))
+
+
+def _fail(invariant: str, message: str) -> None:
+    raise InvariantViolation(invariant, message)
+
+
+def judge(view: View, caps: Capabilities, ledger: Ledger, subject: Any = None) -> None:
+    """Every invariant over one view (see the module doc); InvariantViolation on the first broken."""
+    ps = caps.page_size
+    pages = set(caps.pages)
+    live = set(ledger.computed)
+    if not live:
+        locked = [e.name or str(e.locations[:2]) for e in view.cached if e.lock]
+        if locked:
+            _fail("5-quiescence", f"no live request, but cache entries {locked} are locked")
+        refs = sorted(p for p, n in (view.page_refs or {}).items() if n)
+        if refs:
+            _fail(
+                "5-quiescence",
+                f"no live request, but pages {refs[:8]} have reference counts {[view.page_refs[p] for p in refs[:8]]}",
+            )
+    _check_requests(view, ledger, live)
+    holders = _check_rows(view, ps, pages)
+    cached = _check_entries(view, ps, pages)
+    _check_partition(view, caps, holders, cached, pages)
+    _check_counts(view, holders)
+    _check_counters(view, ps, holders)
+    _check_provenance(view, ledger, subject)
+
+
+def _check_requests(view: View, ledger: Ledger, live: Set[int]) -> None:
+    shown = set(view.requests)
+    if shown != live:
+        missing, extra = sorted(live - shown), sorted(shown - live)
+        _fail(
+            "8-request",
+            (f"live uids {missing} are missing from the subject's requests" if missing else "")
+            + ("; " if missing and extra else "")
+            + (f"the subject still holds rows for uids {extra}, which are not live" if extra else ""),
+        )
+    for uid in sorted(live):
+        if len(view.requests[uid]) < ledger.computed[uid]:
+            _fail(
+                "8-request",
+                f"uid {uid} computed {ledger.computed[uid]} positions but holds locations "
+                f"for {len(view.requests[uid])}",
+            )
+
+
+def _check_rows(view: View, ps: int, pages: Set[int]) -> Dict[int, Dict[int, int]]:
+    """page -> {uid: the page's index in that request's row}; rows must be aligned and contiguous."""
+    holders: Dict[int, Dict[int, int]] = defaultdict(dict)
+    for uid, row in sorted(view.requests.items()):
+        locs = np.asarray(row, dtype=np.int64).reshape(-1)
+        if not len(locs):
+            continue
+        pos = np.arange(len(locs))
+        starts = locs[pos - pos % ps]
+        bad = (locs % ps != pos % ps) | (locs // ps != starts // ps)
+        if bad.any():
+            i = int(bad.argmax())
+            _fail(
+                "1-2-partition",
+                f"uid {uid}: position {i} is at location {int(locs[i])}, not offset {i % ps} "
+                f"of the page that holds position {i - i % ps} (location {int(starts[i])})",
+            )
+        for index, loc in enumerate(locs[::ps].tolist()):
+            page = loc // ps
+            if page not in pages:
+                _fail("1-2-partition", f"uid {uid}: position {index * ps} is at location {loc}, not in the pool")
+            if uid in holders[page]:
+                _fail(
+                    "1-2-partition",
+                    f"uid {uid} holds page {page} at positions {holders[page][uid] * ps} and {index * ps}",
+                )
+            holders[page][uid] = index
+    return holders
+
+
+def _check_entries(view: View, ps: int, pages: Set[int]) -> Dict[int, List[str]]:
+    """page -> the names of the cache entries holding it."""
+    cached: Dict[int, List[str]] = defaultdict(list)
+    for n, entry in enumerate(view.cached):
+        name = entry.name or f"entry {n}"
+        if entry.tokens is not None and len(entry.tokens) != (entry.start or 0) + len(entry.locations):
+            _fail(
+                "1-2-partition",
+                f"cache {name}: {len(entry.locations)} locations from position {entry.start}, "
+                f"but it claims {len(entry.tokens)} tokens",
+            )
+        for loc in sorted({int(x) - int(x) % ps for x in entry.locations}):
+            if loc // ps not in pages:
+                _fail("1-2-partition", f"cache {name} holds location {loc}, not in the pool")
+            cached[loc // ps].append(name)
+    return cached
+
+
+def _check_partition(
+    view: View, caps: Capabilities, holders: Dict[int, Dict[int, int]], cached: Dict[int, List[str]], pages: Set[int]
+) -> None:
+    free = np.asarray(view.free, dtype=np.int64).reshape(-1)
+    counts: Dict[int, int] = defaultdict(int)
+    for page in free.tolist():
+        if page not in pages:
+            _fail("1-2-partition", f"the free list holds {page}, not a page of the pool")
+        counts[page] += 1
+        if counts[page] == 2:
+            _fail("1-2-partition", f"page {page} is in the free list twice")
+    for page in sorted(pages):
+        held, names, is_free = holders.get(page, {}), cached.get(page, []), counts.get(page, 0) > 0
+        if is_free and held:
+            _fail("1-2-partition", f"page {page} is free, but live uid(s) {sorted(held)} hold it")
+        if is_free and names and not caps.cached_pages_in_free_pool:
+            _fail("1-2-partition", f"page {page} is free and cached ({', '.join(names)})")
+        if len(names) > 1:
+            _fail("1-2-partition", f"page {page} is cached twice ({', '.join(names)})")
+        if len(held) > 1:
+            if not names:
+                _fail(
+                    "1-2-partition",
+                    f"page {page} is held by uids {sorted(held)} but not cached: shared outside the prefix cache",
+                )
+            if len(set(held.values())) > 1:
+                _fail(
+                    "1-2-partition",
+                    f"page {page} is held by uids {sorted(held)} at different positions "
+                    f"{sorted(i * caps.page_size for i in held.values())}",
+                )
+        if not (is_free or held or names):
+            _fail(
+                "1-2-partition",
+                f"page {page} is owned by nobody: not free, not cached, held by no live request (a leak)",
+            )
+        if names and not (held or is_free) and caps.cached_pages_in_free_pool:
+            _fail(
+                "1-2-partition",
+                f"page {page} is cached ({', '.join(names)}) and held by no live request, but "
+                "not in the free queue, where this subject keeps such pages: it is never "
+                "reused (a leak)",
+            )
+
+
+def _check_counts(view: View, holders: Dict[int, Dict[int, int]]) -> None:
+    for page, refs in sorted((view.page_refs or {}).items()):
+        held = len(holders.get(page, {}))
+        if refs != held:
+            _fail(
+                "1-2-partition",
+                f"page {page} has reference count {refs}, but {held} live request(s) "
+                f"hold it {sorted(holders.get(page, {}))}",
+            )
+    for n, entry in enumerate(view.cached):
+        if entry.lock is None or entry.start is None:
+            continue
+        a, b = entry.start, entry.start + len(entry.locations)
+        want = list(entry.locations)
+        locking = sorted(uid for uid, row in view.requests.items() if list(row[a:b]) == want)
+        if entry.lock != len(locking):
+            _fail(
+                "1-2-partition",
+                f"cache {entry.name or f'entry {n}'} (positions [{a}, {b})) has lock count "
+                f"{entry.lock}, but {len(locking)} live request(s) {locking} hold it",
+            )
+
+
+def _check_counters(view: View, ps: int, holders: Dict[int, Dict[int, int]]) -> None:
+    locked = [e for e in view.cached if e.lock is not None]
+    computed = {
+        "free_pages": len(view.free),
+        "used_pages": sum(1 for h in holders.values() if h),
+        "evictable_tokens": sum(len(e.locations) for e in locked if e.lock == 0),
+        "protected_tokens": sum(len(e.locations) for e in locked if e.lock),
+        "cached_tokens": sum(len(e.locations) for e in view.cached),
+    }
+    computed["available_tokens"] = computed["free_pages"] * ps + computed["evictable_tokens"]
+    for name, value in view.counters.items():
+        if name not in computed:
+            raise ValueError(f"view counter {name!r} has no meaning to the judge (known: {sorted(computed)})")
+        if value != computed[name]:
+            _fail("9-counters", f"the subject counts {name} = {value}, its structures hold {computed[name]}")
+
+
+def _check_provenance(view: View, ledger: Ledger, subject: Any) -> None:
+    for uid in sorted(ledger.computed):  # first: a wrong reuse is named by the request that reads it
+        tokens, n = ledger.tokens[uid], ledger.computed[uid]
+        hashes = prefix_hashes(tokens[:n])
+        row = view.requests[uid]
+        for pos in range(n):
+            found = ledger.written.get(int(row[pos]))
+            if found is None or found[0] != hashes[pos]:
+                what = "was never computed" if found is None else "holds KV computed for other tokens"
+                _fail("7-kv-provenance", f"uid {uid}: position {pos} reads location {int(row[pos])}, which {what}")
+    for n, entry in enumerate(view.cached):
+        _check_entry(entry, entry.name or f"entry {n}", ledger, subject)
+
+
+def _check_entry(entry: CachedEntry, name: str, ledger: Ledger, subject: Any) -> None:
+    if entry.tokens is not None:
+        start = entry.start or 0
+        hashes = prefix_hashes(entry.tokens)
+        for i, loc in enumerate(entry.locations):
+            found = ledger.written.get(int(loc))
+            if found is None or found[0] != hashes[start + i]:
+                what = "was never computed" if found is None else "holds KV computed for other tokens"
+                _fail("7-kv-provenance", f"cache {name}: position {start + i} is at location {int(loc)}, which {what}")
+        return
+    if entry.key is None:
+        return
+    last = ledger.written.get(int(entry.locations[-1]))
+    if last is None:
+        _fail(
+            "7-kv-provenance",
+            f"cache {name} (key {entry.key!r:.24}) holds location {int(entry.locations[-1])}, which was never computed",
+        )
+    prefix = ledger.prefixes[last[0]]
+    start = len(prefix) - len(entry.locations)
+    if start < 0 or (entry.start is not None and entry.start != start):
+        _fail(
+            "7-kv-provenance",
+            f"cache {name}: its last location holds position {len(prefix) - 1}, not the end "
+            f"of an entry of {len(entry.locations)} positions from {entry.start}",
+        )
+    hashes = prefix_hashes(prefix)
+    for i, loc in enumerate(entry.locations):
+        if ledger.written.get(int(loc), (None,))[0] != hashes[start + i]:
+            _fail(
+                "7-kv-provenance",
+                f"cache {name}: location {int(loc)} does not hold position {start + i} of "
+                "the prefix its last location was written for",
+            )
+    want = subject.cache_key(prefix)
+    if want != entry.key:
+        _fail(
+            "7-kv-provenance",
+            f"cache {name} is filed under key {entry.key!r:.24}, but its KV was written for "
+            f"{len(prefix)} tokens whose key is {want!r:.24} (a hit there reads KV of "
+            "another prefix)",
+        )

@@ -1,0 +1,1 @@
+from tests.support.ray_cluster import ray_cluster  # noqa: F401
