@@ -204,3 +204,117 @@ def test_only_the_ray_executor_imports_ray():
                 if module.split(".")[0] == "ray" and path != ROOT / "kvledger/campaign/ray_executor.py":
                     bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
     assert not bad, "\n".join(bad)
+
+
+# -- no cycles: between files, and between the packages (folders) of the checker and the engine ------
+def module_of(path: Path) -> str:
+    """The dotted module a source file installs as (setuptools' package-dir in pyproject.toml)."""
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts if parts[0] == "kvledger" else ["kvledger", *parts])
+
+
+def runtime_imports(path: Path) -> Iterator[Tuple[int, str]]:
+    """engine_imports() less those under `if TYPE_CHECKING:`, which never run (annotations only)."""
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            typing_only |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.lineno, node.module
+            yield from ((node.lineno, f"{node.module}.{a.name}") for a in node.names)  # a.name may be a module
+        elif isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name) for a in node.names)
+
+
+def import_graph() -> Dict[str, Set[str]]:
+    """module -> the kvledger modules it imports (at any depth of the file, so lazy imports count)."""
+    paths = [p for layer in FOLDERS for p in files_of(layer)]
+    known = {module_of(p): p for p in paths}
+    graph: Dict[str, Set[str]] = {}
+    for name, path in known.items():
+        targets = set()
+        for _, module in runtime_imports(path):
+            while module and module not in known:
+                module = module.rpartition(".")[0]
+            if module and module != name and module.startswith("kvledger."):
+                targets.add(module)
+        graph[name] = targets
+    return graph
+
+
+def cycles(graph: Dict[str, Set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one node (Tarjan's algorithm)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: Set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def package_of(module: str) -> str:
+    return module.rpartition(".")[0] if module.count(".") > 1 else module
+
+
+def test_no_file_imports_itself_through_others():
+    found = cycles(import_graph())
+    assert not found, "import cycles between files:\n" + "\n".join(map(str, found))
+
+
+def test_no_two_layers_import_each_other():
+    """ALLOWED is a partial order: no layer reaches back to one that may import it, in any number of steps."""
+    reach = {layer: set(ALLOWED[layer]) for layer in ALLOWED}
+    for _ in ALLOWED:
+        for layer in reach:
+            reach[layer] |= {far for near in reach[layer] for far in reach[near]}
+    assert not [layer for layer in reach if layer in reach[layer]]
+
+
+# the engine's sub-packages have their own rules (ENGINE_PARTS: `distributed` on both sides of `model`)
+def test_no_two_packages_of_the_checker_import_each_other():
+    graph = {m: ts for m, ts in import_graph().items() if not m.startswith("kvledger.engine.")}
+    ties = set()
+    for source, targets in graph.items():
+        for target in targets:
+            a, b = package_of(source), package_of(target)
+            if a != b and not a.startswith(b + ".") and not b.startswith(a + "."):
+                if any(package_of(t) == a for s, ts in graph.items() if package_of(s) == b for t in ts):
+                    ties.add(tuple(sorted((a, b))))
+    assert not ties, "packages that import each other: " + ", ".join(f"{a} <-> {b}" for a, b in sorted(ties))
+
+
+def test_the_cycle_finder_sees_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

@@ -9,7 +9,8 @@ are the same code with a different executor. The tools define the tasks and the 
 """
 
 from kvledger.campaign.directory import CampaignDir
-from kvledger.campaign.executor import Executor, LocalExecutor, executor_for
+from kvledger.campaign.executor import Executor, LocalExecutor
+from kvledger.campaign.executor_choice import executor_for
 from kvledger.campaign.run import CampaignRun, run_campaign
 from kvledger.campaign.task import Outcome, Task, call
 

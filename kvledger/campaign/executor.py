@@ -148,14 +148,4 @@ def lost(task: Task, attempt: int, why: str, queue: Deque[Tuple[Task, int]], on_
         on_outcome(Outcome(task.key, "died", None, f"{why}, on each of {attempt} tries", attempt))
 
 
-def executor_for(cluster: Optional[str], workers: int = 1) -> Executor:
-    """`cluster`: None for worker processes here, else a Ray address (`auto`: the cluster this
-    machine belongs to; `local`: start one on this machine for the campaign)."""
-    if cluster is None:
-        return LocalExecutor(workers)
-    from kvledger.campaign.ray_executor import RayExecutor
-
-    return RayExecutor(cluster, num_cpus=workers if cluster == "local" else None)
-
-
-__all__ = ["Executor", "LocalExecutor", "OnOutcome", "executor_for", "lost"]
+__all__ = ["Executor", "LocalExecutor", "OnOutcome", "lost"]
