@@ -189,8 +189,10 @@ def _replay(args: argparse.Namespace) -> int:
 def add_zoo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("zoo", help="run the bug zoo: which property run catches each known bug")
     p.add_argument("--bugs", default=None, help="comma-separated bug names (default: all)")
-    p.add_argument("--fuzz-seconds", type=float, default=10.0, help="fuzzer time per bug (0: skip)")
-    p.add_argument("--hypothesis-seconds", type=float, default=45.0, help="time cap per bug for the CI profile")
+    p.add_argument("--hypothesis-sequences", type=int, default=150, help="CI-profile sequences per bug (decides)")
+    p.add_argument("--fuzz-cases", type=int, default=100, help="fuzz cases per bug (decides; 0: skip the fuzzer)")
+    p.add_argument("--fuzz-seconds", type=float, default=300.0, help="safety cap per bug for the fuzzer (0: skip)")
+    p.add_argument("--hypothesis-seconds", type=float, default=600.0, help="safety cap per bug for the CI profile")
     p.add_argument(
         "--out-dir", default=None, metavar="DIR", help="where to keep each bug's failing traces (default: a temp dir)"
     )
@@ -219,7 +221,9 @@ def _zoo(args: argparse.Namespace) -> int:
         return 0 if all(r.caught for r in rows) else 1
     from kvledger.checker.audit.zoo_run import main_zoo
 
-    return main_zoo(args.bugs, args.fuzz_seconds, args.out_dir, args.hypothesis_seconds)
+    return main_zoo(
+        args.bugs, args.fuzz_seconds, args.out_dir, args.hypothesis_seconds, args.hypothesis_sequences, args.fuzz_cases
+    )
 
 
 # -- fuzz -------------------------------------------------------------------------------------------

@@ -197,15 +197,20 @@ def test_patched_none_and_unknown():
             pass
 
 
-def test_zoo_table_marks_escapes():
+def test_zoo_table_reports_counts_and_marks_escapes():
+    """The table reports the sequence or case that caught a bug, never seconds; a bug missed by
+    runs cut short by a seconds cap is undecided, not escaped."""
     rows = [
-        ZooRow("a", "x", hyp_caught=True, hyp_seconds=1.25, fuzz_caught=False, min_ops=3),
-        ZooRow("b", "y", hyp_caught=False, fuzz_caught=None),
+        ZooRow("a", "x", hyp_caught=True, hyp_sequences=12, hyp_seconds=1.25, fuzz_caught=False, fuzz_cases=100),
+        ZooRow("b", "y", hyp_caught=False, hyp_sequences=150, fuzz_caught=None),
+        ZooRow("c", "z", hyp_caught=False, hyp_capped=True, fuzz_caught=False, fuzz_cases=100),
     ]
     table = format_table(rows)
-    assert "hypothesis" in table.splitlines()[2] and "1.2s" in table
-    assert "ESCAPED" in table.splitlines()[3]
-    assert [r.escaped for r in rows] == [False, True]
+    assert "hypothesis" in table.splitlines()[2] and "# 12" in table and "missed 100" in table
+    assert "1.2" not in table
+    assert "ESCAPED" in table.splitlines()[3] and "UNDECIDED" in table.splitlines()[4]
+    assert [r.escaped for r in rows] == [False, True, False]
+    assert [r.undecided for r in rows] == [False, False, True]
 
 
 def test_replay_cli_with_a_bug(capsys):
