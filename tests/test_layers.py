@@ -185,7 +185,7 @@ def test_nothing_outside_the_ledger_reads_its_managers():
     at the end of the class); only the ledger itself and the harness reach its managers."""
     import re
 
-    managers = re.compile(r"\bledger\.(cm|dm|tm|policy|preemptor)\b")
+    managers = re.compile(r"\bcache_scheduler\.(cm|dm|tm|policy|preemptor)\b")
     bad = []
     for folder in ("engine/runtime", "engine/server", "engine/distributed", "kvledger/bench", "kvledger/cli"):
         for path in sorted((ROOT / folder).rglob("*.py")):

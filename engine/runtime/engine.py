@@ -1,22 +1,24 @@
 """The engine: requests in, tokens out, one step at a time, on the `fast` cache manager.
 
     engine.add_request(token_ids, params) -> uid
-    engine.step() -> [TokenEvent]          schedule -> run the model -> postprocess
+    engine.step() -> [TokenEvent]          schedule -> run the model -> sample -> complete -> land
     engine.abort(uid)
 
-`LLM`, the server's worker and every benchmark drive this class. A step chooses a batch
-(`scheduler.py`), runs the model over the page table (`model_runner.py`), then postprocesses
-(`postprocess.py`): samples, completes the step on the cache scheduler (finishes in one lazy-free
-region, `cache_req` after prefill and at finish) and delivers the tokens. Every cache-side step
-is one typed operation (`OpRecord`) of the trace format, told to the observers (trace recorder,
-shadow verifier) in order (`op_stream.py`).
-With overlap (`overlap.py`) step N+1 is launched before step N's tokens reach the host.
+`LLM`, the server's worker and every benchmark drive this class. `step` reads top to bottom: it
+chooses a batch (`scheduler.py`) and runs the model over the page table (`model_runner.py`), then
+samples and completes the step on the cache scheduler (`postprocess.py`: finishes in one
+lazy-free region, `cache_req` after prefill and at finish), and lands the tokens: the request
+records (`requests.py`) turn them into events and say which requests ended, which the engine
+then drops. Every cache-side step is one typed operation (`OpRecord`) of the trace format, told
+to the observers (trace recorder, shadow verifier) in order (`op_stream.py`). With overlap
+(`overlap.py`) step N+1 is launched before step N's tokens reach the host, and step N lands in
+step N+1. Each collaborator keeps its own state; none calls back into the engine.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -28,11 +30,11 @@ from kvledger.engine.ledger.ops import Abort, CacheOp, Finish, OpRecord, Submit
 from kvledger.engine.model.model import CausalLM
 from kvledger.engine.runtime.host_ranges import host_range
 from kvledger.engine.runtime.model_runner import ModelRunner
-from kvledger.engine.runtime.op_stream import OpStream, step_record
+from kvledger.engine.runtime.op_stream import OpStream
 from kvledger.engine.runtime.overlap import LaunchedStep, Overlap
 from kvledger.engine.runtime.postprocess import Postprocessor
 from kvledger.engine.runtime.prefix_sharing import PrefixSharing
-from kvledger.engine.runtime.requests import RequestLimits, RequestRecord, TokenEvent
+from kvledger.engine.runtime.requests import RequestLimits, Requests, TokenEvent
 from kvledger.engine.runtime.sampling import Sampler
 from kvledger.engine.runtime.scheduler import Batch, Scheduler
 
@@ -54,7 +56,7 @@ class Engine:
         self.device = torch.device(device)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.header = config.trace_header()
-        self.ledger = CacheScheduler(
+        self.cache_scheduler = CacheScheduler(
             fast,
             device=str(self.device),
             check_admission=False,
@@ -63,32 +65,22 @@ class Engine:
             **self.header.cache_scheduler_args(),
         )
         self.limits = RequestLimits(config.max_seq_len, model.config.vocab_size, config.page_size, config.pool_tokens)
-        self.scheduler = Scheduler(self.ledger, config.max_prefill_tokens, self._record_empty)
-        self.runner = ModelRunner(model, self.ledger.page_table, config.max_running_reqs, self.device, cuda_graphs)
+        self.ops = OpStream(self.cache_scheduler)
+        self.scheduler = Scheduler(self.cache_scheduler, self.ops, config.max_prefill_tokens)
+        self.runner = ModelRunner(
+            model, self.cache_scheduler.page_table, config.max_running_reqs, self.device, cuda_graphs
+        )
         self.sampler = Sampler(config.seed)
-        self.ops = OpStream(self.ledger)
+        self.post = Postprocessor(self.cache_scheduler, self.ops, self.sampler, self.runner, config.max_prefill_tokens)
         self.overlap = Overlap(self.device.type == "cuda" if overlap is None else overlap)
         # whether running requests may share KV pages: decode replays the cascade-attention graphs
         # only then (a workload without shared prefixes pays nothing for them)
         self.prefix_sharing = PrefixSharing()
-        self.requests: Dict[int, RequestRecord] = {}  # the live requests
-        self.cpu_sampled: Set[int] = set()  # the live requests that sample on the CPU (not greedy)
+        self.requests = Requests(self.eos_token_ids)  # the live requests
         # host seconds per part of step() (schedule includes launching the GPU work; wait is the
         # host blocked on the GPU), and steps per phase: benchmarks report them
         self.host_seconds: Dict[str, float] = {"schedule": 0.0, "complete": 0.0, "land": 0.0, "wait": 0.0}
         self.steps: Dict[str, int] = {"prefill": 0, "decode": 0}
-        self.post = Postprocessor(
-            self.ledger,
-            self.ops,
-            self.overlap,
-            self.sampler,
-            self.runner,
-            self.requests,
-            self.cpu_sampled,
-            config.max_prefill_tokens,
-            self._forget,
-            self.host_seconds,
-        )
 
     # -- what callers read --------------------------------------------------------------------
     @property
@@ -117,32 +109,33 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.ledger.queue_length() or self.ledger.has_runnable() or self.overlap.inflight is not None)
+        cache = self.cache_scheduler
+        return bool(cache.queue_length() or cache.has_runnable() or self.overlap.inflight is not None)
 
     @property
     def waiting_requests(self) -> int:
         """Requests submitted and not admitted yet (preempted ones included)."""
-        return self.ledger.queue_length()
+        return self.cache_scheduler.queue_length()
 
     @property
     def running_requests(self) -> int:
-        return len(self.ledger.running_requests())
+        return len(self.cache_scheduler.running_requests())
 
     @property
     def preemptions(self) -> int:
-        return self.ledger.preemptions
+        return self.cache_scheduler.preemptions
 
     @property
     def recomputed_tokens(self) -> int:
         """KV positions computed again after a preemption (not found in the prefix cache)."""
-        return self.ledger.recomputed_tokens
+        return self.cache_scheduler.recomputed_tokens
 
     def page_stats(self) -> PageStats:
-        return self.ledger.page_stats()
+        return self.cache_scheduler.page_stats()
 
     def next_uid(self) -> int:
         """A uid no request of this engine has used (uids increase)."""
-        return self.ledger.next_uid()
+        return self.cache_scheduler.next_uid()
 
     def capture_graphs(self) -> None:
         self.runner.capture_graphs()
@@ -154,9 +147,7 @@ class Engine:
         uid = self.next_uid() if uid is None else uid
         ids = list(map(int, token_ids))
         self.limits.validate(ids, params)
-        self.requests[uid] = RequestRecord.of(uid, params, self.eos_token_ids)
-        if not params.is_greedy:
-            self.cpu_sampled.add(uid)
+        self.requests.add(uid, params)
         self.sampler.add(uid, params)
         self._do(Submit(uid, tuple(ids), params.max_tokens))
         return uid
@@ -177,26 +168,27 @@ class Engine:
         events: List[TokenEvent] = []
         clock = time.perf_counter
         t0 = clock()
-        launched = self._launch()
+        launched = self._launch()  # schedule, run the model
         self.host_seconds["schedule"] += clock() - t0
         previous = self.overlap.take_inflight()
-        if previous is not None:
-            events += self.post.land(previous)
+        if previous is not None:  # launched by the last step, completed on placeholders: it lands now
+            events += self._land(previous)
         if launched is not None:
             self.steps[launched.batch.phase] += 1
-            wait = not self.overlap.enabled or self.post.needs_values(launched)
+            wait = not self.overlap.enabled or self.requests.sample_on_cpu(launched.requests, launched.sampled)
             if wait:
-                self.post.resolve(launched)
+                self._wait(launched)
+                self.post.sample(launched, self.requests.sampling_params(launched.sampled_uids()))
             t2 = clock()
             with host_range("kvledger.complete"):
-                self.post.complete(launched)
+                self._complete(launched)
             self.host_seconds["complete"] += clock() - t2
             if wait:
-                events += self.post.land(launched)
+                events += self._land(launched)
             else:
-                self.overlap.inflight = launched
+                self.overlap.hold(launched)
         for uid in self.overlap.pop_late_stops():  # not in this step's batch (a prefill, or it was preempted)
-            self._do(Finish(uid) if self.ledger.is_running(uid) else Abort(uid))
+            self._do(Finish(uid) if self.cache_scheduler.is_running(uid) else Abort(uid))
         if not self.has_work:
             self.check_idle()
         return events
@@ -204,20 +196,21 @@ class Engine:
     def check_idle(self) -> None:
         """With nothing live: every page is free or cached, no lock held, and the partition holds
         (the judge, then the implementation's own integrity check: `CacheScheduler.check`)."""
-        if not self.ledger.live and self.overlap.inflight is None:
-            self.ledger.check()
+        if not self.cache_scheduler.live and self.overlap.inflight is None:
+            self.cache_scheduler.check()
 
-    # -- schedule and run ---------------------------------------------------------------------
+    # -- the parts of a step ------------------------------------------------------------------
     def _launch(self) -> Optional[LaunchedStep]:
+        """Schedule the next batch and launch the model on it; on CUDA its greedy tokens are
+        copied to pinned host memory without waiting."""
         with host_range("kvledger.schedule"):
             batch = self.scheduler.schedule()
             if batch is None:
                 return None
             self._admitted(batch)
             if batch.preempted:
-                self.overlap.note_preempted(batch.preempted, self.ledger)
+                self.overlap.note_preempted(batch.preempted, self.cache_scheduler)
             if not batch.requests:  # every request of the step was preempted: nothing to compute
-                self._record_empty(batch.phase, batch.preempted)
                 return None
             logits, tokens = self.runner.forward(batch, self.sharing_possible)
             if self.device.type != "cuda":
@@ -236,17 +229,44 @@ class Engine:
             if req.uid in batch.hits:  # admitted now, not a later chunk
                 self.prefix_sharing.admitted(req.uid, req.input_ids, batch.hits[req.uid])
 
-    # -- operations for the observers ---------------------------------------------------------
-    def _record_empty(self, phase: str, preempted: List[int]) -> None:
-        self.ops.record(step_record(phase, self.config.max_prefill_tokens, [], [], [], preempted, self.ledger.preempts))
+    def _wait(self, step: LaunchedStep) -> None:
+        t = time.perf_counter()
+        step.wait()
+        self.host_seconds["wait"] += time.perf_counter() - t
 
+    def _complete(self, step: LaunchedStep) -> None:
+        """The step's bookkeeping on the cache scheduler. It releases the requests whose token
+        stops them (when its tokens are known) and the late stops among its rows."""
+        values = step.values
+        stop = [] if values is None else self.requests.stopped(step.requests, step.sampled, values, step.failed)
+        stop += self.overlap.take_late_stops(step)
+        self.post.complete(step, stop)
+        self.requests.finishing(step.finished)
+
+    def _land(self, step: LaunchedStep) -> List[TokenEvent]:
+        """The step's tokens are known: patch the placeholders and tell the observers (overlap),
+        then deliver the tokens and drop the requests that ended."""
+        started = time.perf_counter()
+        if step.values is None:  # completed on placeholders
+            self._wait(step)
+            step.values = step.host.tolist()
+            self.overlap.patch_tokens(step)
+            self.post.release(step)
+        delivered = self.requests.deliver(step.requests, step.sampled, step.values, step.finished, step.failed)
+        for uid in delivered.stopped_late:
+            self.overlap.stopped_late(uid)
+        for uid in delivered.ended:
+            self._forget(uid)
+        self.host_seconds["land"] += time.perf_counter() - started
+        return delivered.events
+
+    # -- operations outside a step ------------------------------------------------------------
     def _do(self, op: CacheOp) -> None:
-        self.ledger.apply(op)
+        self.cache_scheduler.apply(op)
         self.ops.record(OpRecord(op))
 
     def _forget(self, uid: int) -> None:
-        self.requests.pop(uid, None)
-        self.cpu_sampled.discard(uid)
+        self.requests.forget(uid)
         self.prefix_sharing.forget(uid)
         self.overlap.forget(uid)
         self.sampler.remove(uid)

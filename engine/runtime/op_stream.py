@@ -32,18 +32,18 @@ class PendingOp:
 
 
 class OpStream:
-    def __init__(self, ledger: CacheScheduler) -> None:
-        self.ledger = ledger
+    def __init__(self, cache_scheduler: CacheScheduler) -> None:
+        self.cache_scheduler = cache_scheduler
         self.observers: List[Observer] = []
         self.delivered = 0  # operations every observer has been told of (the server's cache_ops)
         self._queue: Deque[PendingOp] = deque()
 
     def record(self, record: OpRecord, ready: bool = True) -> PendingOp:
-        """Queue an operation the ledger just performed; observers hear of it once it is ready."""
+        """Queue an operation the cache scheduler just performed; observers hear of it once it is ready."""
         # an operation that waits (for its tokens, or behind one that does) is shown the state
         # of its own moment; one told at once is shown the live state, which is the same
         waits = not ready or bool(self._queue)
-        frozen = FrozenState(self.ledger) if waits and any(o.needs_state for o in self.observers) else None
+        frozen = FrozenState(self.cache_scheduler) if waits and any(o.needs_state for o in self.observers) else None
         entry = PendingOp(record, ready, frozen)
         self._queue.append(entry)
         self.flush()
@@ -53,7 +53,7 @@ class OpStream:
         while self._queue and self._queue[0].ready:
             pending = self._queue.popleft()
             self.delivered += 1
-            state = pending.state if pending.state is not None else self.ledger
+            state = pending.state if pending.state is not None else self.cache_scheduler
             for observer in self.observers:
                 observer(self.delivered, pending.record, state)
 

@@ -22,6 +22,7 @@ from typing import Any, Dict, Iterable, List, Optional, Set
 import torch
 
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler
+from kvledger.engine.runtime.host_ranges import host_range
 from kvledger.engine.runtime.op_stream import PendingOp
 from kvledger.engine.runtime.scheduler import Batch
 
@@ -48,6 +49,16 @@ class LaunchedStep:
     def sampled(self) -> List[int]:
         return self.batch.sampled
 
+    def sampled_uids(self) -> List[int]:
+        reqs = self.batch.requests
+        return [reqs[i].uid for i in self.batch.sampled]
+
+    def wait(self) -> None:
+        """Block until its tokens are on the host (they are at once off CUDA)."""
+        with host_range("kvledger.wait"):
+            if self.ready is not None:
+                self.ready.synchronize()
+
 
 class Overlap:
     """The bookkeeping overlap needs between one step's launch and its tokens' arrival."""
@@ -56,17 +67,21 @@ class Overlap:
         self.enabled = enabled
         self.inflight: Optional[LaunchedStep] = None
         # greedy requests that sampled a stop token in a step whose bookkeeping ran on placeholders
-        self.late_stops: Set[int] = set()
+        self._late_stops: Set[int] = set()
         self.late_stop_count = 0  # how many requests finished that way (one wasted token each)
         # requests preempted while the step that sampled their last token was in flight: uid -> the
         # waiting request whose last token is still a placeholder (patched when that step lands)
         self._resumed: Dict[int, Any] = {}
 
+    def hold(self, step: LaunchedStep) -> None:
+        """The step's bookkeeping ran on placeholders: its tokens land in the next step."""
+        self.inflight = step
+
     def take_inflight(self) -> Optional[LaunchedStep]:
         step, self.inflight = self.inflight, None
         return step
 
-    def note_preempted(self, uids: Iterable[int], ledger: CacheScheduler) -> None:
+    def note_preempted(self, uids: Iterable[int], cache_scheduler: CacheScheduler) -> None:
         """Victims whose last token the in-flight step has not delivered yet resume from a
         placeholder: remember their waiting request, to patch it when that step lands."""
         inflight = self.inflight
@@ -74,7 +89,7 @@ class Overlap:
             return
         in_flight = {inflight.requests[i].uid for i in inflight.sampled}
         for uid in uids:
-            pending = ledger.waiting_request(uid) if uid in in_flight else None
+            pending = cache_scheduler.waiting_request(uid) if uid in in_flight else None
             if pending is not None:
                 self._resumed[uid] = pending
 
@@ -89,11 +104,22 @@ class Overlap:
                     resumed.input_ids[at] = t
 
     def stopped_late(self, uid: int) -> None:
-        self.late_stops.add(uid)
+        self._late_stops.add(uid)
         self.late_stop_count += 1
 
+    def take_late_stops(self, step: LaunchedStep) -> List[int]:
+        """The late stops among the step's sampled rows, in batch order: its bookkeeping releases them."""
+        late_stops = self._late_stops
+        if not late_stops:
+            return []
+        reqs = step.requests
+        late = [reqs[i].uid for i in step.sampled if reqs[i].uid in late_stops]
+        late_stops.difference_update(late)
+        return late
+
     def pop_late_stops(self) -> List[int]:
-        uids, self.late_stops = sorted(self.late_stops), set()
+        """The late stops no step's bookkeeping released (not in its batch): each gets an operation."""
+        uids, self._late_stops = sorted(self._late_stops), set()
         return uids
 
     def forget(self, uid: int) -> None:

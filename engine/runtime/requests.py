@@ -1,15 +1,18 @@
 """What the engine knows of a request: the limits a request is checked against when it arrives,
-its record while it lives, and the event that delivers each of its tokens."""
+its record while it lives (`Requests` holds the live ones), and the event that delivers each of
+its tokens."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import FrozenSet, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set
 
 from kvledger import fast
 from kvledger.engine.runtime.request_error import RequestError
 from kvledger.engine.runtime.sampling import validate_sampling
 from kvledger.reference.pages import tokens_to_finish
+
+_GREEDY = fast.SamplingParams(temperature=0.0)
 
 
 @dataclass(frozen=True)
@@ -79,3 +82,108 @@ class TokenEvent:
     finish_reason: Optional[str]  # "length", "stop" (EOS or a stop token), "error", or None
     error: Optional[str] = None  # why the request failed (finish_reason "error"); its token is not output
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+
+
+@dataclass
+class Delivery:
+    """One step's delivered tokens, and what the engine does about them."""
+
+    events: List[TokenEvent] = field(default_factory=list)
+    stopped_late: List[int] = field(default_factory=list)  # greedy requests whose token stops them (overlap)
+    ended: List[int] = field(default_factory=list)  # requests whose last token this is: the engine drops them
+
+
+class Requests:
+    """The live requests' records, from submit until their last token is delivered, and which of
+    them sample on the CPU (every other one is greedy, its token already on the device)."""
+
+    def __init__(self, eos_token_ids: FrozenSet[int]) -> None:
+        self.eos_token_ids = eos_token_ids
+        self._records: Dict[int, RequestRecord] = {}
+        self._cpu_sampled: Set[int] = set()
+
+    def add(self, uid: int, params: fast.SamplingParams) -> None:
+        self._records[uid] = RequestRecord.of(uid, params, self.eos_token_ids)
+        if not params.is_greedy:
+            self._cpu_sampled.add(uid)
+
+    def forget(self, uid: int) -> None:
+        self._records.pop(uid, None)
+        self._cpu_sampled.discard(uid)
+
+    def get(self, uid: int) -> Optional[RequestRecord]:
+        return self._records.get(uid)
+
+    def __getitem__(self, uid: int) -> RequestRecord:
+        return self._records[uid]
+
+    def __contains__(self, uid: object) -> bool:
+        return uid in self._records
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    # -- one step's rows (`reqs[i]` for i in `sampled`: the rows that sampled a token) ------------
+    def sample_on_cpu(self, reqs: Sequence[Any], sampled: Sequence[int]) -> bool:
+        """Whether a row samples on the CPU, so the step's bookkeeping must see its tokens. (A
+        greedy request that may stop on a token is handled by a late stop instead.)"""
+        cpu = self._cpu_sampled
+        if not cpu:  # all greedy, as in the throughput benchmarks: no per-row look
+            return False
+        return any(reqs[i].uid in cpu for i in sampled)
+
+    def sampling_params(self, uids: Sequence[int]) -> List[fast.SamplingParams]:
+        # a request that stopped late is still in its batch; its token is dropped: take the greedy one
+        return [rec.params if (rec := self._records.get(u)) is not None else _GREEDY for u in uids]
+
+    def stopped(
+        self, reqs: Sequence[Any], sampled: Sequence[int], values: Sequence[int], failed: Dict[int, str]
+    ) -> List[int]:
+        """The uids, in batch order, whose token stops them or whose sampling failed."""
+        stop = []
+        for i, t in zip(sampled, values):
+            rec = self._records.get(reqs[i].uid)
+            if rec is not None and (rec.uid in failed or t in rec.stop_ids):
+                stop.append(rec.uid)
+        return stop
+
+    def finishing(self, finished: Dict[int, Optional[str]]) -> None:
+        """The step's bookkeeping released these requests; their tokens are not delivered yet."""
+        records = self._records
+        for uid, reason in finished.items():
+            rec = records.get(uid)
+            if rec is not None:  # None: it stopped late, and was delivered as finished already
+                rec.finishing = reason
+
+    def deliver(
+        self,
+        reqs: Sequence[Any],
+        sampled: Sequence[int],
+        values: Sequence[int],
+        finished: Dict[int, Optional[str]],
+        failed: Dict[int, str],
+    ) -> Delivery:
+        """The step's tokens as events, one per live row; which of them stopped late (a stop
+        token the bookkeeping did not see) and which requests ended."""
+        out = Delivery()
+        events, records = out.events, self._records
+        for i, t in zip(sampled, values):
+            uid = reqs[i].uid
+            rec = records.get(uid)
+            if rec is None:  # aborted, or stopped late, while this step was in flight
+                continue
+            reason = finished.get(uid)
+            rec.finishing = None
+            if t in rec.stop_ids:
+                if reason is None:  # its step's bookkeeping ran before the value was known
+                    out.stopped_late.append(uid)
+                    reason = "stop"
+                elif reason == "length":  # its last token is a stop token, as without overlap
+                    reason = "stop"
+            events.append(TokenEvent(uid, t, reason is not None, reason, failed.get(uid), rec.cached_tokens or 0))
+            if reason is not None:
+                out.ended.append(uid)
+        return out

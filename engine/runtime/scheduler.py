@@ -3,16 +3,18 @@
 Each step admits from the queue within the prefill token budget (worst-case or optimistic
 reservation, chunked prefill, radix prefix reuse); if nothing was admitted, every running request
 decodes. The batch then gets its pages; under optimistic admission a batch that does not fit
-first preempts the newest live requests. Admission and allocation are the cache scheduler's
+first preempts the newest live requests (a step whose requests were all preempted computes
+nothing, and is recorded here as an operation of its own). Admission and allocation are the cache scheduler's
 (`engine/ledger/cache_scheduler.py`), so the engine's steps are exactly those a trace replays.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler
+from kvledger.engine.runtime.op_stream import OpStream, step_record
 
 
 @dataclass
@@ -28,35 +30,38 @@ class Batch:
     hits: Dict[int, int] = field(default_factory=dict)  # newly admitted uid -> prefix-cache hit
 
 
-# told of a step that changed the cache but computes nothing: (phase, uids preempted)
-EmptyStep = Callable[[str, List[int]], None]
-
-
 class Scheduler:
-    def __init__(self, ledger: CacheScheduler, max_prefill_tokens: int, on_empty_step: EmptyStep) -> None:
-        self.ledger = ledger
+    def __init__(self, cache_scheduler: CacheScheduler, ops: OpStream, max_prefill_tokens: int) -> None:
+        self.cache_scheduler = cache_scheduler
+        self.ops = ops  # a step that changed the cache but computes nothing is an operation of its own
         self.max_prefill_tokens = max_prefill_tokens
-        self.on_empty_step = on_empty_step
 
     def schedule(self) -> Optional[Batch]:
         """The next batch with its pages allocated, or None when there is nothing to run. A batch
-        whose requests were all preempted comes back empty (its preemptions happened)."""
-        ledger = self.ledger
+        whose requests were all preempted comes back empty (its preemptions happened, and its
+        operation is recorded)."""
+        cache = self.cache_scheduler
         batch: List[Any] = []
         hits: Dict[int, int] = {}
         phase = "prefill"
-        if ledger.queue_length():
-            batch, _ = ledger.admit(self.max_prefill_tokens)
-            hits = ledger.admission_hits()
+        if cache.queue_length():
+            batch, _ = cache.admit(self.max_prefill_tokens)
+            hits = cache.admission_hits()
             if not batch:
                 # the attempt's prefix match may have split a radix node and touched its LRU
                 # clock: it is an operation of its own, or traces and the shadow miss it
-                self.on_empty_step("prefill", [])
+                self._record_empty("prefill", [])
         if not batch:
-            batch, phase = ledger.running_requests(), "decode"
+            batch, phase = cache.running_requests(), "decode"
         if not batch:
             return None
         admitted = [(r, r.cached_len) for r in batch] if phase == "prefill" else []
-        runs, preempted = ledger.allocate(batch)
-        sampled = [i for i, r in enumerate(runs) if not ledger.is_chunked(r)]
+        runs, preempted = cache.allocate(batch)
+        sampled = [i for i, r in enumerate(runs) if not cache.is_chunked(r)]
+        if not runs:  # every request of the step was preempted: nothing to compute
+            self._record_empty(phase, preempted)
         return Batch(phase, runs, preempted, sampled, admitted, hits)
+
+    def _record_empty(self, phase: str, preempted: List[int]) -> None:
+        record = step_record(phase, self.max_prefill_tokens, [], [], [], preempted, self.cache_scheduler.preempts)
+        self.ops.record(record)

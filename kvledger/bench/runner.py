@@ -263,10 +263,10 @@ def run_workload(llm: Any, workload: Workload, warmup: Workload, device: str) ->
         warm = loop(llm, warmup)
         if warm.errors:
             raise RuntimeError(f"warm-up requests failed: {warm.errors}")
-    ledger = llm.engine.ledger  # the cache scheduler
-    ledger.forget_observed_outputs()  # adaptive admission: what the warm-up generated is not the workload's
+    cache = llm.engine.cache_scheduler
+    cache.forget_observed_outputs()  # adaptive admission: what the warm-up generated is not the workload's
     batches = DecodeBatches()
-    ledger.after_forward = batches
+    cache.after_forward = batches
     before = EngineStats.of(llm)
     try:
         sync(device)
@@ -275,7 +275,7 @@ def run_workload(llm: Any, workload: Workload, warmup: Workload, device: str) ->
         sync(device)
         seconds = time.perf_counter() - start
     finally:
-        ledger.after_forward = None
+        cache.after_forward = None
     stats = EngineStats.of(llm).since(before)
     return EngineRun(**vars(result), seconds=seconds, stats=stats, batches=batches)
 

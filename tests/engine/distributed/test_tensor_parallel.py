@@ -203,7 +203,7 @@ def fail_on_rank_0(rank, step, engine):
 
 def reorder_free_pages_on_rank_1(rank, step, engine):
     if rank == 1 and step == 2:  # the next allocation hands out other pages than rank 0's
-        cm = engine.ledger.cm
+        cm = engine.cache_scheduler.cm
         cm.free_slots = cm.free_slots.flip(0)
 
 

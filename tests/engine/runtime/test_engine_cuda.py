@@ -146,13 +146,13 @@ def test_a_graph_decode_launch_never_waits_for_the_gpu():
     s = llm.engine
     for p, sp in zip(prompts, params):
         llm._submit(p, sp)
-    while s.ledger.waiting:
+    while s.cache_scheduler.waiting:
         s.step()
     s.step()
     s.step()
     launched = 0
     for _ in range(20):
-        if s.overlap.inflight is None or not s.ledger.has_runnable():
+        if s.overlap.inflight is None or not s.cache_scheduler.has_runnable():
             break
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -160,9 +160,9 @@ def test_a_graph_decode_launch_never_waits_for_the_gpu():
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert step is not None and step.batch.phase == "decode"
-        s.post.land(s.overlap.inflight)
-        s.post.complete(step)
-        s.overlap.inflight = step
+        s._land(s.overlap.take_inflight())
+        s._complete(step)
+        s.overlap.hold(step)
         launched += 1
     assert launched >= 5
     while s.has_work:
@@ -191,5 +191,5 @@ def test_heavy_preemption_on_cuda_changes_no_greedy_token(dtype):
     assert small.engine.overlap.enabled and small.engine.graphs is not None
     got = [o.token_ids for o in small.generate(prompts, params)]
     assert got == expected
-    assert small.engine.ledger.preemptions >= 3
+    assert small.engine.cache_scheduler.preemptions >= 3
     small.engine.check_idle()

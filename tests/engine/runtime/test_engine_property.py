@@ -255,7 +255,7 @@ def run_case(data) -> None:
     try:
         llm = make_engine(**options)
         s = llm.engine
-        d = s.ledger
+        d = s.cache_scheduler
         tokens: Dict[int, List[int]] = {}
         reasons: Dict[int, Optional[str]] = {}
         aborted: set = set()

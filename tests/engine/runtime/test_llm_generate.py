@@ -100,11 +100,13 @@ def test_pool_too_small_gives_the_same_tokens(small_llm):
     big = small_llm.generate(PROMPTS, params)
     tiny = LLM(page_size=4, kv_cache_tokens=160, max_running_reqs=16, max_seq_len=128, verify=True)
     waits = []
-    tiny.engine.ledger.after_forward = lambda phase, batch: waits.append(len(tiny.engine.ledger.waiting))
+    tiny.engine.cache_scheduler.after_forward = lambda phase, batch: waits.append(
+        len(tiny.engine.cache_scheduler.waiting)
+    )
     small = tiny.generate(PROMPTS, params)
     assert [o.token_ids for o in small] == [o.token_ids for o in big]
     assert max(waits) > 0  # some requests had to wait for others
-    cm = tiny.engine.ledger.cm
+    cm = tiny.engine.cache_scheduler.cm
     cm.check_integrity()
     assert len(cm.free_slots) * 4 + cm.prefix_cache.size_info.total_size == 160  # every page back
 
@@ -118,7 +120,7 @@ def test_the_seeds_64_page_example_with_the_real_model(capsys):
         "Once upon a time, in a small village by the sea, there lived",
         "1 + 1 =",
     ]
-    d = llm.engine.ledger
+    d = llm.engine.cache_scheduler
     rows = []
 
     def trace(phase, batch):

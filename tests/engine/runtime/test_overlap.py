@@ -66,7 +66,7 @@ def test_small_pool_with_waiting_and_eviction_matches_serial():
     big = _run(_llm(False, kv_cache_tokens=2048), prompts, params)
     small = _llm(True, kv_cache_tokens=160)
     assert _run(small, prompts, params) == big
-    d = small.engine.ledger
+    d = small.engine.cache_scheduler
     assert not d.live and small.engine.overlap.inflight is None
     d.cm.check_integrity()
     cached = d.cm.prefix_cache.size_info
@@ -156,7 +156,7 @@ def test_late_stops_give_the_serial_tokens_and_replay(tmp_path):
     assert llm.engine.late_stops >= 3
     header, ops = read(str(path))
     replay(header, ops)  # the overlapped schedule, wasted tokens included, is a valid one
-    d = llm.engine.ledger
+    d = llm.engine.cache_scheduler
     assert not d.live
     d.cm.check_integrity()
 
@@ -196,7 +196,7 @@ def test_the_engine_remembers_no_uid_but_the_last():
     llm = _llm(True)
     prompts, params = _workload(n=5)
     _run(llm, prompts, params)
-    d = llm.engine.ledger
+    d = llm.engine.cache_scheduler
     assert d.known == set() and d.last_uid == 4
     with pytest.raises(ValueError, match="uids must increase"):
         llm.engine.add_request([1, 2], SamplingParams(max_tokens=1), 3)

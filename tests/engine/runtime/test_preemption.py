@@ -64,7 +64,7 @@ def test_heavy_preemption_changes_no_token(unconstrained, kind, overlap, tmp_pat
     got = [(o.token_ids, o.finish_reason) for o in llm.generate(PROMPTS, _params(kind))]
     llm.close()
     assert got == unconstrained[kind]
-    driver = llm.engine.ledger
+    driver = llm.engine.cache_scheduler
     assert driver.preemptions >= 5
     assert llm.shadow.steps > 100  # every operation was mirrored and compared
     header, ops = read(path)
@@ -86,7 +86,7 @@ def test_reserve_never_preempts_and_optimistic_runs_more_at_once():
             llm.engine.add_request(llm.encode(p), sp, len(peaks) * 100 + PROMPTS.index(p))
         while llm.engine.has_work:
             llm.engine.step()
-            peak = max(peak, len(llm.engine.ledger.dm.running_reqs))
-        peaks[admission] = (peak, llm.engine.ledger.preemptions)
+            peak = max(peak, len(llm.engine.cache_scheduler.dm.running_reqs))
+        peaks[admission] = (peak, llm.engine.cache_scheduler.preemptions)
     assert peaks["reserve"][1] == 0
     assert peaks["optimistic"][0] > peaks["reserve"][0]
