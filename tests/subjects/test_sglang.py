@@ -335,7 +335,7 @@ def test_function_edits_stay_with_their_subject():
         _run(s, 1, 0, 8, 100)
         s.finish(1)
     assert [e.lock for e in mutant.view().cached] == [1] and [e.lock for e in clean.view().cached] == [0]
-    assert sglang._import().common.release_kv_cache is clean._fn[f"{sglang.COMMON}:release_kv_cache"]
+    assert sglang.load().common.release_kv_cache is clean.functions[f"{sglang.COMMON}:release_kv_cache"]
 
 
 # -- seeded workloads: no finding on the unedited subject ------------------------------------------------------

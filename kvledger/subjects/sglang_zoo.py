@@ -1,0 +1,97 @@
+"""The sglang subject's zoo: single planted bugs in SGLang 0.5.23's cache, each an edit of its
+installed source (texts as in the dedented source). `kvledger zoo --subject sglang` runs each and
+expects the judge to name it."""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+from kvledger.subjects.edits import SourceEdit
+from kvledger.subjects.sglang_import import COMMON, PAGED, RADIX_CACHE, SCHEDULE_BATCH
+
+# Each edit is bound on the one object of a subject that runs it (the RadixCache, the allocator,
+# every Req), or, for a module function, replaces the function the adapter calls.
+ZOO: Tuple[SourceEdit, ...] = (
+    SourceEdit(
+        "sglang-split-node-drops-lock",
+        f"{RADIX_CACHE}:RadixCache._split_node",
+        "new_node.lock_ref = child.lock_ref",
+        "new_node.lock_ref = 0",
+        "splitting a locked node without copying its lock to the new parent: the shared head of a "
+        "path in use counts as evictable, and an allocation can evict it under its holder",
+    ),
+    SourceEdit(
+        "sglang-inc-lock-ref-leaf-only",
+        f"{RADIX_CACHE}:RadixCache.inc_lock_ref",
+        "while node != self.root_node:",
+        "if node != self.root_node:",
+        "locking only the matched node, not its ancestors: a match that ends below the first node "
+        "leaves the path above it evictable, and the unlock walks the whole path down past zero",
+    ),
+    SourceEdit(
+        "sglang-dec-lock-ref-keeps-protected",
+        f"{RADIX_CACHE}:RadixCache.dec_lock_ref",
+        "if node.lock_ref == 1:",
+        "if node.lock_ref == 0:",
+        "testing the count after the decrement as if before: a node its last holder unlocks is never "
+        "counted evictable again, so the cache's sizes drift from its nodes",
+    ),
+    SourceEdit(
+        "sglang-evict-forgets-free",
+        f"{RADIX_CACHE}:RadixCache.evict",
+        "self.token_to_kv_pool_allocator.free_segment(x.value, start_pos=0)",
+        "pass",
+        "deleting an evicted leaf without giving its pages back: every eviction leaks its pages",
+    ),
+    SourceEdit(
+        "sglang-insert-frees-from-zero",
+        f"{RADIX_CACHE}:RadixCache._insert_cache",
+        "kv_indices[req.kv.cache_protected_len : result.prefix_len]",
+        "kv_indices[: result.prefix_len]",
+        "freeing the duplicates a checkpoint found from the row's start instead of past the prefix the "
+        "tree already owns: the request's own matched pages, still cached and locked, go back to the "
+        "free list",
+    ),
+    SourceEdit(
+        "sglang-checkpoint-keeps-duplicate-row",
+        f"{RADIX_CACHE}:RadixCache.checkpoint",
+        "self.req_to_token_pool.write(\n"
+        "        (req.kv.req_pool_idx, slice(req.kv.cache_protected_len, len(new_indices))),\n"
+        "        new_indices[req.kv.cache_protected_len :],\n"
+        "    )",
+        "pass",
+        "freeing the request's duplicate pages without pointing its row at the tree's copies (the "
+        "mini-sglang bug of PR #142): a running request keeps reading pages that were freed",
+    ),
+    SourceEdit(
+        "sglang-free-segment-every-token",
+        f"{PAGED}:PagedTokenToKVPoolAllocator.free_segment",
+        "reps = free_index[::ps]",
+        "reps = free_index",
+        "dropping the page stride when turning a segment into pages: each freed page is put back once "
+        "per token it held",
+    ),
+    SourceEdit(
+        "sglang-release-frees-protected",
+        f"{COMMON}:release_kv_cache",
+        "tree_cache.free_kv_row(req.kv, [(req.kv.cache_protected_len, owned_kv_len)])",
+        "tree_cache.free_kv_row(req.kv, [(0, owned_kv_len)])",
+        "freeing the whole row at release, the prefix the tree owns included: cached pages go back to "
+        "the free list while the tree (and any request that hits them) still uses them",
+    ),
+    SourceEdit(
+        "sglang-release-keeps-lock",
+        f"{COMMON}:release_kv_cache",
+        "tree_cache.unlock(req.lock)\n",
+        "\n",
+        "releasing a request without dropping its tree lock: its path stays locked after it ends, never evictable",
+    ),
+    SourceEdit(
+        "sglang-hit-covers-last-token",
+        f"{SCHEDULE_BATCH}:Req._compute_max_prefix_len",
+        "max_prefix_len = input_len - 1",
+        "max_prefix_len = input_len",
+        "letting the match run to the end of the prompt: a fully cached prompt of whole pages is "
+        "admitted with nothing to compute, so no forward pass yields its next token",
+    ),
+)
