@@ -8,17 +8,17 @@ import sys
 from tests.support.paths import ROOT
 
 sys.path.insert(0, str(ROOT / "docs" / "examples"))  # the worked adapter imports as the page shows
-import seed_manager_subject  # noqa: E402
+import my_cache_manager_subject  # noqa: E402
 
 from kvledger.checker.subject_fuzz import run_case  # noqa: E402
 
 
 def test_the_worked_adapter_keeps_every_invariant():
-    findings = [run_case(seed_manager_subject.build, seed).finding for seed in range(40)]
+    findings = [run_case(my_cache_manager_subject.build, seed).finding for seed in range(40)]
     assert [f for f in findings if f is not None] == []
 
 
-class ForgetsToUnlock(seed_manager_subject.SeedManagerSubject):
+class ForgetsToUnlock(my_cache_manager_subject.MyCacheManagerSubject):
     def admit(self, uid, budget):  # a refusal that leaves the hit locked
         pending = self.pending[uid]
         handle = self.cm.match_req(pending).cuda_handle

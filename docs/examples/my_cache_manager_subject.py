@@ -1,6 +1,7 @@
-"""A worked adapter: a cache manager with the seed's API (mini-sglang's `CacheManager` design) put
-under kvledger's judge. It drives kvledger's own `reference` here; point the imports at your
-manager. Run it: `PYTHONPATH=docs/examples kvledger fuzz --subject seed_manager_subject:build --seconds 30`."""
+"""A worked adapter: a cache manager with mini-sglang's `CacheManager` API put under kvledger's
+judge. It drives kvledger's own `reference` manager (which has that API) here; point the imports
+at your manager. Run it:
+`PYTHONPATH=docs/examples kvledger fuzz --subject my_cache_manager_subject:build --seconds 30`."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from kvledger.checker import CachedEntry, Capabilities, SubjectConfig, View
 from kvledger.reference import CacheManager, PendingReq, Req, SamplingParams, make_page_table
 
 
-class SeedManagerSubject:
-    name, version = "seed-manager-example", "1"
+class MyCacheManagerSubject:
+    name, version = "my-cache-manager-example", "1"
 
     def __init__(self, config: SubjectConfig) -> None:
         ps = self.ps = config.page_size
@@ -82,7 +83,7 @@ class SeedManagerSubject:
 
     def evict(self, tokens: int) -> int:
         evicted = self.cm.prefix_cache.evict(tokens)
-        self.cm._free(evicted)  # the seed's caller frees what its prefix cache evicts
+        self.cm.free_slots += evicted[:: self.ps]  # the caller frees what the prefix cache evicts, by page
         return len(evicted)
 
     def view(self) -> View:
@@ -116,5 +117,5 @@ class SeedManagerSubject:
         raise NotImplementedError("a radix tree files prefixes by their path")
 
 
-def build(config: SubjectConfig) -> SeedManagerSubject:
-    return SeedManagerSubject(config)
+def build(config: SubjectConfig) -> MyCacheManagerSubject:
+    return MyCacheManagerSubject(config)
