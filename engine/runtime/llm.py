@@ -42,22 +42,23 @@ class LLM:
         self,
         model: Any = None,
         *,
-        config: Optional[EngineConfig] = None,
+        engine_config: Optional[EngineConfig] = None,
         rank_hook: Optional[RankHook] = None,
         **options: Any,
     ) -> None:
-        """`LLM(model, **options)` or `LLM(config=EngineConfig(...))`: the options are EngineConfig's
-        fields (engine/engine_config.py says what each means and its default). Raises
+        """`LLM(model, **options)` or `LLM(engine_config=EngineConfig(...))`: the options are
+        EngineConfig's fields (engine/engine_config.py says what each means and its default). Raises
         EngineOptionError (a ValueError naming the option) for a bad option before loading anything.
+        `engine_config` is the engine's configuration; `model_config`, once loaded, the model's.
 
         With `tensor_parallel_size` N > 1 the other N-1 ranks run in processes of their own
         (engine/distributed/ranks.py); call `close()` (or use `with LLM(...) as llm`) to stop them.
         `rank_hook(rank, step, engine)` runs on every rank before each step (fault-injection tests)."""
-        if config is None:
-            config = EngineConfig.create(model=model, **options)
+        if engine_config is None:
+            engine_config = EngineConfig.create(model=model, **options)
         elif model is not None or options:
-            raise TypeError("LLM: pass either config or options, not both")
-        self.options = o = config
+            raise TypeError("LLM: pass either engine_config or options, not both")
+        self.engine_config = o = engine_config
         self.ranks: Optional[RankProcesses] = None
         self.recorder: Optional[TraceRecorder] = None
         if o.tensor_parallel_size > 1:
@@ -76,7 +77,7 @@ class LLM:
             if self.ranks is not None:
                 self.ranks.close(clean=False)
             raise
-        self.config = built.model_config  # the model's hyper-parameters (self.options: the engine's)
+        self.model_config = built.model_config  # the model's hyper-parameters (engine_config: the engine's)
         self.model = built.model
         self.engine = built.engine
         if self.ranks is not None:
@@ -136,7 +137,7 @@ class LLM:
         # submitted only while fewer than max_running_reqs + 1 wait, the most that one admission
         # can look at, so steps are scheduled exactly as with everything submitted up front.
         # The rest are submitted between steps, while the GPU runs the one in flight.
-        enough = self.options.max_running_reqs + 1
+        enough = self.engine_config.max_running_reqs + 1
 
         def submit_more() -> None:
             while len(outputs) < len(prompts) and self.engine.waiting_requests < enough:

@@ -84,7 +84,7 @@ def _serve(config: EngineConfig, options: ServerOptions, sock: socket.socket) ->
     from kvledger.engine.server.worker import EngineWorker
 
     try:
-        llm = LLM(config=config)
+        llm = LLM(engine_config=config)
     except (ValueError, FileNotFoundError) as e:  # EngineOptionError too: the options that need the model
         raise StartupError("model", str(e)) from e
     server: Optional[DrainingServer] = None

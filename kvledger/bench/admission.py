@@ -315,7 +315,7 @@ def run_early_stop_bench(opts: EarlyStopOptions, print_fn: PrintFn = print) -> D
         per_run = {} if ratio is None else {"reserve_ratio": ratio}
         llm = build_llm(source, kwargs, admission=policy, **per_run)
         if config is None:
-            config = llm.config
+            config = llm.model_config
             print_fn(
                 f"model {model_desc}: {param_count(config):,} params, {opts.dtype} on {opts.device} "
                 f"({device_name(opts.device)}); torch {torch.__version__}"

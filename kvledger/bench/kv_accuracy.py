@@ -44,8 +44,8 @@ def compare(
 ) -> dict:
     llm = LLM(model, kv_cache_tokens=chunk, kv_cache_dtype="fp8_e4m3", threads=threads)  # calibrates its scales
     fp8 = llm.model.kv_pool
-    bf16 = KVPool.for_model(llm.config, fp8.num_tokens, torch.float32, kv_dtype=torch.bfloat16)
-    f32 = KVPool.for_model(llm.config, fp8.num_tokens, torch.float32)  # what bf16 itself loses, for scale
+    bf16 = KVPool.for_model(llm.model_config, fp8.num_tokens, torch.float32, kv_dtype=torch.bfloat16)
+    f32 = KVPool.for_model(llm.model_config, fp8.num_tokens, torch.float32)  # what bf16 itself loses, for scale
     ids = [t for text in texts for t in llm.tokenizer.encode(text)]
     agree, agree_bf16, kls = 0, 0, []
     for part in chunks(ids, chunk):

@@ -160,7 +160,7 @@ def run_nano_bench(opts: NanoOptions, print_fn: PrintFn = print) -> Dict[str, An
         kw = engine_kwargs(opts, dummy_weights=dummy, max_seq_len=max_seq_len, kv_cache_tokens=kv_tokens)
         llm = build_llm(source, kw)
         try:
-            config = llm.config
+            config = llm.model_config
             if not runs:
                 print_fn(
                     f"model {model_desc}: {param_count(config):,} params, {opts.dtype} on {opts.device} "

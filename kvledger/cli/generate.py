@@ -31,7 +31,7 @@ def generate_command(args: argparse.Namespace) -> int:
     from kvledger.fast import SamplingParams
 
     try:
-        llm = LLM(config=EngineConfig.from_args(args))  # checks every option before loading the model
+        llm = LLM(engine_config=EngineConfig.from_args(args))  # checks every option before loading the model
     except EngineOptionError as e:
         return option_error("kvledger generate", e)
     try:

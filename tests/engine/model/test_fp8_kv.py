@@ -49,7 +49,7 @@ def test_a_value_past_the_e4m3_range_saturates_instead_of_becoming_nan():
 def test_calibrated_scales_are_the_layers_peak_with_headroom_and_keep_values_out_of_subnormals():
     llm = LLM(None, kv_cache_dtype="fp8_e4m3", threads=1, max_seq_len=256, kv_cache_tokens=1024)
     model, pool = llm.model, llm.model.kv_pool
-    ids = calibration_ids(llm.config.vocab_size)
+    ids = calibration_ids(llm.model_config.vocab_size)
     k_scales, v_scales = calibrate_kv_scales(model, ids)
     assert (k_scales, v_scales) == (pool.k_scale, pool.v_scale)  # what the engine set at load
     # the same prefill through a plain pool: each scale is 2x its layer's peak over 448

@@ -142,7 +142,7 @@ def test_the_seeds_64_page_example_with_the_real_model(capsys):
 
 
 def test_bad_requests_get_a_clear_error_and_the_rest_run(small_llm):
-    vocab = small_llm.config.vocab_size
+    vocab = small_llm.model_config.vocab_size
     outs = small_llm.generate(
         ["Hello there", "", [5, vocab + 3], "fine too", "x " * 600],
         [
