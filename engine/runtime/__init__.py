@@ -1,1 +1,2 @@
-"""The runtime: the engine that steps the model over the ledger, its scheduler, CUDA graphs, sampling and `LLM`."""
+"""The runtime: the engine that steps the model over the cache scheduler, its scheduler, CUDA
+graphs, sampling and `LLM`."""

@@ -223,9 +223,7 @@ class Engine:
 
     def _admitted(self, batch: Batch) -> None:
         for req, cached_len in batch.admitted:
-            rec = self.requests[req.uid]
-            if rec.cached_tokens is None:  # the first chunk's cached length is the prefix hit
-                rec.cached_tokens = cached_len
+            self.requests.admitted(req.uid, cached_len)
             if req.uid in batch.hits:  # admitted now, not a later chunk
                 self.prefix_sharing.admitted(req.uid, req.input_ids, batch.hits[req.uid])
 

@@ -126,6 +126,11 @@ class Requests:
     def __len__(self) -> int:
         return len(self._records)
 
+    def admitted(self, uid: int, cached_len: int) -> None:
+        rec = self._records[uid]
+        if rec.cached_tokens is None:  # the first chunk's cached length is the prefix hit
+            rec.cached_tokens = cached_len
+
     # -- one step's rows (`reqs[i]` for i in `sampled`: the rows that sampled a token) ------------
     def sample_on_cpu(self, reqs: Sequence[Any], sampled: Sequence[int]) -> bool:
         """Whether a row samples on the CPU, so the step's bookkeeping must see its tokens. (A
