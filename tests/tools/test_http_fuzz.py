@@ -1,4 +1,4 @@
-"""Seeded random HTTP requests against a real `kvledger serve --verify` (engine/server/http_fuzz.py):
+"""Seeded random HTTP requests against a real `kvledger serve --verify` (kvledger/tools/http_fuzz.py):
 malformed JSON, wrong types, extreme values, huge numbers, deep nesting, lone surrogates, odd
 headers, routes and framing, oversized bodies. No case may get a 5xx or take /health down, the
 server logs no traceback, and afterwards the idle integrity check finds no leaked page and no
