@@ -1,6 +1,7 @@
 """kvledger's own cache managers as subjects: `kvledger.fast` (tensors) and `kvledger.reference` (the
-pure-Python model), through the same seed-API adapter as mini-sglang (`minisgl_api.py`), built the way
-`engine/ledger/cache_scheduler.py` builds them, under the seed's `reserve` admission policy.
+pure-Python model), through the adapter for mini-sglang's `CacheManager` API (`minisgl_api.py`),
+which they share, built the way `engine/ledger/cache_scheduler.py` builds them, under `reserve`
+admission.
 
 Two subjects from one module (`NAMES`): where another adapter takes a checkout path, `probe` and
 `build` take the name (`NAME` when None), as the registry calls them.
@@ -18,7 +19,7 @@ from kvledger.properties.subject import Capabilities, SubjectConfig, SubjectUnav
 from kvledger.reference.admission_policy import RESERVE
 from kvledger.reference.pages import div_ceil
 from kvledger.subjects.edits import SourceEdit
-from kvledger.subjects.minisgl_api import MinisglApiSubject, MinisglApiModules, radix_entries
+from kvledger.subjects.minisgl_api import MinisglApiModules, MinisglApiSubject, radix_entries
 
 NAME = "fast"
 NAMES = ("fast", "reference")

@@ -1,5 +1,5 @@
 """mini-sglang 20fcd7f: `minisgl.scheduler.cache.CacheManager` over its radix cache, driven by the
-seed-API adapter (`minisgl_api.py`) with its own `PrefillAdder`, `TableManager` and `DecodeManager`.
+adapter for its API (`minisgl_api.py`) with its own `PrefillAdder`, `TableManager` and `DecodeManager`.
 
 The spec path is a checkout directory or a `.tar.gz` snapshot of one (the shipped peer
 `mini-sglang-20fcd7f.tar.gz`); its `python/` goes on `sys.path`. Importing the scheduler's modules
@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from kvledger.properties.subject import Capabilities, SubjectConfig, SubjectUnavailable
 from kvledger.subjects.edits import SourceEdit
-from kvledger.subjects.minisgl_api import MinisglApiSubject, MinisglApiModules, radix_entries
+from kvledger.subjects.minisgl_api import MinisglApiModules, MinisglApiSubject, radix_entries
 from kvledger.subjects.peers import cache_dir, checkout, commit_of, peer_path
 
 log = logging.getLogger(__name__)
@@ -123,15 +123,15 @@ def _set_page_size(core: Any, page_size: int) -> None:
 
 def _modules(m: SimpleNamespace) -> MinisglApiModules:
     def managers(config: SubjectConfig):
-        ps, rows = config.page_size, config.max_running
+        ps, max_running = config.page_size, config.max_running
         # Engine.__init__: one more row for the dummy request, rows aligned to 32 entries (here also
         # to whole pages, which the engine's power-of-two page sizes always are)
         width = -(-(-(-config.max_seq_len // 32) * 32) // ps) * ps
-        page_table = torch.zeros((rows + 1, width), dtype=torch.int32)
-        page_table[rows].fill_(config.num_pages * ps)  # the dummy row points at the dummy page past the pool
+        page_table = torch.zeros((max_running + 1, width), dtype=torch.int32)
+        page_table[max_running].fill_(config.num_pages * ps)  # the dummy row points at the dummy page past the pool
         _set_page_size(m.core, ps)
         cm = m.cache.CacheManager(config.num_pages, ps, page_table, "radix")
-        return cm, m.table.TableManager(rows, page_table), m.decode.DecodeManager(ps)
+        return cm, m.table.TableManager(max_running, page_table), m.decode.DecodeManager(ps)
 
     def pending(uid: int, prompt: Sequence[int], max_tokens: int) -> Any:
         ids = torch.tensor(list(prompt), dtype=torch.int32)  # a UserMsg's input_ids: CPU int32

@@ -1,4 +1,4 @@
-"""The adapter for cache managers with the seed's API: mini-sglang's `CacheManager` (20fcd7f) with
+"""The adapter for cache managers with mini-sglang's API: its `CacheManager` (20fcd7f) with
 its `PrefillAdder`, `TableManager` and `DecodeManager`, and kvledger's own `fast` and `reference`,
 which expose the same names.
 
@@ -49,7 +49,7 @@ class DriverMismatch(ValueError):
 
 @dataclass(frozen=True)
 class MinisglApiModules:
-    """One module set with the seed's API, and how to build and read it."""
+    """One module set with mini-sglang's cache API, and how to build and read it."""
 
     PrefillAdder: Callable[..., Any]  # (token_budget, reserved_size, cache_manager, table_manager)
     ChunkedReq: type
@@ -135,6 +135,7 @@ class MinisglApiSubject:
     def evict(self, tokens: int) -> int:
         with self.m.calls():
             evicted = self.cm.prefix_cache.evict(tokens)
+            # the subject's own free path: mini-sglang's CacheManager has no public one
             self.cm._free(evicted)
         return len(evicted)
 

@@ -1,5 +1,5 @@
-"""kvledger's own `fast` and `reference` as subjects, through the seed-API adapter that drives
-mini-sglang: judge mode, fast against reference view for view, and edits bound into them."""
+"""kvledger's own `fast` and `reference` as subjects, through the adapter that drives
+mini-sglang (`minisgl_api.py`): judge mode, fast against reference view for view, and edits bound into them."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ import pytest
 from kvledger.checker.subject_fuzz import run_case
 from kvledger.engine.ledger.ops import InvalidOp
 from kvledger.properties.subject import Subject, SubjectConfig, SubjectUnavailable
-from kvledger.properties.subject_driver import SubjectDriver
-from kvledger.properties.subject_driver import drive as _drive
+from kvledger.properties.subject_driver import SubjectDriver, drive
 from kvledger.properties.subject_workload import draw_shape, next_op
-from kvledger.subjects import parse_spec, kvledger_own
+from kvledger.subjects import kvledger_own, parse_spec
 from kvledger.subjects.edits import EditError, SourceEdit
 from kvledger.subjects.minisgl_api import DriverMismatch
 
@@ -115,8 +114,8 @@ def test_judge_finds_the_seeds_unremapped_row(name):
         "cache_manager:CacheManager.cache_req",
         "row[old.cached_len : hit] = new.get_matched_indices()[old.cached_len : hit]",
     )
-    assert _drive(kvledger_own.build(CFG, name), CFG, DUPLICATE_OPS)[0] is None
-    finding, _ = _drive(kvledger_own.build(CFG, name, (edit,)), CFG, DUPLICATE_OPS)
+    assert drive(kvledger_own.build(CFG, name), CFG, DUPLICATE_OPS)[0] is None
+    finding, _ = drive(kvledger_own.build(CFG, name, (edit,)), CFG, DUPLICATE_OPS)
     assert finding is not None and finding.kind == "1-2-partition" and "is free, but live uid(s) [2]" in finding.message
 
 
@@ -134,9 +133,9 @@ def test_adder_edits_are_bound_on_every_batchs_adder(name):
         {"op": "submit", "uid": 2, "tokens": [7, 8, 9, 10, 11, 12], "max_tokens": 4},
         {"op": "prefill", "budget": 64},
     ] + [{"op": "decode"}] * 3
-    finding, driver = _drive(kvledger_own.build(config, name), config, ops)
+    finding, driver = drive(kvledger_own.build(config, name), config, ops)
     assert finding is None and driver.admitted == {1: 0}  # the pool holds one request's worst case
-    finding, driver = _drive(kvledger_own.build(config, name, (edit,)), config, ops)
+    finding, driver = drive(kvledger_own.build(config, name, (edit,)), config, ops)
     assert driver.admitted == {1: 0, 2: 1}  # both fit alone, not together
     assert finding is not None and finding.kind == "subject-raised:RuntimeError" and "evict" in finding.message
     s = kvledger_own.build(config, name, (edit,))

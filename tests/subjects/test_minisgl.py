@@ -1,4 +1,4 @@
-"""mini-sglang 20fcd7f as a subject: the seed-API adapter, the open PR #142 bug and its fix, the zoo.
+"""mini-sglang 20fcd7f as a subject: the adapter for its API, the open PR #142 bug and its fix, the zoo.
 
 Needs the shipped snapshot mini-sglang-20fcd7f (`$KVLEDGER_PEERS` or ../shared/peers) and msgpack,
 pyzmq and apache-tvm-ffi; each test skips with the reason when one is absent.
@@ -16,10 +16,9 @@ import torch
 from kvledger.checker.subject_fuzz import run_case
 from kvledger.engine.ledger.ops import InvalidOp
 from kvledger.properties.subject import Subject, SubjectConfig, SubjectUnavailable
-from kvledger.properties.subject_driver import SubjectDriver
-from kvledger.properties.subject_driver import drive as _drive
+from kvledger.properties.subject_driver import SubjectDriver, drive
 from kvledger.properties.subject_workload import draw_shape, next_op
-from kvledger.subjects import minisgl, kvledger_own
+from kvledger.subjects import kvledger_own, minisgl
 from kvledger.subjects.edits import EditError, SourceEdit, edited_function
 from kvledger.subjects.minisgl_api import DriverMismatch
 from kvledger.subjects.peers import peer_path
@@ -248,9 +247,9 @@ PR142_OPS = [
 
 
 def test_judge_finds_pr142_and_not_the_fix():
-    finding, _ = _drive(_build(), CFG, PR142_OPS)
+    finding, _ = drive(_build(), CFG, PR142_OPS)
     assert finding is not None and finding.kind == "1-2-partition" and "is free, but live uid(s) [2]" in finding.message
-    finding, driver = _drive(_build(edits=FIX), CFG, PR142_OPS)
+    finding, driver = drive(_build(edits=FIX), CFG, PR142_OPS)
     assert finding is None, finding
     assert driver.live == set()
 
@@ -267,7 +266,7 @@ def test_fuzz_finds_pr142_and_the_fixed_build_stays_clean():
 def test_fixed_build_agrees_with_the_reference_view_for_view():
     """Without pool pressure (mini-sglang reserves tokens where kvledger reserves pages, so their
     refusals differ in a small pool) the fixed mini-sglang and kvledger's model make the same page
-    moves: the adapter drives the seed's API in the seed's order."""
+    moves: the adapter calls the same API in the same order."""
 
     def state(driver: SubjectDriver):
         v = driver.view()
@@ -365,9 +364,9 @@ def test_zoo_edits_apply_exactly_once_and_are_covered():
 @pytest.mark.parametrize("edit", minisgl.ZOO, ids=lambda e: e.name)
 def test_judge_catches_each_zoo_edit(edit):
     config, ops, kind = ZOO_CASES[edit.name]
-    finding, _ = _drive(_build(config), config, ops)
+    finding, _ = drive(_build(config), config, ops)
     assert finding is None, finding
-    finding, _ = _drive(_build(config, (edit,)), config, ops)
+    finding, _ = drive(_build(config, (edit,)), config, ops)
     assert finding is not None and finding.kind == kind, (edit.name, finding)
 
 

@@ -16,8 +16,7 @@ import pytest
 
 from kvledger.engine.ledger.ops import InvalidOp
 from kvledger.properties.subject import Subject, SubjectConfig, SubjectUnavailable
-from kvledger.properties.subject_driver import Finding, SubjectDriver
-from kvledger.properties.subject_driver import drive as _drive
+from kvledger.properties.subject_driver import Finding, SubjectDriver, drive
 from kvledger.subjects import nanovllm
 from kvledger.subjects.edits import SourceEdit, edited_function
 from kvledger.subjects.peers import peer_path
@@ -249,10 +248,10 @@ BUG_OPS = [
 
 
 def test_judge_finds_the_f64d821_bug_and_not_the_fix():
-    finding, _ = _drive(_build(BUGGY), CFG, BUG_OPS)
+    finding, _ = drive(_build(BUGGY), CFG, BUG_OPS)
     assert finding is not None and finding.kind == "7-kv-provenance", finding
     for subject in (_build(FIXED), _build(BUGGY, edits=nanovllm.FIXES["nanovllm-f64d821-hit-resets-free-block"])):
-        finding, driver = _drive(subject, CFG, BUG_OPS)
+        finding, driver = drive(subject, CFG, BUG_OPS)
         assert finding is None, finding
         assert driver.ledger.computed == {2: 9, 3: 5}
 
@@ -325,10 +324,10 @@ def test_judge_catches_zoo_entry(edit):
     pages, ops, kind = ZOO_SCRIPTS[edit.name]
     config = SubjectConfig(num_pages=pages, page_size=4, max_seq_len=32)
     mutant = _build(FIXED, config, edits=[edit])
-    finding, driver = _drive(mutant, config, ops)
+    finding, driver = drive(mutant, config, ops)
     assert finding is not None and finding.kind == kind, f"{edit.name}: {finding}"
     # the edit is bound on that instance alone: a fresh build of the same checkout runs clean
-    clean, driver = _drive(_build(FIXED, config), config, ops)
+    clean, driver = drive(_build(FIXED, config), config, ops)
     assert clean is None, f"{edit.name}: the unedited subject fails the same script: {clean}"
     assert driver.ops == len(ops)
 
@@ -369,7 +368,7 @@ def test_a_shared_block_can_lose_its_map_entry_at_bb823b3():
 
 
 def test_judge_accepts_a_shared_block_that_lost_its_map_entry():
-    finding, _ = _drive(_build(FIXED), CFG, SHARED_UNFILED_OPS)
+    finding, _ = drive(_build(FIXED), CFG, SHARED_UNFILED_OPS)
     assert finding is None, finding
 
 

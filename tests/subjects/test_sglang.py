@@ -16,7 +16,7 @@ from typing import Dict, List, Sequence, Tuple
 import pytest
 
 from kvledger.properties.subject import Subject, SubjectConfig, SubjectUnavailable
-from kvledger.properties.subject_driver import drive as _drive
+from kvledger.properties.subject_driver import drive
 from kvledger.subjects import sglang
 from kvledger.subjects.edits import SourceEdit, edited_function
 
@@ -251,7 +251,7 @@ def test_evict_gives_pages_back():
 @pytest.mark.parametrize("page_size", [1, 2])
 def test_small_pages(page_size):
     config = SubjectConfig(num_pages=12, page_size=page_size, max_seq_len=16)
-    finding, driver = _drive(
+    finding, driver = drive(
         _build(config),
         config,
         [
@@ -318,10 +318,10 @@ def test_zoo_is_complete_and_applies_to_the_installed_version():
 def test_judge_catches_zoo_entry(edit):
     pages, ops, kind = ZOO_SCRIPTS[edit.name]
     config = SubjectConfig(num_pages=pages, page_size=4, max_seq_len=32)
-    finding, _ = _drive(_build(config, edits=[edit]), config, ops)
+    finding, _ = drive(_build(config, edits=[edit]), config, ops)
     assert finding is not None and finding.kind == kind, f"{edit.name}: {finding}"
     # the edit lives on that instance (or its adapter) alone: a fresh build runs the same script clean
-    clean, driver = _drive(_build(config), config, ops)
+    clean, driver = drive(_build(config), config, ops)
     assert clean is None, f"{edit.name}: the unedited subject fails the same script: {clean}"
     assert driver.ops == len(ops)
 
