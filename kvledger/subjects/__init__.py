@@ -7,8 +7,9 @@ A spec is one of:
   nanovllm[:PATH]            a nano-vllm checkout or snapshot (nanovllm@f64d821 names a shipped commit)
   package.module:factory     a user's own: `factory(SubjectConfig) -> Subject`
 
-Adapters live one per module here; each exports NAME, probe(path), build(config, path, edits)
-and ZOO (see `docs/checking-your-cache-manager.md`).
+Each adapter is the module BUILTINS names; it exports NAME, probe(path), build(config, path, edits)
+and ZOO (see `docs/checking-your-cache-manager.md`). A large one keeps its parts in modules beside
+it (`sglang.py` with `sglang_import.py`, `sglang_scheduler.py`, `sglang_zoo.py`).
 """
 
 from __future__ import annotations
