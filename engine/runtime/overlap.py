@@ -54,7 +54,7 @@ class LaunchedStep:
         return [reqs[i].uid for i in self.batch.sampled]
 
     def wait(self) -> None:
-        """Block until its tokens are on the host (they are at once off CUDA)."""
+        """Block until its tokens are on the host (off CUDA they are there already)."""
         with host_range("kvledger.wait"):
             if self.ready is not None:
                 self.ready.synchronize()

@@ -3,9 +3,10 @@
 Each step admits from the queue within the prefill token budget (worst-case or optimistic
 reservation, chunked prefill, radix prefix reuse); if nothing was admitted, every running request
 decodes. The batch then gets its pages; under optimistic admission a batch that does not fit
-first preempts the newest live requests (a step whose requests were all preempted computes
-nothing, and is recorded here as an operation of its own). Admission and allocation are the cache scheduler's
-(`engine/ledger/cache_scheduler.py`), so the engine's steps are exactly those a trace replays.
+first preempts the newest live requests. Admission and allocation are the cache scheduler's
+(`engine/ledger/cache_scheduler.py`), so the engine's steps are exactly those a trace replays. A
+step that changed the cache but computes nothing (an admission attempt that admitted nothing, a
+batch whose requests were all preempted) is recorded here, as an operation of its own.
 """
 
 from __future__ import annotations
