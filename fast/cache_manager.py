@@ -8,7 +8,7 @@ new locations reach the page table in one indexed assignment.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Sequence, Tuple
 
 import torch
 
@@ -62,7 +62,7 @@ class CacheManager:
     def _page_to_token(self, pages: torch.Tensor) -> torch.Tensor:
         return (pages.unsqueeze(1) + self._offsets).flatten()
 
-    def needed_size(self, reqs: Sequence[Req]) -> int:
+    def needed_size(self, reqs: Iterable[Req]) -> int:
         """Tokens of whole pages `allocate_paged(reqs)` would take (host arithmetic, no sync)."""
         ps = self.page_size
         return sum(div_ceil(r.device_len, ps) * ps - div_ceil(r.cached_len, ps) * ps for r in reqs)
@@ -109,7 +109,7 @@ class CacheManager:
                 self.free_slots = torch.cat([self.free_slots, *lazy])
 
     # -- prefix cache -------------------------------------------------------------------------
-    def match_req(self, req: PendingReq) -> MatchResult:
+    def match_req(self, req: PendingReq) -> MatchResult[CacheHandle]:
         return self.prefix_cache.match_prefix(req.input_ids[: req.input_len - 1])
 
     def lock(self, handle: CacheHandle) -> None:

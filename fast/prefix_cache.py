@@ -36,10 +36,10 @@ class NaivePrefixCache:
         self._empty_handle = CacheHandle(0, None, self.device)
         self._empty = torch.empty(0, dtype=torch.int32, device=self.device)
 
-    def match_prefix(self, input_ids: torch.Tensor) -> MatchResult:
+    def match_prefix(self, input_ids: torch.Tensor) -> MatchResult[CacheHandle]:
         return MatchResult(self._empty_handle)
 
-    def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
+    def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult[CacheHandle]:
         return InsertResult(0, self._empty_handle)
 
     def lock_handle(self, handle: CacheHandle, unlock: bool = False) -> None:

@@ -82,6 +82,7 @@ class RadixPrefixCache:
 
     def _split(self, node: RadixNode, pos: int) -> RadixNode:
         parent = node.parent
+        assert parent is not None  # the root is never split
         del parent.children[tuple(node.key[: self.page_size])]
         head = self._new_node(node.key[:pos], node.value[:pos].clone(), parent)
         head.ref_count = node.ref_count
@@ -110,11 +111,11 @@ class RadixPrefixCache:
         return node, matched
 
     # -- the prefix-cache interface -----------------------------------------------------------
-    def match_prefix(self, input_ids: torch.Tensor) -> MatchResult:
+    def match_prefix(self, input_ids: torch.Tensor) -> MatchResult[CacheHandle]:
         node, matched = self._walk(input_ids.tolist())
         return MatchResult(CacheHandle(matched, node, self.device))
 
-    def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
+    def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult[CacheHandle]:
         length = len(input_ids) - len(input_ids) % self.page_size
         ids = input_ids[:length].tolist()
         node, matched = self._walk(ids)
@@ -188,6 +189,8 @@ class RadixPrefixCache:
         live_leaves = set()
         for node in self.nodes():
             where = f"radix node {node.id}"
+            if node.parent is None:
+                raise RuntimeError(f"integrity: {where} has no parent")
             if node.length == 0 or node.length % ps or node.value.numel() != node.length:
                 raise RuntimeError(
                     f"integrity: {where} has key length {node.length}, value length {node.value.numel()}"

@@ -9,10 +9,11 @@ Hypothesis setting of the importing process.
 from __future__ import annotations
 
 import os
+from typing import Any, Dict
 
 from hypothesis import settings
 
-PROFILES = {
+PROFILES: Dict[str, Dict[str, Any]] = {
     # derandomized (Hypothesis then keeps no example database); failures are kept as traces
     "ci": dict(derandomize=True, max_examples=1500, stateful_step_count=60, deadline=None, print_blob=True),
     "deep": dict(max_examples=5000, stateful_step_count=120, deadline=None),

@@ -7,7 +7,7 @@ handed out (from the front; frees append at the back). The page table stores tok
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Sequence, Tuple
 
 from .events import note
 from .pages import div_ceil
@@ -57,7 +57,7 @@ class CacheManager:
         allocated, self.free_slots = self.free_slots[:needed_pages], self.free_slots[needed_pages:]
         return allocated
 
-    def needed_size(self, reqs: Sequence[Req]) -> int:
+    def needed_size(self, reqs: Iterable[Req]) -> int:
         """Tokens of whole pages `allocate_paged(reqs)` would take."""
         ps = self.page_size
         return ps * sum(div_ceil(r.device_len, ps) - div_ceil(r.cached_len, ps) for r in reqs)
@@ -98,7 +98,7 @@ class CacheManager:
             self._lazy = None
 
     # -- prefix cache -------------------------------------------------------------------------
-    def match_req(self, req: PendingReq) -> MatchResult:
+    def match_req(self, req: PendingReq) -> MatchResult[CacheHandle]:
         # At least one prompt token must be computed to get logits: stop before the last one.
         return self.prefix_cache.match_prefix(req.input_ids[: req.input_len - 1])
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, NamedTuple
+from typing import Any, Generic, List, NamedTuple, TypeVar
 
 
 class SizeInfo(NamedTuple):
@@ -31,13 +31,17 @@ class CacheHandle:
         return indices
 
 
-class MatchResult(NamedTuple):
-    cuda_handle: CacheHandle
+# the handle type: this module's CacheHandle, or fast's (which holds tensors)
+H = TypeVar("H")
 
 
-class InsertResult(NamedTuple):
+class MatchResult(NamedTuple, Generic[H]):
+    cuda_handle: H
+
+
+class InsertResult(NamedTuple, Generic[H]):
     cached_len: int  # how much of the inserted prefix the cache already had
-    handle: CacheHandle  # the inserted prefix, page-aligned
+    handle: H  # the inserted prefix, page-aligned
 
 
 class NaivePrefixCache:
@@ -47,10 +51,10 @@ class NaivePrefixCache:
         self.page_size = page_size
         self._empty = CacheHandle(0)
 
-    def match_prefix(self, input_ids: List[int]) -> MatchResult:
+    def match_prefix(self, input_ids: List[int]) -> MatchResult[CacheHandle]:
         return MatchResult(self._empty)
 
-    def insert_prefix(self, input_ids: List[int], indices: List[int]) -> InsertResult:
+    def insert_prefix(self, input_ids: List[int], indices: List[int]) -> InsertResult[CacheHandle]:
         return InsertResult(0, self._empty)
 
     def lock_handle(self, handle: CacheHandle, unlock: bool = False) -> None:

@@ -88,11 +88,11 @@ class RadixPrefixCache:
                 break
         return node, matched
 
-    def match_prefix(self, input_ids: List[int]) -> MatchResult:
+    def match_prefix(self, input_ids: List[int]) -> MatchResult[CacheHandle]:
         node, matched = self._walk(list(input_ids))
         return MatchResult(CacheHandle(matched, node))
 
-    def insert_prefix(self, input_ids: List[int], indices: List[int]) -> InsertResult:
+    def insert_prefix(self, input_ids: List[int], indices: List[int]) -> InsertResult[CacheHandle]:
         length = align_down(len(input_ids), self.page_size)
         ids, locs = list(input_ids[:length]), list(indices[:length])
         node, matched = self._walk(ids)
@@ -132,6 +132,7 @@ class RadixPrefixCache:
             victim = min(leaves, key=lambda n: (n.last_access, n.id))
             if evicted:
                 note("radix: one eviction takes several leaves")
+            assert victim.parent is not None  # a leaf, never the root
             if victim.parent is not self.root and len(victim.parent.children) == 1 and victim.parent.ref_count == 0:
                 note("radix: eviction makes the parent an evictable leaf")
             del victim.parent.children[self._edge(victim.key)]
@@ -158,6 +159,8 @@ class RadixPrefixCache:
         evictable = protected = 0
         for node in self.nodes():
             where = f"radix node {node.id}"
+            if node.parent is None:
+                raise RuntimeError(f"integrity: {where} has no parent")
             if node.length == 0 or node.length % self.page_size or len(node.value) != node.length:
                 raise RuntimeError(f"integrity: {where} has key length {node.length}, value length {len(node.value)}")
             if node.parent.children.get(self._edge(node.key)) is not node:

@@ -8,9 +8,15 @@ by uid (what the scheduler's `finish` and `abort` need).
 
 from __future__ import annotations
 
-from typing import Dict, Generic, Iterator, List, Optional, TypeVar
+from typing import Dict, Generic, Iterator, List, Optional, Protocol, TypeVar
 
-R = TypeVar("R")
+
+class HasUid(Protocol):
+    @property
+    def uid(self) -> int: ...
+
+
+R = TypeVar("R", bound=HasUid)
 
 
 class RunningReqs(Generic[R]):
@@ -19,10 +25,10 @@ class RunningReqs(Generic[R]):
 
     def add(self, req: R) -> None:
         """Add `req` at the end, unless it is already running (it keeps its place)."""
-        self._by_uid.setdefault(req.uid, req)  # type: ignore[attr-defined]
+        self._by_uid.setdefault(req.uid, req)
 
     def discard(self, req: R) -> None:
-        self._by_uid.pop(req.uid, None)  # type: ignore[attr-defined]
+        self._by_uid.pop(req.uid, None)
 
     def get(self, uid: int) -> Optional[R]:
         return self._by_uid.get(uid)

@@ -219,7 +219,8 @@ def _check_request(sched: Any, req: Any) -> None:
 
 
 def _check_no_oom(sched: Any, live: List[Any], nodes: List[Any]) -> None:
-    ps, pool = sched.page_size, sched.num_pages * sched.page_size
+    ps: int = sched.page_size
+    pool = sched.num_pages * ps
 
     def worst(held: int, max_device_len: int) -> int:
         # KV is written for every position but the last sampled token's

@@ -10,7 +10,7 @@ right after the operation, not the live one.
 
 from __future__ import annotations
 
-from typing import Dict, Protocol, Union
+from typing import Any, Dict, Protocol, Union
 
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvariantViolation
 from kvledger.engine.ledger.ops import OpRecord
@@ -31,7 +31,7 @@ class FrozenState:
         if self.error is not None:
             raise self.error
 
-    def snapshot(self) -> Dict:
+    def snapshot(self) -> Dict[str, Any]:
         return self._snapshot
 
 

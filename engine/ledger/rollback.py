@@ -47,9 +47,9 @@ class Checkpoint:
             elif isinstance(x, list):
                 x[:] = [back(v) for v in y]
             elif isinstance(x, set):
-                values = {back(v) for v in y}
+                members = {back(v) for v in y}
                 x.clear()
-                x.update(values)
+                x.update(members)
             elif isinstance(x, deque):
                 values = [back(v) for v in y]
                 x.clear()
@@ -60,7 +60,8 @@ class Checkpoint:
                 state = {k: back(v) for k, v in vars(y).items()}
                 vars(x).clear()
                 vars(x).update(state)
-            for slot in _slots(type(x)):
+            cls: type = type(x)
+            for slot in _slots(cls):
                 if hasattr(y, slot):
                     object.__setattr__(x, slot, back(getattr(y, slot)))
                 elif hasattr(x, slot):

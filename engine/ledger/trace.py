@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Tuple
+from typing import Any, Dict, Iterable, List, Tuple
 
 from kvledger.engine.ledger.ops import KINDS
 from kvledger.reference.admission_policy import AdmissionPolicy
@@ -70,7 +70,7 @@ class Header:
     def policy(self) -> AdmissionPolicy:
         return AdmissionPolicy(self.admission, self.reserve_ratio)
 
-    def cache_scheduler_args(self) -> Dict:
+    def cache_scheduler_args(self) -> Dict[str, Any]:
         return {
             "num_pages": self.num_pages,
             "page_size": self.page_size,
@@ -81,17 +81,17 @@ class Header:
         }
 
 
-def dumps(header: Header, ops: Iterable[Dict]) -> str:
+def dumps(header: Header, ops: Iterable[Dict[str, Any]]) -> str:
     head = {"kvledger_trace": VERSION, **{k: v for k, v in asdict(header).items() if k != "kvledger_trace"}}
     return "\n".join(json.dumps(x, separators=(", ", ": ")) for x in [head, *ops]) + "\n"
 
 
-def write(path: str | Path, header: Header, ops: Iterable[Dict]) -> None:
+def write(path: str | Path, header: Header, ops: Iterable[Dict[str, Any]]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(dumps(header, ops))
 
 
-def loads(text: str, source: str = "<trace>") -> Tuple[Header, List[Dict]]:
+def loads(text: str, source: str = "<trace>") -> Tuple[Header, List[Dict[str, Any]]]:
     lines = [(i + 1, line) for i, line in enumerate(text.splitlines()) if line.strip()]
     if not lines:
         raise TraceError(f"{source}: empty trace (no header line)")
@@ -120,5 +120,5 @@ def loads(text: str, source: str = "<trace>") -> Tuple[Header, List[Dict]]:
     return header, records[1:]
 
 
-def read(path: str | Path) -> Tuple[Header, List[Dict]]:
+def read(path: str | Path) -> Tuple[Header, List[Dict[str, Any]]]:
     return loads(Path(path).read_text(), str(path))

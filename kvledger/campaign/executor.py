@@ -21,6 +21,7 @@ import signal
 import time
 from collections import deque
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import SpawnContext
 from typing import Callable, Deque, List, Optional, Protocol, Sequence, Tuple
 
 from kvledger.campaign.task import MAX_ATTEMPTS, Outcome, Task
@@ -61,7 +62,7 @@ def _worker_main(conn: Connection) -> None:
 
 
 class _Worker:
-    def __init__(self, ctx: mp.context.BaseContext) -> None:
+    def __init__(self, ctx: SpawnContext) -> None:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True)
         self.process.start()
@@ -101,9 +102,10 @@ class LocalExecutor:
             raise
 
     def _wait_and_collect(self, queue: Deque[Tuple[Task, int]], on_outcome: OnOutcome) -> None:
-        busy = [w for w in self._pool if w.task is not None]
+        running = [(w, w.task) for w in self._pool if w.task is not None]
+        busy = [w for w, _ in running]
         now = time.monotonic()
-        timeout = min([POLL_S] + [max(0.0, started + t.time_limit - now) for t, started, _ in (w.task for w in busy)])
+        timeout = min([POLL_S] + [max(0.0, started + t.time_limit - now) for _, (t, started, _) in running])
         wait([w.conn for w in busy] + [w.process.sentinel for w in busy], timeout=timeout)
         for i, w in enumerate(self._pool):
             if w.task is None:
