@@ -4,7 +4,7 @@ its tokens."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set
 
 from kvledger import fast
@@ -88,9 +88,9 @@ class TokenEvent:
 class Delivery:
     """One step's delivered tokens, and what the engine does about them."""
 
-    events: List[TokenEvent] = field(default_factory=list)
-    stopped_late: List[int] = field(default_factory=list)  # greedy requests whose token stops them (overlap)
-    ended: List[int] = field(default_factory=list)  # requests whose last token this is: the engine drops them
+    events: List[TokenEvent]
+    stopped_late: List[int]  # greedy requests whose token stops them, unseen by the bookkeeping (overlap)
+    ended: List[int]  # requests whose last token this is: the engine drops them
 
 
 class Requests:
@@ -173,8 +173,10 @@ class Requests:
     ) -> Delivery:
         """The step's tokens as events, one per live row; which of them stopped late (a stop
         token the bookkeeping did not see) and which requests ended."""
-        out = Delivery()
-        events, records = out.events, self._records
+        events: List[TokenEvent] = []
+        stopped_late: List[int] = []
+        ended: List[int] = []
+        records = self._records
         for i, t in zip(sampled, values):
             uid = reqs[i].uid
             rec = records.get(uid)
@@ -184,11 +186,11 @@ class Requests:
             rec.finishing = None
             if t in rec.stop_ids:
                 if reason is None:  # its step's bookkeeping ran before the value was known
-                    out.stopped_late.append(uid)
+                    stopped_late.append(uid)
                     reason = "stop"
                 elif reason == "length":  # its last token is a stop token, as without overlap
                     reason = "stop"
             events.append(TokenEvent(uid, t, reason is not None, reason, failed.get(uid), rec.cached_tokens or 0))
             if reason is not None:
-                out.ended.append(uid)
-        return out
+                ended.append(uid)
+        return Delivery(events, stopped_late, ended)
