@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import threading
-from typing import Callable, Generic, Sequence, Tuple, TypeVar
+from typing import Callable, Generic, Optional, Sequence, Tuple, TypeVar
 
 from kvledger.properties.subject import SubjectUnavailable
 
@@ -16,7 +16,8 @@ T = TypeVar("T")
 class InstalledPackage(Generic[T]):
     def __init__(self, dist: str, pinned: str, modules: Sequence[str], install: str, load: Callable[[], T]) -> None:
         self.dist, self.pinned, self.modules, self.install = dist, pinned, tuple(modules), install
-        self._load, self._loaded, self._lock = load, None, threading.Lock()
+        self._load, self._lock = load, threading.Lock()
+        self._loaded: Optional[T] = None
 
     def probe(self) -> Tuple[bool, str, str]:
         """(installed, version, detail), from package metadata and module specs: nothing imported."""

@@ -73,10 +73,10 @@ def checkout(name: str, path: str | None, commit: str | None = None) -> Path:
     naming where it looked when there is none."""
     spec = SPEC_NAMES.get(name, name)
     if path:
-        found = Path(path).expanduser()
-        if not found.exists():
+        given = Path(path).expanduser()
+        if not given.exists():
             raise SubjectUnavailable(f"{spec}:{path}: no such checkout or snapshot")
-        return unpack(found)
+        return unpack(given)
     found = peer_path(name, commit)
     if found is None:
         where = ", ".join(str(d) for d in search_dirs())

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import types
 from pathlib import Path
-from typing import Any, Iterator, Tuple
+from typing import Any, Dict, Iterator, Tuple
 
 from kvledger.subjects.installed import InstalledPackage
 
@@ -94,7 +94,7 @@ def _torchvision_stand_in() -> Iterator[None]:
             )
 
     names = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional")
-    stand_ins = {}
+    stand_ins: Dict[str, Any] = {}
     for name in names:
         module = types.ModuleType(name, "kvledger's stand-in: sglang's cache imports it, never uses it")
         module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=name != names[-1])

@@ -217,7 +217,9 @@ def _base(rng: random.Random, t: Target, path: str) -> Dict[str, Any]:
 
 
 def _messages(rng: random.Random) -> List[Dict[str, Any]]:
-    out = [{"role": rng.choice(["system", "developer"]), "content": rng.choice(TEXTS)}] if rng.random() < 0.4 else []
+    out: List[Dict[str, Any]] = (
+        [{"role": rng.choice(["system", "developer"]), "content": rng.choice(TEXTS)}] if rng.random() < 0.4 else []
+    )
     out.append({"role": "user", "content": rng.choice(TEXTS)})
     if rng.random() < 0.2:
         out += [{"role": "assistant", "content": rng.choice(TEXTS)}, {"role": "user", "content": rng.choice(TEXTS)}]
@@ -416,7 +418,7 @@ def _content_type(rng: random.Random, t: Target) -> Case:
 
 def _authorization(rng: random.Random, t: Target) -> Case:
     key = t.api_key or "key"
-    values = {
+    values: Dict[str, str | None] = {
         "missing": None,
         "wrong": "Bearer wrong-key",
         "lowercase_scheme": f"bearer {key}",
@@ -434,11 +436,12 @@ def _authorization(rng: random.Random, t: Target) -> Case:
         "nul": "Bearer \x01",
     }
     kind = rng.choice(sorted(values) + ["duplicate"])
-    auth = (
-        (("Authorization", "Bearer wrong"), ("Authorization", f"Bearer {key}"))
-        if kind == "duplicate"
-        else ((("Authorization", values[kind]),) if values[kind] is not None else ())
-    )
+    auth: Headers
+    if kind == "duplicate":
+        auth = (("Authorization", "Bearer wrong"), ("Authorization", f"Bearer {key}"))
+    else:
+        value = values[kind]
+        auth = (("Authorization", value),) if value is not None else ()
     path = rng.choice([COMPLETIONS, CHAT, "/v1/models", "/debug/integrity", f"/v1/models/{t.model}"])
     if path not in (COMPLETIONS, CHAT):
         return Case(f"auth.{kind}", "GET", path, auth)
