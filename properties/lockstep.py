@@ -2,30 +2,37 @@
 
 After each operation: the operation's result (batch, admission decision, evicted pages, match),
 then the full observable state (page -> owner, free-list order, live rows, lengths,
-available_size, cache sizes, table slots, queues), then the invariants on each side (`engine/ledger/invariants.py`)
-(`kvledger.engine.ledger.divergence.compare`). The first difference raises `Divergence` with the step,
-the operation and what differed.
+available_size, cache sizes, table slots, queues), then the invariants on each side
+(`engine/ledger/invariants.py`, through `kvledger.engine.ledger.divergence.compare`). The first
+difference raises a `Finding` with the step, the operation and what differed.
 """
 
 from __future__ import annotations
 
+import copy
+from types import ModuleType
 from typing import Any, Dict, List
 
 from kvledger import fast, reference
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvalidOp, InvariantViolation
-from kvledger.engine.ledger.divergence import Divergence, compare
+from kvledger.engine.ledger.divergence import compare
+from kvledger.engine.ledger.finding import Finding
+from kvledger.engine.ledger.ops import OpResult
 from kvledger.engine.ledger.trace import Header
+
+__all__ = ["Finding", "InvalidOp", "Lockstep", "replay"]
 
 
 class Lockstep:
-    def __init__(self, header: Header, device: str = "cpu", fast_impl: Any = fast) -> None:
+    def __init__(self, header: Header, device: str = "cpu", fast_impl: ModuleType = fast) -> None:
         self.header = header
         self.ref = CacheScheduler(reference, **header.cache_scheduler_args())
         self.fast = CacheScheduler(fast_impl, device=device, **header.cache_scheduler_args())
-        self.ops: List[Dict] = []
+        self.ops: List[Dict[str, Any]] = []
         self.step = 0
 
-    def apply(self, op: Dict) -> Dict:
+    def apply(self, op: Dict[str, Any]) -> OpResult:
+        """Apply one trace line to both sides; the first difference raises a Finding."""
         self.step += 1
         # Recorded before either side runs it: whichever side fails (the reference too, on an
         # invariant only the model checks), the saved trace ends with the failing operation.
@@ -37,26 +44,45 @@ class Lockstep:
             self.ops.pop()
             raise
         except InvariantViolation as e:
-            raise Divergence(self.step, op, f"reference-invariant:{e.invariant}", str(e)) from e
+            raise self._finding(op, f"reference-invariant:{e.invariant}", str(e)) from e
         except Exception as e:  # the model itself crashed: as much a failure to keep as fast's
-            raise Divergence(self.step, op, f"reference-raised:{type(e).__name__}", str(e)) from e
+            raise self._finding(op, f"reference-raised:{type(e).__name__}", str(e)) from e
         try:
             fast_result = self.fast.apply(op)
         except InvariantViolation as e:
-            raise Divergence(self.step, op, f"invariant:{e.invariant}", str(e)) from e
+            raise self._finding(op, f"invariant:{e.invariant}", str(e)) from e
         except Exception as e:  # anything fast raises where the model did not
-            raise Divergence(self.step, op, f"fast-raised:{type(e).__name__}", str(e)) from e
+            raise self._finding(op, f"fast-raised:{type(e).__name__}", str(e)) from e
         if result != fast_result:
-            raise Divergence(self.step, op, f"result:{op['op']}", f"reference {result} vs fast {fast_result}")
+            raise self._finding(op, f"result:{op['op']}", f"reference {_shown(result)} vs fast {_shown(fast_result)}")
         expect = op.get("expect")
-        if expect is not None and {k: result.get(k) for k in expect} != expect:
-            raise Divergence(self.step, op, f"expect:{op['op']}", f"recorded {expect}, replayed {result}")
+        if expect is not None and not result.matches(expect):
+            raise self._finding(op, f"expect:{op['op']}", f"recorded {expect}, replayed {_shown(result)}")
         compare(self.ref, self.fast, self.step, op)
         return result
 
+    def copy(self) -> Lockstep:
+        """An independent copy of both sides: everything but the implementation modules, the
+        header and the operations so far (never mutated: a shallow copy of the list will do)."""
+        memo = {id(fast): fast, id(reference): reference, id(self.header): self.header, id(self.ops): list(self.ops)}
+        for impl in (self.ref.impl, self.fast.impl):
+            memo[id(impl)] = impl
+        return copy.deepcopy(self, memo)
 
-def replay(header: Header, ops: List[Dict], device: str = "cpu") -> Lockstep:
-    """Replay a trace; raises Divergence or InvalidOp (with `.step` set) at the first problem."""
+    def _finding(self, op: Dict[str, Any], kind: str, message: str) -> Finding:
+        return Finding(kind, message, step=self.step, op=op)
+
+
+def _shown(result: OpResult) -> Dict[str, Any]:
+    """A result as a message shows it: the fields the operation produced, as a trace writes them."""
+    return {k: v for k, v in result.seen(_FIELDS).items() if v is not None}
+
+
+_FIELDS = tuple(OpResult.__dataclass_fields__)
+
+
+def replay(header: Header, ops: List[Dict[str, Any]], device: str = "cpu") -> Lockstep:
+    """Replay a trace; raises a Finding or InvalidOp (with `.step` set) at the first problem."""
     lock = Lockstep(header, device)
     for op in ops:
         try:

@@ -39,9 +39,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvledger.engine.ledger import trace
-from kvledger.engine.ledger.divergence import _state_diff
-from kvledger.engine.ledger.ops import InvalidOp
-from kvledger.properties.lockstep import Divergence, Lockstep
+from kvledger.engine.ledger.divergence import state_diff
+from kvledger.engine.ledger.finding import Finding
+from kvledger.engine.ledger.ops import InvalidOp, OpResult
+from kvledger.properties.lockstep import Lockstep
 from kvledger.reference import events
 from kvledger.reference.pages import div_ceil, tokens_to_finish
 
@@ -250,18 +251,18 @@ class LockstepMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         events.set_listener(None)
 
-    def _do(self, op: Dict) -> Dict:
+    def _do(self, op: Dict) -> OpResult:
         try:
             result = self.lock.apply(op)
-        except Divergence:
+        except Finding:
             self._save()
             raise
         if op["op"] in ("prefill", "decode"):
             if not self.optimistic:
-                self._check("preempted" not in result, f"a reserve {op['op']} result names preemptions: {result}")
-            elif result["preempted"]:
-                self.preempted_seen += len(result["preempted"])
-                if not result["batch"]:
+                self._check(result.preempted is None, f"a reserve {op['op']} result names preemptions: {result}")
+            elif result.preempted:
+                self.preempted_seen += len(result.preempted)
+                if not result.batch:
                     note("driver: every request of a step preempted")
         return result
 
@@ -314,11 +315,11 @@ class LockstepMachine(RuleBasedStateMachine):
     @rule(budget=BUDGETS, sample=SAMPLE)
     def prefill(self, budget: int, sample: List[int]) -> None:
         result = self._do({"op": "prefill", "budget": budget, "sample": sample})
-        if self.rejected & set(result["batch"]):
+        if self.rejected & set(result.batch or ()):
             note("driver: rejected request admitted later")
-        if result["rejected"] is not None:
-            self.rejected.add(result["rejected"])
-        if len(result["batch"]) > 1:
+        if result.refused is not None:
+            self.rejected.add(result.refused)
+        if len(result.batch or ()) > 1:
             note("driver: several requests prefill together")
 
     @precondition(lambda self: self.ref.dm.runnable)
@@ -338,7 +339,7 @@ class LockstepMachine(RuleBasedStateMachine):
         for _ in range(steps):
             if not self.ref.dm.runnable:
                 return False
-            if self._do({"op": "decode", "sample": sample})["preempted"]:
+            if self._do({"op": "decode", "sample": sample}).preempted:
                 return True
         return False
 
@@ -392,9 +393,9 @@ class LockstepMachine(RuleBasedStateMachine):
         older ones), so freeing one victim is often too little: a step preempts several."""
         for suffix, max_tokens in arrivals:
             self.submit(family, keep, suffix, max_tokens)
-            if self._do({"op": "prefill", "budget": 1024, "sample": sample})["preempted"]:
+            if self._do({"op": "prefill", "budget": 1024, "sample": sample}).preempted:
                 return
-            if self.ref.dm.runnable and self._do({"op": "decode", "sample": sample})["preempted"]:
+            if self.ref.dm.runnable and self._do({"op": "decode", "sample": sample}).preempted:
                 return
         self._grow(sample, steps)
 
@@ -516,7 +517,7 @@ class LockstepMachine(RuleBasedStateMachine):
         cached is not hot: the loop stops there."""
         tokens = self.families[family % len(self.families)][:keep]
         for _ in range(times):
-            if not self._do({"op": "probe", "tokens": tokens})["cached_len"]:
+            if not self._do({"op": "probe", "tokens": tokens}).cached_len:
                 break
 
     @precondition(lambda self: self.optimistic and not self.drained and (self.ref.waiting or self.ref.live))
@@ -543,7 +544,7 @@ class LockstepMachine(RuleBasedStateMachine):
             if ref.waiting:
                 result = self._do({"op": "prefill", "budget": budget, "sample": sample})
                 ops += 1
-                if result["batch"] or result["preempted"]:
+                if result.batch or result.preempted:
                     continue
             self._check(
                 ref.dm.runnable,
@@ -563,7 +564,7 @@ class LockstepMachine(RuleBasedStateMachine):
             return
         ref, fst = self.lock.ref.snapshot(), self.lock.fast.snapshot()
         ref["runnable"], fst["runnable"] = self.lock.ref.dm.runnable, self.lock.fast.dm.runnable
-        diff = _state_diff(ref, fst)
+        diff = state_diff(ref, fst)
         self._check(diff is None, f"reference and fast differ: {diff}")
 
     @invariant()

@@ -43,6 +43,12 @@ class SubjectUnavailable(RuntimeError):
     """The subject cannot be built here: the message names what is missing and how to install it."""
 
 
+class DriverMismatch(RuntimeError):
+    """An adapter was asked for something its subject's own scheduler would never do at this point
+    (a range it would not schedule, a call out of order): a protocol error between the driver and
+    the adapter, not a bug of the subject. The driver reports it as `subject-raised:DriverMismatch`."""
+
+
 @dataclass(frozen=True)
 class SubjectConfig:
     """The pool a subject is built with: every subject gets the same shape for one trace."""

@@ -15,8 +15,9 @@ When an allocation finds no room, a subject that preempts gives up its newest li
 victim waits again at the head of the queue) and the allocation is retried; for a subject that
 promises worst-case admission it is a finding (3-no-oom).
 
-Every finding is a `Finding`: an invariant the judge (`properties/subject_judge.py`) or the driver
-found broken, or `subject-raised:X`, an exception out of the subject, with its traceback.
+Every finding is a `Finding` (`engine/ledger/finding.py`): an invariant the judge
+(`properties/subject_judge.py`) or the driver found broken, or `subject-raised:X`, an exception
+out of the subject, with its traceback.
 """
 
 from __future__ import annotations
@@ -28,23 +29,26 @@ import threading
 import traceback
 from typing import Any, Callable, Dict, Iterator, List, Sequence, Set, Union
 
+from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.invariants import InvariantViolation, check_queue_order
-from kvledger.engine.ledger.ops import Abort, CacheOp, Decode, Evict, Finish, InvalidOp, Prefill, Probe, Submit, parse
+from kvledger.engine.ledger.ops import (
+    Abort,
+    CacheOp,
+    Decode,
+    Evict,
+    Finish,
+    InvalidOp,
+    OpResult,
+    Prefill,
+    Probe,
+    Submit,
+    parse,
+)
 from kvledger.properties.subject import Capabilities, Subject, SubjectConfig, SubjectUnavailable, View
 from kvledger.properties.subject_judge import Ledger, judge
 from kvledger.reference.pages import div_ceil
 
 __all__ = ["Finding", "SubjectDriver", "InvalidOp"]
-
-
-class Finding(AssertionError):
-    """A bug found in the subject: `kind` is an invariant's name or `subject-raised:<exception>`."""
-
-    def __init__(self, kind: str, message: str, detail: str = "") -> None:
-        super().__init__(f"[{kind}] {message}")
-        self.kind = kind
-        self.message = message
-        self.detail = detail  # the subject's traceback, for subject-raised
 
 
 # the rare states every subject's generator must reach (kvledger check reports the first sequence)
@@ -123,6 +127,7 @@ class SubjectDriver:
         self.admissions = 0
         self.preempted: Set[int] = set()
         self.preempted_this_step = False
+        self.victims: List[int] = []  # preempted in this step, in order
         self.on_event = on_event or (lambda name: None)
         self.ops = 0
 
@@ -148,7 +153,7 @@ class SubjectDriver:
         return self._call("view", self.subject.view)
 
     # -- operations ------------------------------------------------------------------------------
-    def apply(self, op: Union[Dict[str, Any], CacheOp]) -> Dict:
+    def apply(self, op: Union[Dict[str, Any], CacheOp]) -> OpResult:
         if isinstance(op, dict):
             op = parse(op)
         result = self._dispatch(op)
@@ -157,7 +162,7 @@ class SubjectDriver:
             self.judge()
         return result
 
-    def _dispatch(self, op: CacheOp) -> Dict:
+    def _dispatch(self, op: CacheOp) -> OpResult:
         if isinstance(op, Submit):
             return self.submit(op.uid, op.tokens, op.max_tokens)
         if isinstance(op, Prefill):
@@ -188,7 +193,7 @@ class SubjectDriver:
         if not self.live and not self.waiting and self.ops and self.known:
             self.on_event("driver: idle after work")
 
-    def submit(self, uid: int, tokens: Sequence[int], max_tokens: int) -> Dict:
+    def submit(self, uid: int, tokens: Sequence[int], max_tokens: int) -> OpResult:
         if uid in self.known:
             raise InvalidOp(f"submit: uid {uid} was already submitted")
         if not tokens or max_tokens < 1:
@@ -207,9 +212,9 @@ class SubjectDriver:
         self.ledger.prompt_len[uid] = len(tokens)
         self.max_tokens[uid] = max_tokens
         self.waiting.append(uid)
-        return {}
+        return OpResult()
 
-    def prefill(self, budget: int, sample: Sequence[int] = (), stop: Sequence[int] = ()) -> Dict:
+    def prefill(self, budget: int, sample: Sequence[int] = (), stop: Sequence[int] = ()) -> OpResult:
         if budget < 1:
             raise InvalidOp(f"prefill: budget must be >= 1, got {budget}")
         if len(set(stop)) < len(stop) or set(stop) - set(self.waiting):
@@ -217,6 +222,7 @@ class SubjectDriver:
         batch: List[tuple[int, int, int]] = []  # (uid, start, end)
         left, refused = budget, None
         self.preempted_this_step = False
+        self.victims = []
         for uid in list(self.waiting):
             if left <= 0:
                 break
@@ -242,12 +248,13 @@ class SubjectDriver:
                 break
         batch = [(u, a, b) for u, a, b in batch if u in self.live]  # a later allocation preempted it
         self._complete(batch, sample, stop, prefill=True)
-        return {"batch": [u for u, _, _ in batch], "refused": refused}
+        return OpResult(batch=tuple(u for u, _, _ in batch), refused=refused, preempted=self._victims())
 
-    def decode(self, sample: Sequence[int] = (), stop: Sequence[int] = ()) -> Dict:
+    def decode(self, sample: Sequence[int] = (), stop: Sequence[int] = ()) -> OpResult:
         if len(set(stop)) < len(stop) or set(stop) - set(self.running):
             raise InvalidOp(f"decode: stop {list(stop)} must name running uids, each once")
         batch: List[tuple[int, int, int]] = []
+        self.victims = []
         for uid in list(self.running):
             if uid not in self.running:  # preempted by an earlier request's allocation
                 continue
@@ -256,24 +263,24 @@ class SubjectDriver:
                 batch.append((uid, n - 1, n))
         batch = [(u, a, b) for u, a, b in batch if u in self.running]
         self._complete(batch, sample, stop, prefill=False)
-        return {"batch": [u for u, _, _ in batch]}
+        return OpResult(batch=tuple(u for u, _, _ in batch), preempted=self._victims())
 
-    def finish(self, uid: int) -> Dict:
+    def finish(self, uid: int) -> OpResult:
         if uid not in self.running:
             raise InvalidOp(f"finish: uid {uid} is not running")
         self._end(uid)
-        return {}
+        return OpResult()
 
-    def abort(self, uid: int) -> Dict:
+    def abort(self, uid: int) -> OpResult:
         if uid not in self.waiting and uid not in self.running:
             raise InvalidOp(f"abort: uid {uid} is neither waiting nor running")
         if uid in self.waiting and uid in self.live:
             self.on_event("abort: mid-prefill")
         self._call("abort", self.subject.abort, uid)
         self._forget(uid)
-        return {}
+        return OpResult()
 
-    def evict(self, tokens: int) -> Dict:
+    def evict(self, tokens: int) -> OpResult:
         if not self.caps.explicit_evict:
             raise InvalidOp(f"evict: {self.subject.name} has no explicit eviction")
         if tokens < 0:
@@ -281,7 +288,7 @@ class SubjectDriver:
         evictable = sum(len(e.locations) for e in self.view().cached if not e.lock)
         if tokens > evictable:
             raise InvalidOp(f"evict: {tokens} tokens asked, {evictable} evictable")
-        return {"evicted": self._call("evict", self.subject.evict, tokens)}
+        return OpResult(evicted_tokens=self._call("evict", self.subject.evict, tokens))
 
     # -- the parts of a step -----------------------------------------------------------------------
     def _needs(self, uid: int) -> int:
@@ -364,8 +371,12 @@ class SubjectDriver:
             if victim == uid:
                 return False
 
+    def _victims(self) -> tuple[int, ...] | None:
+        return tuple(self.victims) if self.caps.preempts else None
+
     def _preempt(self, uid: int) -> None:
         self.on_event("preempt: a running request preempted")
+        self.victims.append(uid)
         self._call("preempt", self.subject.preempt, uid)
         self.live.discard(uid)
         self.ledger.computed.pop(uid, None)

@@ -18,9 +18,10 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from kvledger.engine.ledger.ops import InvalidOp
+from kvledger.engine.ledger.finding import Finding
+from kvledger.engine.ledger.ops import InvalidOp, OpResult
 from kvledger.properties.subject import Subject, SubjectConfig
-from kvledger.properties.subject_driver import Finding, SubjectDriver
+from kvledger.properties.subject_driver import SubjectDriver
 from kvledger.properties.subject_workload import ALPHABET, drain_op
 
 SUBJECT_EXAMPLES = {"ci": 300, "deep": 3000, "dev": 30}  # examples per profile in judge mode
@@ -72,11 +73,11 @@ def machine_for(
 
             self.driver = SubjectDriver(factory(self.config), self.config, on_event=note)
 
-        def _apply(self, op: Dict[str, Any]) -> Dict:
+        def _apply(self, op: Dict[str, Any]) -> OpResult:
             try:
                 out = self.driver.apply(op)
             except InvalidOp:
-                return {}
+                return OpResult()
             except Finding as f:
                 self.ops.append(op)
                 self.failed = True
@@ -142,7 +143,7 @@ def machine_for(
                 if op is None:
                     break
                 out = self._apply(op)
-                stalled = stalled + 1 if op["op"] == "prefill" and not out.get("batch") else 0
+                stalled = stalled + 1 if op["op"] == "prefill" and not out.batch else 0
 
     SubjectMachine.__name__ = "SubjectMachine"
     return SubjectMachine

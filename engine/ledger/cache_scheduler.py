@@ -17,10 +17,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, Dict, List, Sequence, Union
+from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
 
 from kvledger.engine.ledger.invariants import InvariantViolation, KVProvenance, check_queue_order, judge, tolist
-from kvledger.engine.ledger.ops import Abort, CacheOp, Decode, Evict, Finish, InvalidOp, Prefill, Probe, Submit, parse
+from kvledger.engine.ledger.ops import (
+    Abort,
+    CacheOp,
+    Decode,
+    Evict,
+    Finish,
+    InvalidOp,
+    OpResult,
+    Prefill,
+    Probe,
+    Submit,
+    parse,
+)
 from kvledger.engine.ledger.rollback import Checkpoint
 from kvledger.reference.admission_policy import RESERVE, AdmissionPolicy, ObservedOutputRatio
 from kvledger.reference.events import note
@@ -93,7 +105,7 @@ class CacheScheduler:
         return isinstance(req, self.impl.ChunkedReq)
 
     # -- operations ---------------------------------------------------------------------------
-    def submit(self, uid: int, tokens: Sequence[int], max_tokens: int) -> Dict:
+    def submit(self, uid: int, tokens: Sequence[int], max_tokens: int) -> OpResult:
         if uid in self.known or (self.increasing_uids and self.last_uid is not None and uid <= self.last_uid):
             raise InvalidOp(
                 f"submit: uid {uid} was already submitted"
@@ -120,9 +132,9 @@ class CacheScheduler:
         if self.observed_ratio is not None:
             self._prompt_len[uid] = len(tokens)
         self.waiting.append(pending)
-        return {}
+        return OpResult()
 
-    def prefill(self, budget: int, sample: Sequence[int] = (), stop: Sequence[int] = ()) -> Dict:
+    def prefill(self, budget: int, sample: Sequence[int] = (), stop: Sequence[int] = ()) -> OpResult:
         self._check_stop_op([p.uid for p in self.waiting], stop, "are not waiting")
         # Whether a waiting request named in `stop` samples (admitted whole, not turned away or
         # left mid-chunk) is known only once admission has locked, split, stamped and taken table
@@ -135,14 +147,14 @@ class CacheScheduler:
             checkpoint.restore()
             raise
         batch, preempted = self._run(batch, sample, stop, is_prefill=True)
-        return {"batch": [r.uid for r in batch], "rejected": rejected, **self._preempted_result(preempted)}
+        return OpResult(batch=_uids(batch), refused=rejected, preempted=self._preempted_result(preempted))
 
-    def decode(self, sample: Sequence[int] = (), stop: Sequence[int] = ()) -> Dict:
+    def decode(self, sample: Sequence[int] = (), stop: Sequence[int] = ()) -> OpResult:
         batch = list(self.dm.running_reqs)
         # before allocating or preempting: a bad stop takes no page
         self._check_stop_op(self._sampling(batch), stop, "are not running")
         batch, preempted = self._run(batch, sample, stop, is_prefill=False)
-        return {"batch": [r.uid for r in batch], **self._preempted_result(preempted)}
+        return OpResult(batch=_uids(batch), preempted=self._preempted_result(preempted))
 
     def _checkpoint(self) -> Checkpoint:
         # Left out: what is not state, and what admission does not write but for rows of the
@@ -151,8 +163,8 @@ class CacheScheduler:
             self, keep=(self.impl, self.after_forward, self.page_table, self.tm.token_pool, self.provenance)
         )
 
-    def _preempted_result(self, preempted: List[int]) -> Dict:
-        return {"preempted": preempted} if self.policy.preempts else {}
+    def _preempted_result(self, preempted: List[int]) -> Tuple[int, ...] | None:
+        return tuple(preempted) if self.policy.preempts else None
 
     def admit(self, budget: int) -> tuple[List[Any], int | None]:
         """Admit from the head of the queue within `budget` tokens until one does not fit.
@@ -196,16 +208,16 @@ class CacheScheduler:
         if req.cached_len > 0:
             note("preempt: re-prefill hits the prefix cache")
 
-    def finish(self, uid: int) -> Dict:
+    def finish(self, uid: int) -> OpResult:
         req = self.dm.running_reqs.get(uid)
         if req is None:
             raise InvalidOp(f"finish: uid {uid} is not running")
         with self.cm.lazy_free_region():
             self.dm.remove_req(req)
             self._release(req)
-        return {}
+        return OpResult()
 
-    def abort(self, uid: int) -> Dict:
+    def abort(self, uid: int) -> OpResult:
         for i, pending in enumerate(self.waiting):
             if pending.uid == uid:
                 del self.waiting[i]
@@ -217,36 +229,36 @@ class CacheScheduler:
                 self.submitted.pop(uid, None)
                 self._arrival.pop(uid, None)
                 self._admitted_at.pop(uid, None)
-                return {"where": "waiting"}
+                return OpResult(where="waiting")
         req = self.dm.running_reqs.get(uid)
         if req is None:
             raise InvalidOp(f"abort: uid {uid} is neither waiting nor running")
         self.dm.remove_req(req)
         self._release(req)
-        return {"where": "running"}
+        return OpResult(where="running")
 
-    def evict(self, tokens: int) -> Dict:
+    def evict(self, tokens: int) -> OpResult:
         evictable = self.cm.prefix_cache.size_info.evictable_size
         if not 0 <= tokens <= evictable:
             raise InvalidOp(f"evict: {tokens} tokens asked, {evictable} evictable")
         evicted = self.cm.prefix_cache.evict(tokens)
         self.cm._free(evicted)
-        return {"evicted": tolist(evicted)}
+        return OpResult(evicted=tuple(tolist(evicted)))
 
-    def probe(self, tokens: Sequence[int]) -> Dict:
+    def probe(self, tokens: Sequence[int]) -> OpResult:
         pending = self.impl.PendingReq(-1, list(tokens) + [0], self.impl.SamplingParams(max_tokens=1))
         handle = self.cm.match_req(pending).cuda_handle
         self.cm.lock(handle)
         locked_available = self.cm.available_size
         self.cm.unlock(handle)
-        return {
-            "cached_len": handle.cached_len,
-            "indices": tolist(handle.get_matched_indices()),
-            "locked_available": locked_available,
-        }
+        return OpResult(
+            cached_len=handle.cached_len,
+            indices=tuple(tolist(handle.get_matched_indices())),
+            locked_available=locked_available,
+        )
 
-    def apply(self, op: Union[Dict[str, Any], CacheOp]) -> Dict:
-        """Apply one operation, typed or as its trace line (checked by `cache_ops.parse`)."""
+    def apply(self, op: Union[Dict[str, Any], CacheOp]) -> OpResult:
+        """Apply one operation, typed or as its trace line (checked by `ops.parse`)."""
         if isinstance(op, dict):
             op = parse(op)
         if isinstance(op, Submit):
@@ -480,6 +492,10 @@ class CacheScheduler:
         free = len(self.cm.free_slots)
         cached = div_ceil(size.total_size, ps)
         return PageStats(self.num_pages, free, cached, self.num_pages - free - cached, size.protected_size)
+
+
+def _uids(batch: List[Any]) -> Tuple[int, ...]:
+    return tuple(r.uid for r in batch)
 
 
 @dataclass(frozen=True)

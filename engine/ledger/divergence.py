@@ -1,32 +1,26 @@
 """Comparing two cache-side states operation by operation: the invariants on each side, then the
-whole observable state side by side. The first difference raises `Divergence` naming the step, the
+whole observable state side by side. The first difference raises a `Finding` naming the step, the
 operation and what differed. `--verify` (the shadow verifier) and the lockstep harness both use it."""
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Any, Dict, List, Tuple
 
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvariantViolation
+from kvledger.engine.ledger.finding import Finding
+
+__all__ = ["Finding", "compare", "state_diff"]
 
 
-class Divergence(AssertionError):
-    def __init__(self, step: int, op: Dict, kind: str, detail: str) -> None:
-        super().__init__(f"step {step}, op {op}: {kind}: {detail}")
-        self.step, self.op, self.kind, self.detail = step, op, kind, detail
-
-    @property
-    def fingerprint(self) -> str:
-        return self.kind
-
-
-def _owner_diff(ref: List, fst: List, limit: int = 8) -> str:
+def _owner_diff(ref: List[Any], fst: List[Any], limit: int = 8) -> str:
     ref_d, fst_d = dict(ref), dict(fst)
     pages = [p for p in sorted(set(ref_d) | set(fst_d)) if ref_d.get(p) != fst_d.get(p)]
     shown = ", ".join(f"loc {p}: reference {ref_d.get(p)} vs fast {fst_d.get(p)}" for p in pages[:limit])
     return f"{len(pages)} pages differ: {shown}"
 
 
-def _state_diff(ref: Dict, fst: Dict) -> tuple[str, str] | None:
+def state_diff(ref: Dict[str, Any], fst: Dict[str, Any]) -> Tuple[str, str] | None:
+    """The first field of two snapshots that differs, as (name, what differed); None if none."""
     for key in ref:
         if ref[key] != fst[key]:
             if key == "owners":
@@ -35,14 +29,14 @@ def _state_diff(ref: Dict, fst: Dict) -> tuple[str, str] | None:
     return None
 
 
-def compare(ref: CacheScheduler, fst: CacheScheduler, step: int, op: Dict) -> None:
+def compare(ref: CacheScheduler, fst: CacheScheduler, step: int, op: Dict[str, Any]) -> None:
     """Invariants on each side, then the whole observable state side by side."""
     for name, ledger in (("reference", ref), ("fast", fst)):
         try:
             ledger.check()
         except InvariantViolation as e:
             prefix = "reference-invariant" if name == "reference" else "invariant"
-            raise Divergence(step, op, f"{prefix}:{e.invariant}", str(e)) from e
-    diff = _state_diff(ref.snapshot(), fst.snapshot())
+            raise Finding(f"{prefix}:{e.invariant}", str(e), step=step, op=op) from e
+    diff = state_diff(ref.snapshot(), fst.snapshot())
     if diff is not None:
-        raise Divergence(step, op, f"state:{diff[0]}", diff[1])
+        raise Finding(f"state:{diff[0]}", diff[1], step=step, op=op)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import MISSING, dataclass, fields
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 
 class InvalidOp(ValueError):
@@ -102,6 +102,50 @@ class Expect:
         if self.preempted is not None:
             seen["preempted"] = list(self.preempted)
         return seen
+
+
+@dataclass(frozen=True)
+class OpResult:
+    """What an operation did, as a driver (the cache scheduler, the subject driver) returns it.
+    A field an operation does not produce is None.
+
+    batch       prefill, decode: the uids that ran, in batch order
+    refused     prefill: the uid turned away at admission (the walk of the queue ends there)
+    preempted   prefill, decode: the uids preempted to make room, in order; None where the
+                admission policy never preempts
+    where       abort: "waiting" or "running" (the cache scheduler)
+    evicted     evict: the KV locations freed (the cache scheduler)
+    evicted_tokens  evict: the tokens a subject says it evicted
+    cached_len, indices, locked_available  probe: the match's length and locations, and
+                available_size while it is locked
+    """
+
+    batch: Optional[Tuple[int, ...]] = None
+    refused: Optional[int] = None
+    preempted: Optional[Tuple[int, ...]] = None
+    where: Optional[str] = None
+    evicted: Optional[Tuple[int, ...]] = None
+    evicted_tokens: Optional[int] = None
+    cached_len: Optional[int] = None
+    indices: Optional[Tuple[int, ...]] = None
+    locked_available: Optional[int] = None
+
+    def seen(self, keys: Iterable[str]) -> Dict[str, Any]:
+        """The fields a trace's `expect` names, as the trace line writes them (lists, None).
+        Older traces name the refused uid "rejected" (the file format keeps that name)."""
+        names = {f.name for f in fields(self)}
+        out = {}
+        for key in keys:
+            name = _EXPECT_ALIASES.get(key, key)
+            out[key] = _plain(getattr(self, name)) if name in names else None
+        return out
+
+    def matches(self, expect: Dict[str, Any]) -> bool:
+        """Whether this result is what a trace line's `expect` recorded."""
+        return self.seen(expect) == expect
+
+
+_EXPECT_ALIASES = {"rejected": "refused"}
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ def fuzz_shard(
     import torch
 
     from kvledger.checker.fuzz import OP_LIMIT_S, OpTimeout, case_seed, limited_steps, make_case, walk
-    from kvledger.properties.lockstep import Divergence, Lockstep
+    from kvledger.properties.lockstep import Finding, Lockstep
     from kvledger.reference import events
     from kvledger.subjects.fast_zoo import patched
 
@@ -72,8 +72,8 @@ def fuzz_shard(
                         "kind": "hang",
                         "detail": f"operation {len(lock.ops)} ({last}) ran past {OP_LIMIT_S:g} s",
                     }
-                except Divergence as e:
-                    finding = {"kind": e.kind, "detail": e.detail, "step": e.step}
+                except Finding as e:
+                    finding = {"kind": e.kind, "detail": e.message, "step": e.step}
                 except Exception:  # noqa: BLE001 (a crash of the code under test is a finding)
                     import traceback
 

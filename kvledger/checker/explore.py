@@ -18,7 +18,7 @@ the one kept was reached in as few operations or fewer). A divergence is written
 trace (`trace.write`, producer "kvledger explore") that `kvledger replay` and `kvledger show` read.
 
 Two ways to reach a successor: `copy` (deepcopy the parent's Lockstep, apply one operation: the
-minimizer's `_copy`) and `replay` (a fresh Lockstep, the whole path replayed from the empty state:
+`Lockstep.copy`) and `replay` (a fresh Lockstep, the whole path replayed from the empty state:
 what any subject supports). Subjects (`--subject SPEC`) are driven through the SubjectDriver in
 judge mode (the judge after every operation); their key is the driver's bookkeeping and the
 subject's View, see `explore_state.subject_key`. A subject's crash is a finding with a trace.
@@ -36,40 +36,32 @@ import resource
 import sys
 import time
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-from kvledger import fast, reference
 from kvledger.checker.explore_scope import Scope
 from kvledger.checker.explore_state import lockstep_key, subject_key
 from kvledger.engine.ledger import trace
-from kvledger.engine.ledger.ops import InvalidOp
+from kvledger.engine.ledger.finding import Finding
+from kvledger.engine.ledger.ops import InvalidOp, OpResult
 from kvledger.engine.ledger.trace import Header
-from kvledger.properties.lockstep import Divergence, Lockstep
+from kvledger.properties.lockstep import Lockstep
 
 log = logging.getLogger(__name__)
 PATHS = ("copy", "replay")
 Op = Dict[str, Any]
 
 
-@dataclass(frozen=True)
-class Found:
-    """A transition that failed: the divergence (or subject finding) kind and its message."""
-
-    kind: str
-    detail: str
-
-
-Outcome = Union[Any, Found]  # a successor state, or what went wrong
+Outcome = Union[Any, Finding]  # a successor state, or what went wrong
 
 
 @dataclass
-class Finding:
+class Counterexample:
     """The shortest counterexample of one kind: its operations (the last one fails)."""
 
     kind: str
-    detail: str
+    message: str
     depth: int
     ops: List[Op]
     trace_path: Optional[Path] = None
@@ -93,7 +85,7 @@ class ExploreResult:
     start_rss_mb: float = 0.0
     keys: int = 0
     per_depth: List[int] = field(default_factory=list)  # new states at each depth
-    findings: List[Finding] = field(default_factory=list)
+    findings: List[Counterexample] = field(default_factory=list)
 
     @property
     def states_per_s(self) -> float:
@@ -195,7 +187,7 @@ class LockstepBackend:
     def successors(
         self, lock: Lockstep, path: Sequence[Op], consume: bool = False
     ) -> Iterator[Tuple[Op, Optional[Outcome]]]:
-        """(op, successor or Found) for each op enabled at `lock`; None for an op refused as invalid.
+        """(op, successor or Finding) for each op enabled at `lock`; None for an op refused as invalid.
         consume: the caller is done with `lock`, so the last operation is applied to it, not to a
         copy (on the copy path a state has about two successors: this saves a third of the copies,
         which are most of the search's time)."""
@@ -204,7 +196,7 @@ class LockstepBackend:
         for i, op in enumerate(ops):
             if self.path == "copy":
                 last = consume and i == len(ops) - 1
-                child = spare if spare is not None else lock if last else _copy(lock)
+                child = spare if spare is not None else lock if last else lock.copy()
             else:
                 child = self.rebuild(path)
             spare = None
@@ -215,20 +207,13 @@ class LockstepBackend:
                 spare = child if self.path == "copy" else None
                 yield op, None
                 continue
-            except Divergence as e:
-                yield op, Found(e.kind, e.detail)
+            except Finding as e:
+                yield op, e
                 continue
             yield op, child
 
     def header_for_trace(self) -> Header:
         return self.scope.header()
-
-
-def _copy(lock: Lockstep) -> Lockstep:
-    # everything but the implementation modules (as the minimizer's checkpoints copy), the header
-    # and the operations so far (never mutated: a shallow copy of the list will do)
-    memo = {id(fast): fast, id(reference): reference, id(lock.header): lock.header, id(lock.ops): list(lock.ops)}
-    return copy.deepcopy(lock, memo)
 
 
 class SubjectBackend:
@@ -254,17 +239,16 @@ class SubjectBackend:
         self.version = "unknown"
 
     def _fresh(self) -> Any:
-        from kvledger.properties.subject_driver import Finding as SubjectFinding
         from kvledger.properties.subject_driver import SubjectDriver
 
         try:
             subject = self.factory(self.config)
-        except SubjectFinding:
+        except Finding:
             raise
         except Exception as e:
             if type(e).__name__ == "SubjectUnavailable":
                 raise
-            raise SubjectFinding(f"subject-raised:{type(e).__name__}", f"building the subject: {e}") from e
+            raise Finding(f"subject-raised:{type(e).__name__}", f"building the subject: {e}") from e
         self.version = getattr(subject, "version", "unknown")
         return SubjectDriver(subject, self.config)
 
@@ -308,8 +292,6 @@ class SubjectBackend:
         self, driver: Any, path: Sequence[Op], consume: bool = False
     ) -> Iterator[Tuple[Op, Optional[Outcome]]]:
         """As LockstepBackend.successors (a subject's driver is always copied or rebuilt)."""
-        from kvledger.properties.subject_driver import Finding as SubjectFinding
-
         for op in self.ops(driver):
             try:
                 child = copy.deepcopy(driver) if self.path == "copy" else self.rebuild(path)
@@ -317,8 +299,8 @@ class SubjectBackend:
             except InvalidOp:
                 yield op, None
                 continue
-            except SubjectFinding as f:
-                yield op, Found(f.kind, f.message)
+            except Finding as f:
+                yield op, f
                 continue
             yield op, child
 
@@ -400,7 +382,7 @@ def search(
     result.start_rss_mb = _rss_mb()
     seen: set = set()
     tree = _Tree()
-    found: Dict[str, Finding] = {}
+    found: Dict[str, Counterexample] = {}
     bar = _bar(progress, f"explore {scope.name}")
     stop: Optional[str] = None
     frontier: List[Tuple[int, Any]] = []
@@ -409,7 +391,7 @@ def search(
         try:
             root = backend.root()
         except AssertionError as e:  # a subject that fails as it is built: a finding at depth 0
-            found[getattr(e, "kind", "subject-raised")] = Finding(
+            found[getattr(e, "kind", "subject-raised")] = Counterexample(
                 getattr(e, "kind", "subject-raised"), getattr(e, "message", str(e)), 0, []
             )
             root, stop = None, "finding"
@@ -432,9 +414,9 @@ def search(
                     if outcome is None:
                         continue
                     result.transitions += 1
-                    if isinstance(outcome, Found):
+                    if isinstance(outcome, Finding):
                         if outcome.kind not in found:
-                            found[outcome.kind] = Finding(outcome.kind, outcome.detail, depth + 1, path + [op])
+                            found[outcome.kind] = Counterexample(outcome.kind, outcome.message, depth + 1, path + [op])
                             log.info("found %s in %d operations", outcome.kind, depth + 1)
                         if not all_kinds:
                             stop = "finding"
@@ -445,7 +427,7 @@ def search(
                             key = backend.key(outcome)
                         except Exception as e:  # a state too broken to read: a finding of its own
                             kind = f"key-raised:{type(e).__name__}"
-                            found.setdefault(kind, Finding(kind, str(e), depth + 1, path + [op]))
+                            found.setdefault(kind, Counterexample(kind, str(e), depth + 1, path + [op]))
                             if not all_kinds:
                                 stop = "finding"
                                 break
@@ -551,7 +533,7 @@ def format_result(result: ExploreResult) -> str:
     if not r.findings:
         lines.append("no divergence" + (" in the whole scope" if r.exhausted else " up to the cut"))
     for f in r.findings:
-        lines.append(f"DIVERGENCE {f.kind}: shortest counterexample {f.depth} operations: {f.detail[:300]}")
+        lines.append(f"DIVERGENCE {f.kind}: shortest counterexample {f.depth} operations: {f.message[:300]}")
         for op in f.ops:
             lines.append(f"    {op}")
         if f.trace_path is not None:
@@ -573,14 +555,17 @@ ProgressFn = Callable[[str], None]
 
 
 # -- auditing the canonicalization --------------------------------------------------------------------
-def _renamed(value: Any, uids: Dict[int, Any], locs: Callable[[Sequence[int]], Tuple]) -> Any:
+def _renamed(result: OpResult, uids: Dict[int, Any], locs: Callable[[Sequence[int]], Tuple]) -> Any:
     """An operation's result with its uids and KV locations renamed (see `audit_merges`)."""
     out = {}
-    for k, v in sorted(value.items()):
+    produced = {f.name: getattr(result, f.name) for f in fields(result)}
+    for k, v in sorted(produced.items()):
+        if v is None:
+            continue  # a field the operation did not produce
         if k in ("batch", "preempted"):
             out[k] = tuple(uids.get(u, ("uid", u)) for u in v)
-        elif k == "rejected":
-            out[k] = None if v is None else uids.get(v, ("uid", v))
+        elif k == "refused":
+            out[k] = uids.get(v, ("uid", v))
         elif k in ("evicted", "indices"):
             out[k] = locs(v)
         else:
@@ -597,13 +582,13 @@ def observe(scope: Scope, lock: Lockstep, lookahead: int) -> Tuple:
     names = _Names(lock.ref, True)
     out: List[Tuple] = []
     for op in lockstep_ops(scope, lock):
-        child = _copy(lock)
+        child = lock.copy()
         try:
             result = child.apply(op)
         except InvalidOp:
             out.append(("invalid",))
             continue
-        except Divergence as e:
+        except Finding as e:
             out.append(("diverged", e.kind))
             continue
         uids = dict(names.uid)
@@ -639,7 +624,7 @@ def audit_merges(scope: Scope, *, bug: Optional[str] = None, lookahead: int = 2,
             nxt = []
             for lock, path in frontier:
                 for op, outcome in backend.successors(lock, path):
-                    if outcome is None or isinstance(outcome, Found):
+                    if outcome is None or isinstance(outcome, Finding):
                         continue
                     key = backend.key(outcome)
                     if key not in kept:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler
+from kvledger.engine.ledger.ops import OpResult
 from kvledger.engine.ledger.trace import Header
 
 log = logging.getLogger(__name__)
@@ -216,17 +217,17 @@ class Walker:
             return {"op": "evict", "tokens": tokens}
         return {"op": "probe", "tokens": self._tokens(case.max_prompt)}
 
-    def observe(self, op: Dict, result: Dict, ref: CacheScheduler) -> None:
+    def observe(self, op: Dict, result: OpResult, ref: CacheScheduler) -> None:
         if op["op"] == "prefill":
-            if self.rejected & set(result["batch"]):
+            if self.rejected & set(result.batch or ()):
                 self.note("driver: rejected request admitted later")
-            if result["rejected"] is not None:
-                self.rejected.add(result["rejected"])
-            if len(result["batch"]) > 1:
+            if result.refused is not None:
+                self.rejected.add(result.refused)
+            if len(result.batch or ()) > 1:
                 self.note("driver: several requests prefill together")
-        if result.get("preempted"):
+        if result.preempted:
             self.note(f"fuzz: preemption in a {op['op']} step")
-            if not result["batch"]:
+            if not result.batch:
                 self.note("driver: every request of a step preempted")
         if not ref.live and not ref.waiting and len(ref.known) > 0:
             self.note("driver: idle")
@@ -245,7 +246,7 @@ def walk(
     admission: Optional[str] = None,
 ) -> Iterator[None]:
     """Run case `seed` on `lock` (a Lockstep built from make_case(seed, admission).header), one
-    operation per iteration, for the case's length (or `length`); Divergence propagates."""
+    operation per iteration, for the case's length (or `length`); a Finding propagates."""
     case = make_case(seed, admission)
     walker = Walker(case, random.Random(seed + 1), note)
     for _ in range(length or case.length):
@@ -262,7 +263,7 @@ def case_trace(
     """Case `case` of worker `worker` under `seed` (and `admission`, if forced), run here (apply a
     bug with zoo.patched around it): the trace up to its end, `max_ops` (which may also lengthen
     the case), or its divergence (included)."""
-    from kvledger.properties.lockstep import Divergence, Lockstep
+    from kvledger.properties.lockstep import Finding, Lockstep
 
     cseed = case_seed(seed, worker, case)
     lock = Lockstep(make_case(cseed, admission).header)
@@ -272,7 +273,7 @@ def case_trace(
         ):
             if max_ops is not None and n >= max_ops:
                 break
-    except Divergence:
+    except Finding:
         pass
     return lock.header, list(lock.ops)
 
@@ -356,7 +357,7 @@ def _worker(
     import torch
 
     torch.set_num_threads(1)  # tiny tensors; workers share the cores
-    from kvledger.properties.lockstep import Divergence, Lockstep
+    from kvledger.properties.lockstep import Finding, Lockstep
     from kvledger.reference import events
     from kvledger.subjects.fast_zoo import patched
 
@@ -398,11 +399,11 @@ def _worker(
                 detail = f"operation {len(lock.ops)} ({lock.ops[-1].get('op')}) ran past {op_limit:g} s"
                 out.put(WorkerFailure("hang", index, number, asdict(lock.header), list(lock.ops), detail))
                 return
-            except Divergence as e:
+            except Finding as e:
                 flush(force=True)
                 out.put(
                     WorkerFailure(
-                        "divergence", index, number, asdict(lock.header), list(lock.ops), e.detail, e.kind, e.step
+                        "divergence", index, number, asdict(lock.header), list(lock.ops), e.message, e.kind, e.step
                     )
                 )
                 return

@@ -1,7 +1,7 @@
 """`kvledger minimize`: structure-aware delta debugging of a failing trace.
 
-The fingerprint is the kind of the Divergence the original trace raises ("state:owner",
-"invariant:3-no-oom", ...). A candidate counts only if replaying it raises a Divergence of the
+The fingerprint is the kind of the Finding the original trace raises ("state:owner",
+"invariant:3-no-oom", ...). A candidate counts only if replaying it raises a Finding of the
 same kind. Passes, repeated until none makes progress (or the time budget runs out):
 
   pool       fewer pages and table slots (binary search; a smaller pool often fails sooner)
@@ -25,7 +25,6 @@ single operation can be removed, repaired or not.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import logging
 import sys
@@ -33,10 +32,9 @@ import time
 from dataclasses import replace
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
-from kvledger import fast, reference
 from kvledger.engine.ledger.cache_scheduler import InvalidOp
 from kvledger.engine.ledger.trace import Header, dumps
-from kvledger.properties.lockstep import Divergence, Lockstep, replay
+from kvledger.properties.lockstep import Finding, Lockstep, replay
 
 _log = logging.getLogger(__name__)  # `log` is the minimizer's callback
 
@@ -55,11 +53,11 @@ class _OutOfTime(Exception):
 
 
 def fingerprint_of(header: Header, ops: Ops) -> Tuple[str, int]:
-    """Replay strictly; return the Divergence's (kind, step). Raises MinimizeError if the trace
+    """Replay strictly; return the Finding's (kind, step). Raises MinimizeError if the trace
     passes or is invalid."""
     try:
         replay(header, ops)
-    except Divergence as e:
+    except Finding as e:
         return e.kind, e.step
     except InvalidOp as e:
         raise MinimizeError(f"the trace is invalid at operation {getattr(e, 'step', '?')}: {e}") from None
@@ -97,18 +95,13 @@ def _continue(lock: Lockstep, ops: Ops, on_step: Callable[[Lockstep], None] | No
             if op.get("stop"):
                 return None, []
             continue
-        except Divergence as e:
+        except Finding as e:
             return e.kind, list(lock.ops)
         except Exception:  # the reference itself crashed: not the failure we are after
             return None, []
         if on_step is not None:
             on_step(lock)
     return None, list(lock.ops)
-
-
-def _copy(lock: Lockstep) -> Lockstep:
-    # everything but the implementation modules themselves
-    return copy.deepcopy(lock, {id(fast): fast, id(reference): reference})
 
 
 class _Checkpoints:
@@ -124,7 +117,7 @@ class _Checkpoints:
 
     def record(self, lock: Lockstep) -> None:
         if len(lock.ops) % self.every == 0:
-            self.saved.append((len(lock.ops), _copy(lock)))
+            self.saved.append((len(lock.ops), lock.copy()))
 
     def resume(self, limit: int) -> Optional[Tuple[int, Lockstep]]:
         """A fresh copy of the latest checkpoint at or before operation `limit`."""
@@ -132,7 +125,7 @@ class _Checkpoints:
         for n, lock in self.saved:
             if n <= limit:
                 best = (n, lock)
-        return None if best is None else (best[0], _copy(best[1]))
+        return None if best is None else (best[0], best[1].copy())
 
 
 def _common_prefix(a: Ops, b: Ops) -> int:

@@ -6,7 +6,7 @@ import sys
 
 from kvledger.engine.ledger.cache_scheduler import InvalidOp
 from kvledger.engine.ledger.trace import TraceError, read
-from kvledger.properties.lockstep import Divergence, replay
+from kvledger.properties.lockstep import Finding, replay
 
 
 def replay_file(path: str, device: str = "cpu", bug: str | None = None) -> int:
@@ -28,10 +28,10 @@ def replay_file(path: str, device: str = "cpu", bug: str | None = None) -> int:
     except InvalidOp as e:
         print(f"kvledger replay: {path}: operation {e.step} is invalid at that point: {e}", file=sys.stderr)
         return 2
-    except Divergence as e:
-        print(f"DIVERGED at step {e.step} ({e.op.get('op')}): {e.kind}")
+    except Finding as e:
+        print(f"DIVERGED at step {e.step} ({(e.op or {}).get('op')}): {e.kind}")
         print(f"  operation: {e.op}")
-        print(f"  {e.detail}")
+        print(f"  {e.message}")
         return 1
     ref = lock.ref
     admission = header.admission + (f" (reserve_ratio {header.reserve_ratio})" if ref.policy.preempts else "")

@@ -17,7 +17,7 @@ import numpy as np
 
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvalidOp, InvariantViolation
 from kvledger.engine.ledger.trace import Header
-from kvledger.properties.lockstep import Divergence, Lockstep
+from kvledger.properties.lockstep import Finding, Lockstep
 
 FREE, CACHED, LOCKED, CONFLICT = 0, 1, 2, 3  # request uids take codes from FIRST_UID on
 FIRST_UID = 4
@@ -45,19 +45,19 @@ def _page_codes(ledger: CacheScheduler, uid_code: Dict[int, int]) -> np.ndarray:
     return row
 
 
-def ownership_matrix(header: Header, ops: List[Dict]) -> Tuple[np.ndarray, Dict[int, int], Optional[Divergence], int]:
+def ownership_matrix(header: Header, ops: List[Dict]) -> Tuple[np.ndarray, Dict[int, int], Optional[Finding], int]:
     """Page codes after each step (row 0 is the initial state), the uid -> code map, the first
     divergence (None if none) and the number of steps the reference applied."""
     lock = Lockstep(header)
     uid_code: Dict[int, int] = {}
     rows = [_page_codes(lock.ref, uid_code)]
-    divergence: Optional[Divergence] = None
+    divergence: Optional[Finding] = None
     for i, op in enumerate(ops):
         try:
             if divergence is None:
                 try:
                     lock.apply(op)
-                except Divergence as e:
+                except Finding as e:
                     divergence = e
             else:
                 lock.ref.apply(op)  # the fast side is broken now: follow the model alone
@@ -78,7 +78,7 @@ def _uid_colour(i: int) -> Tuple[float, float, float]:
     return colorsys.hls_to_rgb(hue, lightness, 0.75)
 
 
-def render(header: Header, ops: List[Dict], out: str | Path, title: str | None = None) -> Optional[Divergence]:
+def render(header: Header, ops: List[Dict], out: str | Path, title: str | None = None) -> Optional[Finding]:
     """Draw the trace's page ownership to `out` (PNG); returns the first divergence, if any."""
     import matplotlib
 

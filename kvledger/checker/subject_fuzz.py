@@ -78,7 +78,7 @@ def run_case(
         ops.append(op)
         if op["op"] == "submit":
             uid += 1
-        stalled = stalled + 1 if op["op"] == "prefill" and not out.get("batch") else 0
+        stalled = stalled + 1 if op["op"] == "prefill" and not out.batch else 0
     return result
 
 

@@ -39,12 +39,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Dict, Hashable, Iterable, List, Sequence, Tuple
 
-from kvledger.properties.subject import CachedEntry, Capabilities, SubjectConfig, View
+from kvledger.properties.subject import CachedEntry, Capabilities, DriverMismatch, SubjectConfig, View
 from kvledger.subjects.edits import EditError, SourceEdit, bind
-
-
-class DriverMismatch(ValueError):
-    """A driver call that does not fit the request's own lengths: the driver's error, not the subject's."""
 
 
 @dataclass(frozen=True)

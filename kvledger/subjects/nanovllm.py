@@ -27,7 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Hashable, List, Sequence, Set, Tuple
 
-from kvledger.properties.subject import CachedEntry, Capabilities, SubjectConfig, SubjectUnavailable, View
+from kvledger.properties.subject import (
+    CachedEntry,
+    Capabilities,
+    DriverMismatch,
+    SubjectConfig,
+    SubjectUnavailable,
+    View,
+)
 from kvledger.subjects.edits import EditError, SourceEdit, bind, edited_function
 from kvledger.subjects.peers import checkout, commit_of
 
@@ -50,11 +57,6 @@ _FILES: Tuple[Tuple[str, str], ...] = (  # (nano-vllm's module name, file), in i
     (SEQUENCE, "nanovllm/engine/sequence.py"),
     (BLOCK_MANAGER, "nanovllm/engine/block_manager.py"),
 )
-
-
-class DriverMismatch(RuntimeError):
-    """The driver asked for a range nano-vllm's scheduler would never schedule at this point
-    (a protocol error between the driver and this adapter, not a bug of nano-vllm)."""
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ import types
 from array import array
 from typing import Any, Callable, Dict, Hashable, List, Sequence, Tuple
 
-from kvledger.properties.subject import CachedEntry, Capabilities, SubjectConfig, View
+from kvledger.properties.subject import CachedEntry, Capabilities, DriverMismatch, SubjectConfig, View
 from kvledger.subjects.edits import EditError, SourceEdit, bind, edited_function
 from kvledger.subjects.sglang_import import ALLOCATION, COMMON, PACKAGE, VERSION, SglangNames
 from kvledger.subjects.sglang_scheduler import SchedulerState, SglangRequest
@@ -68,11 +68,6 @@ FUNCTIONS: Tuple[str, ...] = (
     f"{ALLOCATION}:alloc_for_extend",
     f"{ALLOCATION}:alloc_for_decode",
 )
-
-
-class DriverMismatch(RuntimeError):
-    """The driver asked for a range SGLang's scheduler would never schedule at this point (a
-    protocol error between the driver and this adapter, not a bug of SGLang)."""
 
 
 def load() -> SglangNames:

@@ -30,7 +30,7 @@ import importlib.util
 import logging
 from typing import Any, Dict, Hashable, List, Sequence, Tuple
 
-from kvledger.properties.subject import CachedEntry, Capabilities, SubjectConfig, View
+from kvledger.properties.subject import CachedEntry, Capabilities, DriverMismatch, SubjectConfig, View
 from kvledger.subjects.edits import EditError, SourceEdit, bind
 from kvledger.subjects.installed import InstalledPackage
 
@@ -83,11 +83,6 @@ BLOCK_POOL = "vllm.v1.core.block_pool"
 SINGLE_TYPE = "vllm.v1.core.single_type_kv_cache_manager"
 KV_CACHE_UTILS = "vllm.v1.core.kv_cache_utils"
 GROUP_ID = 0  # the one KV cache group; vLLM appends it to every hash it files
-
-
-class DriverMismatch(RuntimeError):
-    """The driver asked for a range vLLM's scheduler would never schedule at this point (a
-    protocol error between the driver and this adapter, not a bug of vLLM)."""
 
 
 class _Vllm:

@@ -7,7 +7,7 @@ import pytest
 
 from kvledger.checker.fuzz import PAGE_SIZES, RESERVE_RATIOS, case_seed, case_trace, format_summary, fuzz, make_case
 from kvledger.engine.ledger.trace import read
-from kvledger.properties.lockstep import Divergence, replay
+from kvledger.properties.lockstep import Finding, replay
 from kvledger.reference.pages import tokens_to_finish
 from kvledger.subjects.fast_zoo import patched
 
@@ -51,7 +51,7 @@ def test_fuzz_catches_a_zoo_bug_and_writes_a_minimized_trace(tmp_path):
     with patched(BUG):
         try:
             replay(header, ops)
-        except Divergence as e:
+        except Finding as e:
             assert e.kind == failure.kind == failure.minimized_kind
         else:
             raise AssertionError("the minimized trace does not diverge")

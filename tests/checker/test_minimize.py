@@ -8,7 +8,7 @@ import pytest
 from kvledger.checker.minimize import MinimizeError, main_minimize, minimize
 from kvledger.engine.ledger.cache_scheduler import InvalidOp
 from kvledger.engine.ledger.trace import Header, read, write
-from kvledger.properties.lockstep import Divergence, Lockstep, replay
+from kvledger.properties.lockstep import Finding, Lockstep, replay
 from kvledger.subjects.fast_zoo import patched
 
 BUG = "no-remap-on-duplicate"
@@ -55,7 +55,7 @@ def _long_failing_trace(n_ops: int = 1000, seed: int = 7) -> tuple:
 def _kind(header, ops):
     try:
         replay(header, ops)
-    except Divergence as e:
+    except Finding as e:
         return e.kind
     except InvalidOp:
         return "invalid"

@@ -16,7 +16,7 @@ import pytest
 from kvledger import fast
 from kvledger.checker.audit.zoo_run import ZooRow, format_table
 from kvledger.engine.ledger import trace
-from kvledger.properties.lockstep import Divergence, replay
+from kvledger.properties.lockstep import Finding, replay
 from kvledger.subjects.fast_zoo import BUGS, Bug, ZooEditError, patched
 from tests.support.paths import ROOT, ZOO_TRACES
 
@@ -33,7 +33,7 @@ def test_every_bug_has_a_trace_and_every_trace_a_bug():
 def test_bug_is_caught_by_its_trace(name):
     header, ops = trace.read(TRACES / f"{name}.jsonl")
     with patched(name):
-        with pytest.raises(Divergence):
+        with pytest.raises(Finding):
             replay(header, ops)
     replay(header, ops)  # without the bug the same operations agree with the model
 

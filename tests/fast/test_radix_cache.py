@@ -120,7 +120,7 @@ def test_prefix_matching_compares_token_ids_by_value():
     lock.apply({"op": "submit", "uid": 0, "tokens": big, "max_tokens": 1})
     lock.apply({"op": "prefill", "budget": 64})
     probe = lock.apply({"op": "probe", "tokens": [50000, 50001, 7]})
-    assert probe["cached_len"] == 2
+    assert probe.cached_len == 2
     lock.apply({"op": "submit", "uid": 1, "tokens": [50000, 50001, 50002, 9, 9], "max_tokens": 1})
     lock.apply({"op": "prefill", "budget": 64})
     assert lock.fast.cm.prefix_cache.size_info.evictable_size == 6
@@ -134,12 +134,12 @@ def test_prefixes_longer_than_256_tokens_match_whole():
     prompt = [t % 7 for t in range(300)]
     lock.apply({"op": "submit", "uid": 0, "tokens": prompt, "max_tokens": 1})
     lock.apply({"op": "prefill", "budget": 1024})  # 300 tokens cached in one node
-    assert lock.apply({"op": "probe", "tokens": prompt})["cached_len"] == 300
+    assert lock.apply({"op": "probe", "tokens": prompt}).cached_len == 300
     lock.apply({"op": "submit", "uid": 1, "tokens": prompt + [1, 2, 3], "max_tokens": 1})
     lock.apply({"op": "prefill", "budget": 1024})
     lock.apply({"op": "submit", "uid": 2, "tokens": prompt + [1, 2, 3, 4, 5], "max_tokens": 2})
-    assert lock.apply({"op": "probe", "tokens": prompt + [1, 2, 3, 4]})["cached_len"] == 303
-    assert lock.apply({"op": "prefill", "budget": 1024})["batch"] == [2]
-    assert lock.apply({"op": "probe", "tokens": prompt + [1, 2, 3, 4, 5]})["cached_len"] == 305
+    assert lock.apply({"op": "probe", "tokens": prompt + [1, 2, 3, 4]}).cached_len == 303
+    assert lock.apply({"op": "prefill", "budget": 1024}).batch == (2,)
+    assert lock.apply({"op": "probe", "tokens": prompt + [1, 2, 3, 4, 5]}).cached_len == 305
     lock.apply({"op": "submit", "uid": 3, "tokens": prompt, "max_tokens": 1})
     lock.apply({"op": "prefill", "budget": 1024})  # ends: inserts 300 tokens that are all cached already

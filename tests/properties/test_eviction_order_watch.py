@@ -5,8 +5,8 @@ zoo bug of that state diverges there."""
 import pytest
 
 from kvledger.engine.ledger.trace import Header
-from kvledger.properties.lockstep import Divergence, Lockstep
-from kvledger.properties.machine import EvictionOrderWatch
+from kvledger.properties.eviction_order_watch import EvictionOrderWatch
+from kvledger.properties.lockstep import Finding, Lockstep
 from kvledger.reference import events
 from kvledger.subjects.fast_zoo import patched
 
@@ -51,7 +51,7 @@ EVICT_ONE = {"op": "evict", "tokens": 1}
 
 def test_a_leaf_stamped_by_an_insert_then_an_eviction():
     assert ordering(RETOUCH + [EVICT_ONE]) == [RETOUCHED]
-    with pytest.raises(Divergence, match="result:evict"):
+    with pytest.raises(Finding, match="result:evict"):
         run(RETOUCH + [EVICT_ONE], bug="touch-keeps-heap-entry")
 
 
@@ -78,7 +78,7 @@ GAIN = [
 
 def test_a_leaf_that_gained_a_child_then_an_eviction():
     assert ordering(GAIN + [EVICT_ONE]) == [GAINED]
-    with pytest.raises(Divergence, match="invariant:1-2-partition"):
+    with pytest.raises(Finding, match="invariant:1-2-partition"):
         run(GAIN, bug="insert-keeps-parent-heap-entry")
 
 

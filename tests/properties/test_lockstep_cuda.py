@@ -19,7 +19,7 @@ def test_fast_on_cuda_matches_reference_through_a_mixed_workload():
         for _ in range(500):
             if not (lock.ref.waiting or lock.ref.dm.runnable):
                 break
-            if lock.ref.waiting and lock.apply({"op": "prefill", "budget": 16, "sample": [1, 2]})["batch"]:
+            if lock.ref.waiting and lock.apply({"op": "prefill", "budget": 16, "sample": [1, 2]}).batch:
                 continue
             lock.apply({"op": "decode", "sample": [3]})
         assert not lock.ref.live

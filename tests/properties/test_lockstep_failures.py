@@ -10,7 +10,7 @@ from kvledger import fast, reference
 from kvledger.checker.audit.invariant_catches import shared
 from kvledger.checker.minimize import minimize
 from kvledger.engine.ledger import trace
-from kvledger.engine.ledger.divergence import Divergence
+from kvledger.engine.ledger.finding import Finding
 from kvledger.properties.lockstep import Lockstep, replay
 from kvledger.subjects.fast_zoo import Bug
 from tests.support.paths import REGRESSIONS
@@ -30,7 +30,7 @@ def _run_until_divergence(header, ops):
     for op in ops:
         try:
             lock.apply(op)
-        except Divergence as e:
+        except Finding as e:
             return lock, e
     return lock, None
 
@@ -44,7 +44,7 @@ def test_a_failure_the_reference_raises_keeps_its_operation_in_the_trace(tmp_pat
         assert lock.ops[-1] == err.op == ops[err.step - 1] and len(lock.ops) == err.step
         saved = tmp_path / "failure.jsonl"
         trace.write(saved, header, lock.ops)
-        with pytest.raises(Divergence) as replayed:
+        with pytest.raises(Finding) as replayed:
             replay(*trace.read(saved))
         assert replayed.value.kind == err.kind and replayed.value.step == len(lock.ops)
         m_header, m_ops, fingerprint = minimize(header, lock.ops, budget=math.inf, max_replays=300)

@@ -5,7 +5,7 @@ divergence and no invalid operation. Add one with
 import pytest
 
 from kvledger.engine.ledger.trace import read
-from kvledger.properties.lockstep import Divergence, replay
+from kvledger.properties.lockstep import Finding, replay
 from kvledger.subjects.fast_zoo import BUGS, patched
 from tests.support.paths import REGRESSIONS
 
@@ -30,7 +30,7 @@ def test_the_corpus_is_there():
 def test_trace_replays_clean(path):
     header, ops = read(path)
     assert ops, f"{path} has no operations"
-    lock = replay(header, ops)  # raises Divergence or InvalidOp on any problem
+    lock = replay(header, ops)  # raises Finding or InvalidOp on any problem
     assert lock.step == len(ops)
 
 
@@ -39,5 +39,5 @@ def test_trace_catches_its_bug(name, bug):
     if bug not in BUGS:
         pytest.skip(f"bug {bug!r} is not in the zoo")
     header, ops = read(REGRESSIONS / f"{name}.jsonl")
-    with patched(bug), pytest.raises(Divergence):
+    with patched(bug), pytest.raises(Finding):
         replay(header, ops)

@@ -67,7 +67,7 @@ def test_the_model_notes_partial_pages_rejections_and_a_second_preemption(noted)
 
     def step(s):
         result = s.prefill(64, [5]) if s.waiting else None
-        if not result or not (result["batch"] or result["preempted"]):
+        if not result or not (result.batch or result.preempted):
             s.decode([5])
 
     per_op = _notes_per_step(s, [step] * 8, noted)

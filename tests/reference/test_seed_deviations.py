@@ -9,6 +9,7 @@ import torch
 
 from kvledger import fast
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvariantViolation
+from kvledger.engine.ledger.ops import OpResult
 from kvledger.subjects.fast_zoo import patched
 from tests.support.impls import as_list
 
@@ -28,7 +29,7 @@ def test_seed_reservation_in_tokens_overcommits_pages():
 def test_reservation_in_pages_admits_only_what_fits(impl):
     d = CacheScheduler(impl, num_pages=3, page_size=4, cache_type="naive", table_slots=4, max_seq_len=16)
     _tiny_requests(d)
-    assert d.prefill(100) == {"batch": [0, 1, 2], "rejected": 3}
+    assert d.prefill(100) == OpResult(batch=(0, 1, 2), refused=3)
     d.check()
 
 
@@ -36,7 +37,7 @@ def _same_prefix_pair(impl):
     d = CacheScheduler(impl, num_pages=16, page_size=2, cache_type="radix", table_slots=4, max_seq_len=32)
     d.submit(0, [1, 2, 3, 4, 5], 4)
     d.submit(1, [1, 2, 3, 4, 6], 4)  # the same 4-token prefix, prefilled in the same batch
-    assert d.prefill(100)["batch"] == [0, 1]
+    assert d.prefill(100).batch == (0, 1)
     return d
 
 

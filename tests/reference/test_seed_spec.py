@@ -50,7 +50,7 @@ def test_self_test_3_match_stops_before_the_last_token(impl):
     prompt = [1, 2, 3, 4, 5]
     d.submit(0, prompt, 1)
     d.prefill(100)  # max_tokens 1: finishes at prefill, the whole prompt is cached
-    assert d.probe(prompt[:-1] + [9])["cached_len"] == 4
+    assert d.probe(prompt[:-1] + [9]).cached_len == 4
     pending = impl.PendingReq(1, prompt, impl.SamplingParams(max_tokens=2))
     req = impl.PrefillAdder(100, 0, d.cm, d.tm).try_add_one(pending)
     assert req.cached_len == 4 and req.extend_len == 1  # the last prompt token is computed again
@@ -62,7 +62,7 @@ def test_self_test_2_available_size_counts_the_evictable_cache(impl):
     d.prefill(100)
     assert len(d.cm.free_slots) == 2 and d.cm.available_size == 8  # 6 pages cached, all evictable
     d.submit(1, [7, 7, 7, 7, 7, 7, 7], 1)  # needs 6 pages: fits only by evicting the cache
-    assert d.prefill(100)["batch"] == [1]
+    assert d.prefill(100).batch == (1,)
     d.check()
 
 
@@ -72,7 +72,7 @@ def test_self_test_1_admitted_requests_never_run_out(impl):
         d.submit(uid, [uid % 2] * (3 + uid), 9)
     steps = 0
     while d.waiting or d.dm.runnable:
-        if not (d.waiting and d.prefill(7)["batch"]):
+        if not (d.waiting and d.prefill(7).batch):
             d.decode([1])
         d.check()  # includes: live requests' worst case fits in what is available
         steps += 1
@@ -89,7 +89,7 @@ def test_the_seeds_64_page_example(impl):
     for uid, n in enumerate([5, 5, 4, 15, 5]):
         d.submit(uid, [100 * uid + i for i in range(n)], 8)
     while d.waiting or d.dm.runnable:
-        if not (d.waiting and d.prefill(8192)["batch"]):
+        if not (d.waiting and d.prefill(8192).batch):
             d.decode()
         d.check()
     first4, fifth = [0, 1, 2, 3], [4]
@@ -112,7 +112,7 @@ def test_eviction_then_allocation_is_page_aligned_and_disjoint(impl, page_size):
         d.prefill(1000)
     assert d.cm.prefix_cache.size_info.evictable_size == 3 * page_size
     d.submit(9, [7] * (5 * page_size), 1)  # five pages: must evict two cached ones
-    assert d.prefill(1000)["batch"] == [9]
+    assert d.prefill(1000).batch == (9,)
     owned = as_list(d.cm.page_table[d.live[9].table_idx][: 5 * page_size]) if 9 in d.live else None
     d.check()
     starts = as_list(d.cm.free_slots) + [

@@ -75,7 +75,7 @@ def property_catch(
 
     from kvledger.engine.ledger import cache_scheduler
     from kvledger.properties import lockstep
-    from kvledger.properties.lockstep import Divergence
+    from kvledger.properties.lockstep import Finding
     from kvledger.properties.machine import LockstepMachine
 
     seen = {"examples": 0, "first": None, "kind": None}
@@ -88,7 +88,7 @@ def property_catch(
     def noting_apply(self, op):
         try:
             return apply(self, op)
-        except Divergence as e:
+        except Finding as e:
             if seen["first"] is None:
                 seen["first"], seen["kind"] = seen["examples"], e.kind
             raise
@@ -111,7 +111,7 @@ def property_catch(
                     phases=[Phase.explicit, Phase.reuse, Phase.generate],
                 ),
             )
-    except Divergence:
+    except Finding:
         pass
     finally:
         lockstep.Lockstep.__init__, lockstep.Lockstep.apply = init, apply
@@ -137,13 +137,13 @@ def judged_alone(header: Header, ops: List[Dict], provenance: bool) -> Catch:
 
 
 def lockstep_catch(header: Header, ops: List[Dict]) -> Catch:
-    from kvledger.properties.lockstep import Divergence, Lockstep
+    from kvledger.properties.lockstep import Finding, Lockstep
 
     lock = Lockstep(header)
     for op in ops:
         try:
             lock.apply(op)
-        except Divergence as e:
+        except Finding as e:
             return e.kind, e.step
         except InvalidOp:
             return None

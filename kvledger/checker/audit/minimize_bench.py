@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from kvledger.checker.fuzz import Case, Walker, case_seed, make_case, walk
-from kvledger.checker.minimize import _copy, fingerprint_of, minimize
+from kvledger.checker.minimize import fingerprint_of, minimize
 from kvledger.engine.ledger import trace
 from kvledger.engine.ledger.trace import Header
-from kvledger.properties.lockstep import Divergence, Lockstep
+from kvledger.properties.lockstep import Finding, Lockstep
 from kvledger.subjects.fast_zoo import BUGS, patched
 
 _log = logging.getLogger(__name__)  # `log` is the minimizer's callback
@@ -74,7 +74,7 @@ def _first_failing_case(seed: int = 0, min_pages: int = MIN_PAGES, cases: int = 
         try:
             for _ in walk(cseed, lock, lambda name: None, lambda: True, length=1000):
                 pass
-        except Divergence:
+        except Finding:
             return make_case(cseed)
     if min_pages > 1:  # a bug that needs a tight pool
         return _first_failing_case(seed, 1, cases)
@@ -83,7 +83,7 @@ def _first_failing_case(seed: int = 0, min_pages: int = MIN_PAGES, cases: int = 
 
 def _walk(lock: Lockstep, case: Case, rng_seed: int, length: int, drain: bool) -> Lockstep:
     """Walk `length` operations of `case` from `lock`'s state (then abort every request if
-    `drain`). Raises Divergence with `.at`, the number of walk operations that agreed."""
+    `drain`). Raises a Finding with `.at`, the number of walk operations that agreed."""
     walker = Walker(case, random.Random(rng_seed), lambda name: None)
     walker.next_uid = len(lock.ref.known)  # uids stay unique across segments
     done = 0
@@ -95,7 +95,7 @@ def _walk(lock: Lockstep, case: Case, rng_seed: int, length: int, drain: bool) -
         if drain:
             for uid in [p.uid for p in lock.ref.waiting] + lock.ref.dm.running_reqs.uids():
                 lock.apply({"op": "abort", "uid": uid})
-    except Divergence as e:
+    except Finding as e:
         e.at = done  # type: ignore[attr-defined]
         raise
     return lock
@@ -107,8 +107,8 @@ def _segment(lock: Lockstep, case: Case, rng_seed: int, length: int) -> Lockstep
     submitted and aborted while waiting (the queue alone sees it)."""
     while length > 0:
         try:
-            return _walk_limited(_copy(lock), case, rng_seed, length, drain=True)
-        except Divergence as e:  # in the walk (e.at < length) or in the draining aborts
+            return _walk_limited(lock.copy(), case, rng_seed, length, drain=True)
+        except Finding as e:  # in the walk (e.at < length) or in the draining aborts
             length = min(e.at, length - 1)
         except _Hang:
             length //= 2
@@ -127,12 +127,12 @@ def build_trace(bug: str, n_ops: int = 1000, seed: int = 0) -> Tuple[Header, Ops
         while len(lock.ops) < n_ops - 20:
             lock = _segment(lock, case, rng.getrandbits(32), min(rng.randint(10, 80), n_ops - len(lock.ops)))
         for _ in range(50):  # the tail: walk on until the bug fires
-            tail = _copy(lock)
+            tail = lock.copy()
             try:
                 _walk_limited(tail, case, rng.getrandbits(32), 1000, drain=False)
             except _Hang:
                 continue
-            except Divergence:
+            except Finding:
                 return case.header, list(tail.ops)  # up to and including the divergence
         raise RuntimeError(f"{bug}: no walk from the padded state diverges")
 

@@ -21,6 +21,7 @@ import torch
 
 from kvledger import fast, reference
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvalidOp, InvariantViolation
+from kvledger.engine.ledger.ops import OpResult
 from kvledger.reference.admission_policy import AdmissionPolicy
 from kvledger.reference.cache_manager import IntegrityError
 from tests.support.ledger import OPTIMISTIC, sched
@@ -80,21 +81,21 @@ def test_prefill_budget_must_be_positive():
     s.submit(0, [1, 2], 1)
     with pytest.raises(InvalidOp, match="^prefill: budget must be >= 1, got 0$"):
         s.prefill(0)
-    assert s.prefill(1)["batch"] == [0]  # a one-token chunk
+    assert s.prefill(1).batch == (0,)  # a one-token chunk
 
 
 def test_a_request_turned_away_by_an_exhausted_budget_is_not_a_rejection():
     s = sched()
     s.submit(0, [1, 2, 3], 2)
     s.submit(1, [4, 5, 6], 2)
-    assert s.prefill(3) == {"batch": [0], "rejected": None}
+    assert s.prefill(3) == OpResult(batch=(0,), refused=None)
 
 
 def test_a_request_turned_away_for_want_of_a_table_slot_with_budget_left_is_a_rejection():
     s = sched(table_slots=1)
     s.submit(0, [1, 2, 3], 2)
     s.submit(1, [4, 5, 6], 2)
-    assert s.prefill(4) == {"batch": [0], "rejected": 1}  # one token of budget left
+    assert s.prefill(4) == OpResult(batch=(0,), refused=1)  # one token of budget left
 
 
 def _leaky(kind):
@@ -128,17 +129,17 @@ def test_without_check_admission_a_rejection_is_neither_checked_nor_reported():
     s = sched(_leaky("take"), table_slots=1, check_admission=False)  # the engine's setting
     s.submit(0, [1, 2, 3], 2)
     s.submit(1, [4, 5, 6], 2)
-    assert s.prefill(64) == {"batch": [0], "rejected": None}
+    assert s.prefill(64) == OpResult(batch=(0,), refused=None)
 
 
 def test_abort_finds_a_uid_by_value_not_identity():
     s = sched()
     uid = int("100000")
     s.submit(uid, [1, 2], 2)
-    assert s.abort(int("100000")) == {"where": "waiting"}
+    assert s.abort(int("100000")) == OpResult(where="waiting")
     s.submit(int("100001"), [1, 2], 2)
     s.prefill(64)
-    assert s.abort(int("100001")) == {"where": "running"}
+    assert s.abort(int("100001")) == OpResult(where="running")
 
 
 def test_evict_accepts_zero_to_everything_evictable():
@@ -147,12 +148,12 @@ def test_evict_accepts_zero_to_everything_evictable():
     s.prefill(64)  # ends at once: its four whole-page prompt tokens go to the cache
     evictable = s.cm.prefix_cache.size_info.evictable_size
     assert evictable == 4
-    assert s.evict(0) == {"evicted": []}
+    assert s.evict(0) == OpResult(evicted=())
     for bad in (-1, 5):
         with pytest.raises(InvalidOp) as e:
             s.evict(bad)
         assert str(e.value) == f"evict: {bad} tokens asked, 4 evictable"
-    assert sorted(s.evict(4)["evicted"]) == sorted(s.cm.page_table[0][:4].tolist())
+    assert sorted(s.evict(4).evicted or ()) == sorted(s.cm.page_table[0][:4].tolist())
 
 
 def test_the_scheduler_takes_its_options_by_keyword_only_and_its_defaults():

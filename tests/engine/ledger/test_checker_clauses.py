@@ -28,7 +28,8 @@ import torch
 
 from kvledger import fast, reference
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvariantViolation
-from kvledger.engine.ledger.divergence import Divergence, compare
+from kvledger.engine.ledger.divergence import compare
+from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.trace import Header
 from kvledger.properties.lockstep import Lockstep
 
@@ -428,7 +429,7 @@ def test_compare_checks_each_side(side):
     lock = _lockstep("base")
     d = lock.ref if side == "reference" else lock.fast
     _set_free(d, _free(d)[1:])
-    with pytest.raises(Divergence) as e:
+    with pytest.raises(Finding) as e:
         compare(lock.ref, lock.fast, lock.step, {"op": "planted"})
     assert e.value.kind == ("reference-invariant" if side == "reference" else "invariant") + ":1-2-partition"
 
@@ -478,7 +479,7 @@ def _move_to_back(d):
     running.add(first)
 
 
-# snapshot field -> (scenario, plant on the fast side, Divergence kind[, fields compared later that
+# snapshot field -> (scenario, plant on the fast side, Finding kind[, fields compared later that
 # the plant changes too]). Each plant keeps fast's invariants and changes that field alone, except
 # `owners`: under the invariants it is a function of free_slots, rows and lens (a page's owner is
 # the free list, a row's owned part or the locked prefixes through it), so it cannot differ alone;
@@ -536,6 +537,6 @@ def test_compare_catches_a_difference_in_field(field):
     plant(lock.fast)
     after = lock.fast.snapshot()
     assert [k for k in before if before[k] != after[k]] == [field, *(also[0] if also else [])]
-    with pytest.raises(Divergence) as e:
+    with pytest.raises(Finding) as e:
         compare(lock.ref, lock.fast, lock.step, op)
     assert e.value.kind == kind

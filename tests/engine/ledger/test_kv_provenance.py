@@ -8,7 +8,7 @@ import torch
 from kvledger import fast, reference
 from kvledger.checker.audit.invariant_catches import TRUSTS_WHOLE_EDGE, shared
 from kvledger.engine.ledger import trace
-from kvledger.engine.ledger.divergence import Divergence
+from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.invariants import InvariantViolation, KVProvenance, prefix_hashes
 from kvledger.properties.lockstep import Lockstep
 from tests.support.models import tiny_config
@@ -30,10 +30,10 @@ def _apply(lock, ops):
 def test_a_shared_wrong_reuse_is_caught_at_the_reuse_itself():
     _apply(Lockstep(HEADER), WRONG_REUSE)  # correct code: the second request reuses one token
     with shared(TRUSTS_WHOLE_EDGE):
-        with pytest.raises(Divergence) as caught:
+        with pytest.raises(Finding) as caught:
             _apply(Lockstep(HEADER), WRONG_REUSE)
     assert caught.value.kind == "reference-invariant:7-kv-provenance" and caught.value.step == 4
-    assert "uid 1: position 1 points at location 1, which holds KV computed for other tokens" in caught.value.detail
+    assert "uid 1: position 1 points at location 1, which holds KV computed for other tokens" in caught.value.message
 
 
 def test_without_provenance_both_sides_agree_on_the_wrong_reuse():

@@ -13,9 +13,9 @@ import pytest
 from kvledger import fast, reference
 from kvledger.engine.ledger import trace
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvariantViolation
-from kvledger.engine.ledger.ops import InvalidOp
+from kvledger.engine.ledger.ops import InvalidOp, OpResult
 from kvledger.engine.ledger.trace import Header, TraceError
-from kvledger.properties.lockstep import Divergence, Lockstep, replay
+from kvledger.properties.lockstep import Finding, Lockstep, replay
 from kvledger.reference.admission_policy import RESERVE
 from tests.support.ledger import OPTIMISTIC, PREEMPT_THEN_HIT, drive, sched
 
@@ -64,7 +64,7 @@ def test_the_newest_request_is_preempted_its_kv_cached_and_its_readmission_a_pre
     victim_row = lock.ref.snapshot()["rows"][1]  # uid 1's pages for positions 0-3 (3 prompt + 1 output)
     assert len(victim_row) == 4
 
-    assert lock.apply(NEWEST_PREEMPTED[4]) == {"batch": [0], "preempted": [1]}
+    assert lock.apply(NEWEST_PREEMPTED[4]) == OpResult(batch=(0,), preempted=(1,))
     for name, d in both(lock):
         assert (d.preemptions, list(d.live)) == (1, []), name  # uid 0 ended: its last token
         owners = dict(d.snapshot()["owners"])
@@ -73,7 +73,7 @@ def test_the_newest_request_is_preempted_its_kv_cached_and_its_readmission_a_pre
         assert not set(victim_row) & set(tokens(d.cm.free_slots)), name
     assert "preempt: running request" in noted and "preempt: a request of the step's own batch" in noted
 
-    assert lock.apply(NEWEST_PREEMPTED[5]) == {"batch": [1], "rejected": None, "preempted": []}
+    assert lock.apply(NEWEST_PREEMPTED[5]) == OpResult(batch=(1,), refused=None, preempted=())
     for name, d in both(lock):
         req = d.live[1]
         # the four computed positions come back from the cache, the same pages; only position 4
@@ -123,8 +123,8 @@ def test_a_mid_chunk_victim_keeps_its_queue_entry_and_the_queue_is_in_admission_
         assert [p.uid for p in d.waiting] == [2, 3] and d.is_chunked(d.waiting[0].chunked_req), name
         assert list(d.live) == [0, 1, 2], name
     for op in MID_CHUNK[6:10]:
-        assert lock.apply(op)["preempted"] == []
-    assert lock.apply(MID_CHUNK[10]) == {"batch": [0], "preempted": [2, 1]}  # newest first
+        assert lock.apply(op).preempted == ()
+    assert lock.apply(MID_CHUNK[10]) == OpResult(batch=(0,), preempted=(2, 1))  # newest first
     for name, d in both(lock):
         # oldest admitted first: uid 1 (first prefill), uid 2 (its chunk came later), uid 3 (never)
         assert [p.uid for p in d.waiting] == [1, 2, 3], name
@@ -142,11 +142,11 @@ def test_under_reserve_the_same_operations_never_preempt():
     for ops in (NEWEST_PREEMPTED, MID_CHUNK):
         lock = Lockstep(header(13 if ops is MID_CHUNK else 9, admission="reserve"))
         results = [lock.apply(op) for op in ops]
-        assert all("preempted" not in r for r in results)
+        assert all(r.preempted is None for r in results)
         assert lock.ref.preemptions == lock.fast.preemptions == 0
     # reserve admits uid 1 only once uid 0 has ended: 5 + 7 pages of worst case exceed 9
     lock = Lockstep(header(9, admission="reserve"))
-    assert [lock.apply(op) for op in NEWEST_PREEMPTED[:3]][-1] == {"batch": [0], "rejected": 1}
+    assert [lock.apply(op) for op in NEWEST_PREEMPTED[:3]][-1] == OpResult(batch=(0,), refused=1)
 
 
 @pytest.mark.parametrize("impl", [reference, fast], ids=["reference", "fast"])
@@ -177,7 +177,7 @@ def test_a_preempted_request_aborted_while_waiting_leaves_nothing_behind(noted):
     lock = Lockstep(header(9))
     for op in NEWEST_PREEMPTED[:5]:
         lock.apply(op)
-    assert lock.apply({"op": "abort", "uid": 1}) == {"where": "waiting"}
+    assert lock.apply({"op": "abort", "uid": 1}) == OpResult(where="waiting")
     assert "preempt: a preempted request aborted while waiting" in noted
     for name, d in both(lock):
         assert not d.waiting and not d.live and d.cm.prefix_cache.size_info.protected_size == 0, name
@@ -211,12 +211,12 @@ def test_a_version_2_trace_records_and_replays_its_preemptions():
     recorded = []
     for op in MID_CHUNK:
         result = lock.apply(op)
-        recorded.append({**op, "expect": {"preempted": result["preempted"]}} if "preempted" in result else op)
+        recorded.append({**op, "expect": result.seen(["preempted"])} if result.preempted is not None else op)
     h, ops = trace.loads(trace.dumps(lock.header, recorded))
     assert (h.admission, h.reserve_ratio) == ("optimistic", 0.0)
     again = replay(h, ops)  # the expectations are checked on replay
     assert again.ref.preemptions == 2
-    with pytest.raises(Divergence) as e:  # reserve names no preemptions: the first prefill's expectation fails
+    with pytest.raises(Finding) as e:  # reserve names no preemptions: the first prefill's expectation fails
         replay(header(13, admission="reserve"), ops)
     assert (e.value.kind, e.value.step) == ("expect:prefill", 3)
 
@@ -266,7 +266,7 @@ def test_victims_are_the_newest_never_the_oldest_and_resume_where_they_stopped(n
             resume.update({u: tokens(q.input_ids) for u, q in ref.live.items() if not ref.is_chunked(q)})
             before, queue = list(ref.live), [p.uid for p in ref.waiting]
             result = lock.apply(op)
-            victims = result["preempted"]
+            victims = list(result.preempted or ())
             admitted = [u for u in queue if u not in before and (u in ref.live or u in victims)]
             newest_first = (before + admitted)[::-1]
             assert victims == newest_first[: len(victims)], (seed, op)
@@ -312,7 +312,7 @@ def test_a_step_with_an_invalid_stop_changes_nothing():
     assert (lock.ref.snapshot(), lock.fast.snapshot()) == before
     # a stop naming the request this very step preempts: it samples nothing, so nothing stops
     result = lock.apply({"op": "decode", "sample": [12], "stop": [1]})
-    assert result["preempted"] == [1] and 1 in [p.uid for p in lock.ref.waiting]
+    assert result.preempted == (1,) and 1 in [p.uid for p in lock.ref.waiting]
 
 
 # -- preemption bookkeeping: recomputed tokens, where a victim waits, the rare-branch notes -------
@@ -324,8 +324,8 @@ def test_a_step_with_an_invalid_stop_changes_nothing():
 def test_recomputed_tokens_count_what_a_readmitted_victim_computes_again(noted):
     s = sched(reference, num_pages=8, max_seq_len=16, admission=OPTIMISTIC)
     results = drive(s, PREEMPT_THEN_HIT)
-    assert results[5]["preempted"] == [1] and s._preempted[1] == (0, 1)  # readmitted: nothing pending
-    assert results[7]["batch"] == [1]
+    assert results[5].preempted == (1,) and s._preempted[1] == (0, 1)  # readmitted: nothing pending
+    assert results[7].batch == (1,)
     assert s.recomputed_tokens == 2  # 5 computed, 3 found in the cache
     assert noted.count("preempt: re-prefill hits the prefix cache") == 1
 
@@ -335,7 +335,7 @@ def test_a_readmission_that_finds_nothing_cached_recomputes_everything(noted):
     # uid 1 computes 4 positions and is preempted; uid 0 ends; then the cache lets go of everything
     drive(s, NEWEST_PREEMPTED[:5] + [{"op": "evict", "tokens": 9}])
     assert s.recomputed_tokens == 0
-    assert s.prefill(64, [22])["batch"] == [1]
+    assert s.prefill(64, [22]).batch == (1,)
     assert s.recomputed_tokens == 4
     assert "preempt: re-prefill hits the prefix cache" not in noted
 
@@ -353,7 +353,7 @@ def test_a_victim_waits_at_the_queue_head_before_requests_never_admitted():
             {"op": "decode", "sample": [11, 21]},
         ],
     )
-    assert s.decode([12])["preempted"] == [1]
+    assert s.decode([12]).preempted == (1,)
     assert [p.uid for p in s.waiting] == [1, 2, 3]
 
 
@@ -367,9 +367,9 @@ def test_the_second_preemption_of_a_request_is_noted_once_when_it_happens(noted)
         if not (s.waiting or s.live):
             break
         result = s.prefill(64, [5]) if s.waiting else None
-        if not result or not (result["batch"] or result["preempted"]):
+        if not result or not (result.batch or result.preempted):
             result = s.decode([5])
-        times += result["preempted"].count(2)
+        times += (result.preempted or ()).count(2)
         when.append((times, noted.count("preempt: the same request preempted twice")))
     assert times == 2 and s.preemptions == 2
     assert [n for t, n in when if t == 1] and all(n == 0 for t, n in when if t < 2)

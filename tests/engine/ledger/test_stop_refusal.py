@@ -96,7 +96,7 @@ def test_a_request_turned_away_by_a_small_pool_cannot_stop():
         with pytest.raises(InvalidOp, match="sampled no token"):
             sched.apply({"op": "prefill", "budget": 64, "sample": [0], "stop": [2]})
         assert _state(sched) == before
-    assert lock.apply({"op": "prefill", "budget": 64, "sample": [0]})["rejected"] == 2
+    assert lock.apply({"op": "prefill", "budget": 64, "sample": [0]}).refused == 2
 
 
 def test_the_eviction_order_watch_keeps_watching_the_restored_cache():
@@ -125,5 +125,5 @@ def test_a_stop_on_an_empty_step_is_refused(side):
         sched.apply({"op": "decode", "sample": [], "stop": [1]})
     with pytest.raises(InvalidOp, match="twice"):
         sched.apply({"op": "decode", "sample": [], "stop": [0, 0]})
-    assert sched.apply({"op": "decode", "sample": [], "stop": [0]})["batch"] == [0]
+    assert sched.apply({"op": "decode", "sample": [], "stop": [0]}).batch == (0,)
     assert not sched.live and [p.uid for p in sched.waiting] == [1]
