@@ -1,0 +1,239 @@
+"""The checker's one seam: a `Target` is what the checker runs a trace on.
+
+Every command (check, fuzz, minimize, replay, show, explore) is written once over a Target:
+
+  LockstepTarget   reference against fast (`lockstep.py`), optionally with a zoo bug of fast
+                   patched in; the whole observable state of both sides is compared after every
+                   operation
+  SubjectTarget    one subject in judge mode (`subject_driver.py`): the judge after every
+                   operation; built from a factory (the checker builds it from a spec, with the
+                   source edits of a --fix or --bug)
+
+A target starts a `Run` for a trace header: a fresh driver that applies trace lines one at a
+time, returns what each did (`OpResult`) and raises the one failure type (`Finding`, its step and
+operation set) or `InvalidOp` for an operation that makes no sense at its point (nothing changed).
+The two drivers stay two because they read different state: lockstep compares two
+`CacheScheduler`s it can see into, judge mode sees a subject only through its `View`.
+
+A target also says what a trace it writes records (`trace_header`): the producer, and for a
+subject its spec and version, so that `kvledger replay` finds the subject again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import traceback
+from dataclasses import replace
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Protocol, Sequence, Tuple
+
+from kvledger.engine.ledger.finding import Finding
+from kvledger.engine.ledger.ops import InvalidOp, OpResult
+from kvledger.engine.ledger.trace import Header
+from kvledger.properties.lockstep import Lockstep
+from kvledger.properties.subject import Subject, SubjectConfig, SubjectUnavailable
+from kvledger.properties.subject_driver import SubjectDriver
+
+__all__ = [
+    "Finding",
+    "InvalidOp",
+    "LockstepTarget",
+    "Run",
+    "SubjectRun",
+    "SubjectTarget",
+    "Target",
+    "config_of",
+    "header_of",
+    "replay",
+]
+
+Op = Dict[str, Any]
+Patch = Callable[[Optional[str]], ContextManager[Any]]
+
+
+class Run(Protocol):
+    """One trace being applied: `ops` are the lines applied so far (the failing one included),
+    `step` the 1-based index of the last one."""
+
+    ops: List[Op]
+    step: int
+
+    def apply(self, op: Op) -> OpResult: ...
+
+    def copy(self) -> Run: ...
+
+
+class Target(Protocol):
+    """What the checker runs traces on (see the module docstring)."""
+
+    name: str  # "lockstep" or the subject's spec text, for messages
+    bug: Optional[str]  # the planted bug it runs with, if any
+    strict: bool  # an invalid operation is a bad trace (lockstep); else it is skipped (subjects)
+
+    def active(self) -> ContextManager[Any]:
+        """Whatever must hold while runs are applied (lockstep: the zoo bug patched into fast)."""
+        ...
+
+    def start(self, header: Header) -> Run:
+        """A fresh run for `header`; a Finding if the subject fails as it is built."""
+        ...
+
+    def trace_header(self, header: Header, producer: str) -> Header:
+        """`header` as a trace this target wrote records it."""
+        ...
+
+
+# -- lockstep: reference against fast ----------------------------------------------------------------
+class LockstepTarget:
+    """Reference against fast. `bug` names a zoo bug of fast, patched in by `patch` (the checker
+    passes `kvledger.subjects.fast_zoo.patched`) while `active`; `device` is where fast's tensors live."""
+
+    strict = True
+
+    def __init__(self, bug: Optional[str] = None, device: str = "cpu", patch: Optional[Patch] = None) -> None:
+        if bug is not None and patch is None:
+            raise ValueError("a lockstep target with a bug needs the patch that plants it")
+        self.name = "lockstep"
+        self.bug = bug
+        self.device = device
+        self._patch = patch
+
+    def active(self) -> ContextManager[Any]:
+        return self._patch(self.bug) if self._patch is not None else contextlib.nullcontext()
+
+    def start(self, header: Header) -> Lockstep:
+        return Lockstep(header, self.device)
+
+    def trace_header(self, header: Header, producer: str) -> Header:
+        return replace(header, producer=producer)
+
+
+# -- judge mode: one subject -------------------------------------------------------------------------
+class SubjectRun:
+    """A SubjectDriver applying trace lines: a Finding out of it gets the step and the operation."""
+
+    def __init__(self, driver: SubjectDriver) -> None:
+        self.driver = driver
+        self.ops: List[Op] = []
+        self.step = 0
+
+    def apply(self, op: Op) -> OpResult:
+        try:
+            result = self.driver.apply(op)
+        except InvalidOp:
+            raise
+        except Finding as f:
+            self.ops.append(op)
+            self.step = len(self.ops)
+            raise f.at(self.step, op) from None
+        self.ops.append(op)
+        self.step = len(self.ops)
+        return result
+
+    def copy(self) -> SubjectRun:
+        """A deep copy, subject included (not every subject can be copied: that raises)."""
+        return copy.deepcopy(self)
+
+
+class SubjectTarget:
+    """One subject in judge mode. `factory` builds it for a pool (with any source edits already
+    in it); `name` is its spec text, `bug` the zoo bug or `fix` the fix its edits apply."""
+
+    strict = False
+
+    def __init__(
+        self,
+        factory: Callable[[SubjectConfig], Subject],
+        name: str,
+        *,
+        bug: Optional[str] = None,
+        fix: Optional[str] = None,
+        page_sizes: Sequence[int] = (1, 2, 4),
+        on_event: Optional[Callable[[str], None]] = None,
+    ) -> None:
+        self.factory = factory
+        self.name = name
+        self.bug = bug
+        self.fix = fix
+        self.page_sizes = tuple(page_sizes)
+        self.on_event = on_event
+        self.version = "unknown"  # known once a subject was built
+
+    def active(self) -> ContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def subject(self, config: SubjectConfig) -> Subject:
+        """A fresh subject; a Finding if building it fails (SubjectUnavailable propagates)."""
+        try:
+            subject = self.factory(config)
+        except (SubjectUnavailable, Finding):
+            raise
+        except Exception as e:
+            raise Finding(
+                f"subject-raised:{type(e).__name__}", f"building the subject: {e}", traceback.format_exc()
+            ) from e
+        self.version = getattr(subject, "version", "unknown")
+        return subject
+
+    def start(self, header: Header) -> SubjectRun:
+        return self.start_config(config_of(header))
+
+    def start_config(self, config: SubjectConfig, on_event: Optional[Callable[[str], None]] = None) -> SubjectRun:
+        return SubjectRun(SubjectDriver(self.subject(config), config, on_event=on_event or self.on_event))
+
+    def trace_header(self, header: Header, producer: str) -> Header:
+        return header_of(config_of(header), header.seed, producer, self.name, self.version)
+
+
+def config_of(header: Header) -> SubjectConfig:
+    """The pool a trace header describes, as a subject is built with it."""
+    return SubjectConfig(
+        num_pages=header.num_pages,
+        page_size=header.page_size,
+        max_seq_len=header.max_seq_len,
+        max_running=header.table_slots,
+    )
+
+
+def header_of(config: SubjectConfig, seed: Optional[int], producer: str, subject: str, version: str) -> Header:
+    """The trace header of a subject's run on `config` (a subject's traces are radix-typed)."""
+    return Header(
+        num_pages=config.num_pages,
+        page_size=config.page_size,
+        cache_type="radix",
+        table_slots=config.max_running,
+        max_seq_len=config.max_seq_len,
+        seed=seed,
+        producer=producer,
+        subject=subject,
+        subject_version=version,
+    )
+
+
+# -- replaying a trace on a target ---------------------------------------------------------------------
+def replay(target: Target, header: Header, ops: Sequence[Op]) -> Tuple[Optional[Finding], Run | None]:
+    """Apply `ops` to a fresh run of `target`: the first Finding (None if none) and the run (None
+    when building it failed). A strict target raises InvalidOp (with `.step`) at an invalid
+    operation; otherwise the operation is skipped, as a fuzzer never records one. Call it inside
+    `target.active()`."""
+    try:
+        run = target.start(header)
+    except Finding as f:
+        if target.strict:
+            raise
+        return f, None
+    for op in ops:
+        try:
+            run.apply(op)
+        except InvalidOp as e:
+            if target.strict:
+                e.step = len(run.ops) + 1  # type: ignore[attr-defined]
+                raise
+        except Finding as f:
+            return f, run
+    return None, run
+
+
+def applied(run: Run | None) -> List[Op]:
+    """The operations a run applied (none when it was never built)."""
+    return [] if run is None else list(run.ops)
