@@ -153,8 +153,8 @@ def check_run(profile: str, examples: int, hypothesis_seed: int) -> Dict[str, An
     chosen = settings(
         settings.default, max_examples=examples, database=None, deadline=None, suppress_health_check=list(HealthCheck)
     )
-    seeded = seed(hypothesis_seed)(type("SeededLockstepMachine", (machine.LockstepMachine,), {}))
-    machine.reset_reached()
+    progress = machine.Progress()
+    seeded = seed(hypothesis_seed)(machine.LockstepMachine.bind(progress))
     started = time.perf_counter()
     out: Dict[str, Any] = {"failure": None}
     try:
@@ -168,7 +168,7 @@ def check_run(profile: str, examples: int, hypothesis_seed: int) -> Dict[str, An
             "detail": str(e)[:2000],
             "trace": last.read_text() if last.exists() else None,
         }
-    out.update(sequences=machine.SEQUENCES[0], events=sorted(machine.REACHED), seconds=time.perf_counter() - started)
+    out.update(sequences=progress.sequences, events=sorted(progress.reached), seconds=time.perf_counter() - started)
     return out
 
 

@@ -8,27 +8,20 @@ from typing import Dict, List, Sequence
 
 from hypothesis import settings
 
-from kvledger.properties.machine import (
-    EXPECTED_EVENTS,
-    FIRST_REACHED,
-    REACHED,
-    SEQUENCES,
-    failures_dir,
-    reset_reached,
-    run_machine,
-)
+from kvledger.properties.machine import EXPECTED_EVENTS, Progress, failures_dir, run_machine
 from kvledger.properties.profiles import register_profiles
 
 log = logging.getLogger(__name__)
 
 
-def reach_report() -> str:
+def reach_report(progress: Progress) -> str:
     """One line per expected rare event: whether the run reached it, and the number of the
     sequence (1 = the run's first) that reached it first."""
     lines = []
     for name in sorted(EXPECTED_EVENTS):
-        first = FIRST_REACHED.get(name)
-        lines.append(f"  [{'x' if name in REACHED else ' '}] {name}" + (f"  (sequence {first})" if first else ""))
+        first = progress.reached.get(name)
+        mark = "x" if name in progress.reached else " "
+        lines.append(f"  [{mark}] {name}" + (f"  (sequence {first})" if first else ""))
     return "\n".join(lines)
 
 
@@ -41,20 +34,21 @@ def run_check(profile: str, examples: int | None = None) -> int:
         chosen.max_examples,
         chosen.stateful_step_count,
     )
-    reset_reached()
+    progress = Progress()
     start = time.perf_counter()
     try:
-        run_machine(chosen)
+        run_machine(chosen, progress)
     except AssertionError as e:  # a Divergence, or a property of the run (liveness, preemption counts)
         print(f"FAILED after {time.perf_counter() - start:.1f}s: {e}")
         print(f"the shrunk failing trace: {failures_dir()}/hypothesis-last-failure.jsonl (kvledger replay it)")
         return 1
     elapsed = time.perf_counter() - start
     print(
-        f"passed in {elapsed:.1f}s, {SEQUENCES[0]} sequences; rare branches reached "
-        f"({len(REACHED & EXPECTED_EVENTS)}/{len(EXPECTED_EVENTS)}), with the sequence that first reached each:"
+        f"passed in {elapsed:.1f}s, {progress.sequences} sequences; rare branches reached "
+        f"({len(EXPECTED_EVENTS & progress.reached.keys())}/{len(EXPECTED_EVENTS)}), "
+        "with the sequence that first reached each:"
     )
-    print(reach_report())
+    print(reach_report(progress))
     return 0
 
 
@@ -66,9 +60,7 @@ def sequences_to_reach(
     "first" (event -> the sequence that first reached it), "caught" (the sequence that first
     failed, or None)}. Counts only: the same seed gives the same numbers on any machine."""
     from hypothesis import Phase
-    from hypothesis import seed as use_seed
 
-    from kvledger.properties.machine import LockstepMachine
     from kvledger.subjects.fast_zoo import patched
 
     register_profiles(profile)
@@ -76,20 +68,21 @@ def sequences_to_reach(
     chosen = settings(base, phases=[p for p in base.phases if p is not Phase.shrink])
     rows = []
     for s in seeds:
-        reset_reached()
+        progress = Progress()
         caught, failure = None, None
-        if s is not None:
-            use_seed(s)(LockstepMachine)
         try:
             with patched(bug):
-                run_machine(chosen)
+                run_machine(chosen, progress, seed=s)
         except AssertionError as e:
-            caught, failure = SEQUENCES[0], str(e)
-        finally:
-            if s is not None:  # what hypothesis.seed set on the class
-                delattr(LockstepMachine, "_hypothesis_internal_use_seed")
+            caught, failure = progress.sequences, str(e)
         rows.append(
-            {"seed": s, "sequences": SEQUENCES[0], "first": dict(FIRST_REACHED), "caught": caught, "failure": failure}
+            {
+                "seed": s,
+                "sequences": progress.sequences,
+                "first": dict(progress.reached),
+                "caught": caught,
+                "failure": failure,
+            }
         )
     return rows
 

@@ -25,13 +25,13 @@ cov = start_coverage(Path(sys.argv[1]))
 from kvledger.properties.profiles import register_profiles
 register_profiles()
 from hypothesis import settings
-from kvledger.properties.machine import REACHED, FIRST_REACHED, LockstepMachine, reset_reached
-reset_reached()
-LockstepMachine.TestCase("runTest").runTest()
+from kvledger.properties.machine import LockstepMachine, Progress
+progress = Progress()
+LockstepMachine.bind(progress).TestCase("runTest").runTest()
 cov.stop()
 cov.save()
-print(json.dumps({"max_examples": settings.default.max_examples, "reached": sorted(REACHED),
-                  "first": FIRST_REACHED}))
+print(json.dumps({"max_examples": settings.default.max_examples, "reached": sorted(progress.reached),
+                  "first": progress.reached}))
 """
 
 

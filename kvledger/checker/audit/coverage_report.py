@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]  # kvledger/checker/audit/ -> the repository
 EXCLUSIONS = ROOT / "properties" / "coverage-exclusions.txt"
 # measured: the cache manager and everything under it, and the scheduler-side cache logic
 MEASURED = ("fast/*", "engine/ledger/cache_scheduler.py", "engine/ledger/divergence.py")

@@ -79,12 +79,12 @@ def _hypothesis_child(name: str, out: Path, sequences: int) -> int:
     first catch (its sequence number) in `out` at once (the parent may kill us at its cap)."""
     from hypothesis import Phase, settings
 
-    from kvledger.properties import machine
-    from kvledger.properties.machine import LockstepMachine, run_machine
+    from kvledger.properties.machine import LockstepMachine, Progress, run_machine
     from kvledger.properties.profiles import register_profiles
 
     start = time.perf_counter()
     first: Dict[str, Any] = {}
+    progress = Progress()
 
     def spent() -> None:
         """The budget is spent without a catch: record that and stop here, at once."""
@@ -93,11 +93,11 @@ def _hypothesis_child(name: str, out: Path, sequences: int) -> int:
         os._exit(0)
 
     def caught(e: BaseException) -> None:
-        if machine.SEQUENCES[0] > sequences and not first:
+        if progress.sequences > sequences and not first:
             spent()
         if not first:
             first.update(
-                sequence=machine.SEQUENCES[0],
+                sequence=progress.sequences,
                 seconds=time.perf_counter() - start,
                 kind=getattr(e, "kind", type(e).__name__),
             )
@@ -109,7 +109,7 @@ def _hypothesis_child(name: str, out: Path, sequences: int) -> int:
     do, check = LockstepMachine._do, LockstepMachine._check
 
     def counted_do(self: LockstepMachine, op: Dict) -> Any:
-        if machine.SEQUENCES[0] > sequences and not first:
+        if progress.sequences > sequences and not first:
             spent()
         try:
             return do(self, op)
@@ -131,12 +131,12 @@ def _hypothesis_child(name: str, out: Path, sequences: int) -> int:
     phases = [p for p in settings.default.phases if p is not Phase.shrink]
     with patched(name):
         try:
-            run_machine(settings(settings.default, phases=phases))
+            run_machine(settings(settings.default, phases=phases), progress)
         except Exception as e:  # caught: Hypothesis re-raises the failure
             caught(e)
             result = {**first, "caught": True, "total_seconds": time.perf_counter() - start}
         else:
-            result = {"caught": False, "sequences": machine.SEQUENCES[0], "total_seconds": time.perf_counter() - start}
+            result = {"caught": False, "sequences": progress.sequences, "total_seconds": time.perf_counter() - start}
     (out / "result.json").write_text(json.dumps(result))
     return 0
 
