@@ -12,6 +12,7 @@ under `audit/`, what measures the checker itself (zoo runs, mutation, coverage, 
 from kvledger.properties.subject import (
     CachedEntry,
     Capabilities,
+    DriverMismatch,
     Subject,
     SubjectConfig,
     SubjectFactory,
@@ -23,6 +24,7 @@ from kvledger.properties.subject_judge import judge
 __all__ = [
     "CachedEntry",
     "Capabilities",
+    "DriverMismatch",
     "Subject",
     "SubjectConfig",
     "SubjectFactory",

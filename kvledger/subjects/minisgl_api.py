@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, Hashable, Iterable, List, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Hashable, Iterable, List, Sequence, Set, Tuple
 
 from kvledger.properties.subject import CachedEntry, Capabilities, DriverMismatch, SubjectConfig, View
 from kvledger.subjects.edits import EditError, SourceEdit, bind
@@ -72,8 +72,10 @@ class MinisglApiSubject:
         self._adder_edits = bind_edits([self.cm, self.tm, self.dm, self.cm.prefix_cache], edits, "PrefillAdder")
         self.waiting: Dict[int, Any] = {}  # uid -> PendingReq, as PrefillManager.pending_list (in order)
         self.live: Dict[int, Any] = {}  # uid -> its Req (a ChunkedReq mid-prefill), admitted until released
-        self._adder, self._batch, self._ran = None, set(), True  # a prefill batch's adder, uids; it ran
-        self._allocated: set = set()  # uids whose [cached_len, device_len) has pages, not yet computed
+        self._adder: Any = None  # the prefill batch's PrefillAdder
+        self._batch: Set[int] = set()  # its uids
+        self._ran = True  # whether the batch ran
+        self._allocated: Set[int] = set()  # uids whose [cached_len, device_len) has pages, not yet computed
 
     def submit(self, uid: int, prompt: Sequence[int], max_tokens: int) -> None:
         self.waiting[uid] = self.m.pending(uid, prompt, max_tokens)

@@ -25,7 +25,7 @@ import threading
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Hashable, List, Sequence, Set, Tuple
+from typing import Any, Dict, Hashable, List, Sequence, Set, Tuple
 
 from kvledger.properties.subject import (
     CachedEntry,
@@ -109,6 +109,8 @@ def _load(root: Path) -> _Checkout:
             for name, rel in _FILES:
                 unique = f"_kvledger_nanovllm_{tag}_{name.rsplit('.', 1)[-1]}"
                 spec = importlib.util.spec_from_file_location(unique, root / rel)
+                if spec is None or spec.loader is None:
+                    raise ImportError(f"no module at {root / rel}")
                 module = importlib.util.module_from_spec(spec)
                 sys.modules[unique] = module  # inspect (the zoo's edits) finds it by this name
                 sys.modules[name] = module
@@ -117,11 +119,11 @@ def _load(root: Path) -> _Checkout:
         except ImportError as e:
             raise SubjectUnavailable(f"nanovllm: importing {root}: {e} ({INSTALL})") from None
         finally:
-            for name, module in saved.items():
-                if module is None:
+            for name, before in saved.items():
+                if before is None:
                     sys.modules.pop(name, None)
                 else:
-                    sys.modules[name] = module
+                    sys.modules[name] = before
         found = _Checkout(root, commit_of(root), modules)
         _loaded[root] = found
         log.debug("nanovllm %s loaded from %s", found.commit, root)
@@ -184,7 +186,7 @@ class NanoVllmSubject:
             chunk_only_first=True,
             prefill_publishes_to_cache=True,
         )
-        self.seqs: Dict[int, object] = {}  # uid -> its nano-vllm Sequence, from submit until it ends
+        self.seqs: Dict[int, Any] = {}  # uid -> its nano-vllm Sequence, from submit until it ends
         self.live: Dict[int, None] = {}  # admitted uids, in admission order
         self.prefilling: Set[int] = set()  # admitted and its prompt not yet computed (nano: not RUNNING)
 

@@ -54,7 +54,7 @@ from kvledger.subjects.sglang_import import ALLOCATION, COMMON, PACKAGE, VERSION
 from kvledger.subjects.sglang_scheduler import SchedulerState, SglangRequest
 from kvledger.subjects.sglang_zoo import ZOO
 
-__all__ = ["NAME", "VERSION", "FUNCTIONS", "ZOO", "DriverMismatch", "SglangSubject", "build", "load", "probe"]
+__all__ = ["NAME", "VERSION", "FUNCTIONS", "ZOO", "SglangSubject", "build", "load", "probe"]
 
 log = logging.getLogger(__name__)
 

@@ -10,12 +10,11 @@ import pytest
 
 from kvledger.checker.subject_fuzz import run_case
 from kvledger.engine.ledger.ops import InvalidOp
-from kvledger.properties.subject import Subject, SubjectConfig, SubjectUnavailable
+from kvledger.properties.subject import DriverMismatch, Subject, SubjectConfig, SubjectUnavailable
 from kvledger.properties.subject_driver import SubjectDriver, drive
 from kvledger.properties.subject_workload import draw_shape, next_op
 from kvledger.subjects import kvledger_own, parse_spec
 from kvledger.subjects.edits import EditError, SourceEdit
-from kvledger.subjects.minisgl_api import DriverMismatch
 
 CFG = SubjectConfig(num_pages=16, page_size=2, max_seq_len=32, max_running=4)
 NAMES = kvledger_own.NAMES

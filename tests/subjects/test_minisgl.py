@@ -15,12 +15,11 @@ import torch
 
 from kvledger.checker.subject_fuzz import run_case
 from kvledger.engine.ledger.ops import InvalidOp
-from kvledger.properties.subject import Subject, SubjectConfig, SubjectUnavailable
+from kvledger.properties.subject import DriverMismatch, Subject, SubjectConfig, SubjectUnavailable
 from kvledger.properties.subject_driver import SubjectDriver, drive
 from kvledger.properties.subject_workload import draw_shape, next_op
 from kvledger.subjects import kvledger_own, minisgl
 from kvledger.subjects.edits import EditError, SourceEdit, edited_function
-from kvledger.subjects.minisgl_api import DriverMismatch
 from kvledger.subjects.peers import peer_path
 
 CFG = SubjectConfig(num_pages=16, page_size=2, max_seq_len=32, max_running=4)

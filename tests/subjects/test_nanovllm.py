@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import pytest
 
 from kvledger.engine.ledger.ops import InvalidOp
-from kvledger.properties.subject import Subject, SubjectConfig, SubjectUnavailable
+from kvledger.properties.subject import DriverMismatch, Subject, SubjectConfig, SubjectUnavailable
 from kvledger.properties.subject_driver import Finding, SubjectDriver, drive
 from kvledger.subjects import nanovllm
 from kvledger.subjects.edits import SourceEdit, edited_function
@@ -144,7 +144,7 @@ def test_chunked_prefill_publishes_each_completed_block():
     _computed(s, 1, 6, 10, 200)
     assert {e.key for e in s.view().cached} == {s.cache_key(a[:4]), s.cache_key(a[:8])}
     assert len(s.view().requests[1]) == 11  # the sampled token's slot is in the last block
-    with pytest.raises(nanovllm.DriverMismatch):  # a decode of the wrong position is the driver's error
+    with pytest.raises(DriverMismatch):  # a decode of the wrong position is the driver's error
         s.allocate(1, 9, 10)
 
 
