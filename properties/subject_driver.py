@@ -44,7 +44,7 @@ from kvledger.engine.ledger.ops import (
     Submit,
     parse,
 )
-from kvledger.properties.subject import Capabilities, Subject, SubjectConfig, SubjectUnavailable, View
+from kvledger.properties.subject import Capabilities, Subject, SubjectConfig, View
 from kvledger.properties.subject_judge import Ledger, judge
 from kvledger.reference.pages import div_ceil
 
@@ -469,30 +469,6 @@ def _full_with_locks(view: View, page_size: int) -> bool:
         return False
     held = {int(loc) // page_size for row in view.requests.values() for loc in row}
     return any(e.lock for e in view.cached) or bool(cached & held)
-
-
-def replay(
-    factory: Callable[[SubjectConfig], Subject], config: SubjectConfig, ops: Sequence[Dict[str, Any]]
-) -> tuple[Finding | None, List[Dict[str, Any]]]:
-    """Apply `ops` to a fresh subject; the first finding (or None) and the ops that applied (an
-    op the driver refuses as invalid at its point is skipped, as the fuzzer never records one)."""
-    try:
-        driver = SubjectDriver(factory(config), config)
-    except SubjectUnavailable:
-        raise
-    except Exception as e:
-        return Finding(f"subject-raised:{type(e).__name__}", f"building the subject: {e}", traceback.format_exc()), []
-    applied: List[Dict[str, Any]] = []
-    for op in ops:
-        try:
-            driver.apply(op)
-        except InvalidOp:
-            continue
-        except Finding as f:
-            applied.append(op)
-            return f, applied
-        applied.append(op)
-    return None, applied
 
 
 def drive(

@@ -105,7 +105,7 @@ def subject_shard(
     """Cases 0..cases-1 of shard `shard` of a subject's judge-mode fuzzer; stops at its first finding."""
     from kvledger.checker.fuzz import case_seed
     from kvledger.checker.subject_fuzz import run_case
-    from kvledger.checker.subject_replay import edits_for
+    from kvledger.checker.targets import edits_for
     from kvledger.subjects import parse_spec
 
     logging.getLogger().setLevel(logging.WARNING)
@@ -353,7 +353,7 @@ def merge_subject(
     minimize_replays: Optional[int],
 ) -> Tuple[str, int]:
     from kvledger.checker.subject_fuzz import header_for, minimize_finding
-    from kvledger.checker.subject_replay import edits_for
+    from kvledger.checker.targets import edits_for
     from kvledger.engine.ledger import trace
     from kvledger.properties.subject import SubjectConfig
     from kvledger.subjects import parse_spec

@@ -30,7 +30,6 @@ result so far is reported). Decisions never read the clock: the clock only feeds
 
 from __future__ import annotations
 
-import copy
 import logging
 import resource
 import sys
@@ -47,6 +46,7 @@ from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.ops import InvalidOp, OpResult
 from kvledger.engine.ledger.trace import Header
 from kvledger.properties.lockstep import Lockstep
+from kvledger.properties.target import LockstepTarget, SubjectRun, SubjectTarget
 
 log = logging.getLogger(__name__)
 PATHS = ("copy", "replay")
@@ -160,20 +160,24 @@ def lockstep_ops(scope: Scope, lock: Lockstep) -> List[Op]:
 
 # -- backends: how states are built and stepped -----------------------------------------------------
 class LockstepBackend:
-    """Reference against fast through the Lockstep harness; `copy` or `replay` successors."""
+    """Reference against fast (a LockstepTarget's runs are Lockstep harnesses); `copy` or `replay`
+    successors."""
 
-    def __init__(self, scope: Scope, path: str = "copy", canonical: bool = True) -> None:
+    def __init__(
+        self, scope: Scope, path: str = "copy", canonical: bool = True, target: Optional[LockstepTarget] = None
+    ) -> None:
         if path not in PATHS:
             raise ValueError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
         self.scope, self.path, self.canonical = scope, path, canonical
+        self.target = target or LockstepTarget()
         self.header = scope.header()
         self.keeps_states = path == "copy"
 
     def root(self) -> Lockstep:
-        return Lockstep(self.header)
+        return self.target.start(self.header)
 
     def rebuild(self, ops: Sequence[Op]) -> Lockstep:
-        lock = Lockstep(self.header)
+        lock = self.root()
         for op in ops:
             lock.apply(op)
         return lock
@@ -213,66 +217,43 @@ class LockstepBackend:
             yield op, child
 
     def header_for_trace(self) -> Header:
-        return self.scope.header()
+        return self.target.trace_header(self.header, "kvledger explore")
 
 
 class SubjectBackend:
-    """One subject in judge mode through the SubjectDriver. `replay` builds each state from a fresh
-    subject; `copy` deepcopies the driver (and the subject in it) where that works."""
+    """One subject in judge mode (a SubjectTarget's runs drive it through the SubjectDriver).
+    `replay` builds each state from a fresh subject; `copy` deepcopies the run (and the subject in
+    it) where that works."""
 
-    def __init__(self, scope: Scope, spec_text: str, edits: Sequence[Any] = (), path: str = "replay") -> None:
-        from kvledger.properties.subject import SubjectConfig
-        from kvledger.subjects import parse_spec
-
+    def __init__(self, scope: Scope, target: SubjectTarget, path: str = "replay") -> None:
         if path not in PATHS:
             raise ValueError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
         self.scope, self.path, self.canonical = scope, path, True
-        self.spec = parse_spec(spec_text)
-        self.factory = self.spec.factory(edits)
-        self.config = SubjectConfig(
-            num_pages=scope.num_pages,
-            page_size=scope.page_size,
-            max_seq_len=scope.max_seq_len,
-            max_running=scope.table_slots,
-        )
+        self.target = target
+        self.header = scope.header()
         self.keeps_states = path == "copy"
-        self.version = "unknown"
 
-    def _fresh(self) -> Any:
-        from kvledger.properties.subject_driver import SubjectDriver
-
-        try:
-            subject = self.factory(self.config)
-        except Finding:
-            raise
-        except Exception as e:
-            if type(e).__name__ == "SubjectUnavailable":
-                raise
-            raise Finding(f"subject-raised:{type(e).__name__}", f"building the subject: {e}") from e
-        self.version = getattr(subject, "version", "unknown")
-        return SubjectDriver(subject, self.config)
-
-    def root(self) -> Any:
-        driver = self._fresh()
+    def root(self) -> SubjectRun:
+        run = self.target.start(self.header)
         if self.path == "copy":
             try:
-                copy.deepcopy(driver)
+                run.copy()
             except Exception as e:  # not every subject can be copied: replay it from the start
-                log.warning("%s cannot be deep-copied (%s): replaying each state from the start", self.spec.text, e)
+                log.warning("%s cannot be deep-copied (%s): replaying each state from the start", self.target.name, e)
                 self.path, self.keeps_states = "replay", False
-        return driver
+        return run
 
-    def rebuild(self, ops: Sequence[Op]) -> Any:
-        driver = self._fresh()
+    def rebuild(self, ops: Sequence[Op]) -> SubjectRun:
+        run = self.target.start(self.header)
         for op in ops:
-            driver.apply(op)
-        return driver
+            run.apply(op)
+        return run
 
-    def key(self, driver: Any) -> bytes:
-        return subject_key(driver, self.canonical)
+    def key(self, run: SubjectRun) -> bytes:
+        return subject_key(run.driver, self.canonical)
 
-    def ops(self, driver: Any) -> List[Op]:
-        scope = self.scope
+    def ops(self, run: SubjectRun) -> List[Op]:
+        scope, driver = self.scope, run.driver
         in_system = len(set(driver.waiting) | set(driver.live))
         ops: List[Op] = []
         if "submit" in scope.ops and in_system < scope.max_live:
@@ -289,12 +270,12 @@ class SubjectBackend:
         return ops
 
     def successors(
-        self, driver: Any, path: Sequence[Op], consume: bool = False
+        self, run: SubjectRun, path: Sequence[Op], consume: bool = False
     ) -> Iterator[Tuple[Op, Optional[Outcome]]]:
-        """As LockstepBackend.successors (a subject's driver is always copied or rebuilt)."""
-        for op in self.ops(driver):
+        """As LockstepBackend.successors (a subject's run is always copied or rebuilt)."""
+        for op in self.ops(run):
             try:
-                child = copy.deepcopy(driver) if self.path == "copy" else self.rebuild(path)
+                child = run.copy() if self.path == "copy" else self.rebuild(path)
                 child.apply(op)
             except InvalidOp:
                 yield op, None
@@ -305,11 +286,7 @@ class SubjectBackend:
             yield op, child
 
     def header_for_trace(self) -> Header:
-        from dataclasses import replace
-
-        from kvledger.checker.subject_fuzz import header_for
-
-        return replace(header_for(self.spec, self.version, self.config, None), producer="kvledger explore")
+        return self.target.trace_header(self.header, "kvledger explore")
 
 
 # -- the search -------------------------------------------------------------------------------------
@@ -473,6 +450,7 @@ def search(
 def explore(
     scope: Scope,
     *,
+    target: Optional[Union[LockstepTarget, SubjectTarget]] = None,
     bug: Optional[str] = None,
     subject: Optional[str] = None,
     edits: Sequence[Any] = (),
@@ -483,23 +461,28 @@ def explore(
     out_dir: Optional[Union[str, Path]] = None,
     progress: Optional[bool] = None,
 ) -> ExploreResult:
-    """Explore `scope` (see the module docstring). `bug` patches a zoo bug into fast; `subject`
-    explores that subject in judge mode instead of reference against fast. Counterexamples are
-    written under `out_dir` when it is given."""
-    from kvledger.subjects.fast_zoo import patched
+    """Explore `scope` (see the module docstring) on `target`, or on the one `bug` (a zoo bug of
+    fast) or `subject` (a spec, with `edits`) names. Counterexamples are written under `out_dir`
+    when it is given."""
+    from kvledger.checker.targets import lockstep_target, subject_target
 
-    if subject is not None:
-        backend: Any = SubjectBackend(scope, subject, edits, path)
-        mode = f"subject {subject}"
+    if target is None:
+        target = subject_target(subject, edits=edits) if subject is not None else lockstep_target(bug)
+    backend: Union[LockstepBackend, SubjectBackend]
+    if isinstance(target, SubjectTarget):
+        backend = SubjectBackend(scope, target, path)
+        mode = f"subject {target.name}"
     else:
-        backend = LockstepBackend(scope, path, canonical)
+        backend = LockstepBackend(scope, path, canonical, target)
         mode = "lockstep"
-    result = ExploreResult(scope, mode, path, canonical, merge, bug)
-    with patched(bug if subject is None else None):
+    # a subject's bug is in its edits: counterexamples are named as a clean run's, and replayed as such
+    result = ExploreResult(scope, mode, path, canonical, merge, target.bug if mode == "lockstep" else None)
+    with target.active():
         search(backend, scope, result, merge=merge, all_kinds=all_kinds, progress=progress)
     result.path = backend.path
     if out_dir is not None:
         write_findings(result, backend.header_for_trace(), Path(out_dir))
+    result.bug = target.bug
     return result
 
 
@@ -611,11 +594,11 @@ def audit_merges(scope: Scope, *, bug: Optional[str] = None, lookahead: int = 2,
     that it and the state kept for that key observe alike up to `lookahead` operations (`observe`).
     The first `max_merges` merges are audited; a mismatch is a canonicalization that merged two
     states the lockstep harness tells apart."""
-    from kvledger.subjects.fast_zoo import patched
+    from kvledger.checker.targets import lockstep_target
 
     audit = AuditResult()
-    backend = LockstepBackend(scope, "copy", canonical=True)
-    with patched(bug):
+    backend = LockstepBackend(scope, "copy", canonical=True, target=lockstep_target(bug))
+    with backend.target.active():
         root = backend.root()
         kept: Dict[bytes, Tuple[Lockstep, List[Op]]] = {backend.key(root): (root, [])}
         frontier = [(root, [])]

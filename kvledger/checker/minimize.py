@@ -26,19 +26,32 @@ single operation can be removed, repaired or not.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import sys
 import time
 from dataclasses import replace
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
+from kvledger.engine.ledger import trace
 from kvledger.engine.ledger.cache_scheduler import InvalidOp
+from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.trace import Header, dumps
-from kvledger.properties.lockstep import Finding, Lockstep, replay
+from kvledger.properties.subject import Subject, SubjectConfig
+from kvledger.properties.target import (
+    LockstepTarget,
+    Run,
+    SubjectTarget,
+    Target,
+    config_of,
+    header_of,
+    replay,
+)
 
 _log = logging.getLogger(__name__)  # `log` is the minimizer's callback
 
-Ops = List[Dict]
+Op = Dict[str, Any]
+Ops = List[Op]
 # ops that name a request: submit/finish/abort through "uid", prefill/decode through "stop"
 _UID_OPS = ("submit", "finish", "abort")
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -52,19 +65,26 @@ class _OutOfTime(Exception):
     pass
 
 
-def fingerprint_of(header: Header, ops: Ops) -> Tuple[str, int]:
-    """Replay strictly; return the Finding's (kind, step). Raises MinimizeError if the trace
-    passes or is invalid."""
+def fingerprint_of(header: Header, ops: Ops, target: Optional[Target] = None) -> Tuple[str, int]:
+    """Replay (strictly, on lockstep); return the Finding's (kind, step). Raises MinimizeError if
+    the trace passes or is invalid."""
+    kind, step, _ = _fingerprint(target or LockstepTarget(), header, ops)
+    return kind, step
+
+
+def _fingerprint(target: Target, header: Header, ops: Ops) -> Tuple[str, int, Ops]:
+    """(kind, step, the operations applied up to the failing one)."""
     try:
-        replay(header, ops)
-    except Finding as e:
-        return e.kind, e.step
+        finding, run = replay(target, header, ops)
     except InvalidOp as e:
         raise MinimizeError(f"the trace is invalid at operation {getattr(e, 'step', '?')}: {e}") from None
-    raise MinimizeError(
-        f"the trace does not fail: its {len(ops)} operations replay with no divergence "
-        "(nothing to minimize; a bug-zoo trace needs its bug patched in, e.g. --bug NAME)"
-    )
+    if finding is None:
+        raise MinimizeError(
+            f"the trace does not fail: its {len(ops)} operations replay with no divergence "
+            "(nothing to minimize; a bug-zoo trace needs its bug patched in, e.g. --bug NAME)"
+        )
+    applied = [] if run is None else list(run.ops)
+    return finding.kind, finding.step if finding.step is not None else 0, applied
 
 
 def _key(header: Header, ops: Ops) -> str:
@@ -72,19 +92,19 @@ def _key(header: Header, ops: Ops) -> str:
 
 
 def _replay_repairing(
-    header: Header, ops: Ops, on_step: Callable[[Lockstep], None] | None = None
+    target: Target, header: Header, ops: Ops, on_step: Callable[[Run], None] | None = None
 ) -> Tuple[Optional[str], Ops]:
     """Replay, skipping operations the model rejects before changing anything. Returns the
     divergence kind (None if none) and the operations applied, up to and including the one
-    that diverged. `on_step` sees the harness after each operation that applied cleanly."""
+    that diverged. `on_step` sees the run after each operation that applied cleanly."""
     try:
-        lock = Lockstep(header)
-    except Exception:  # a header the managers refuse
+        lock = target.start(header)
+    except Exception:  # a header the managers refuse (or a subject that fails as it is built)
         return None, []
     return _continue(lock, ops, on_step)
 
 
-def _continue(lock: Lockstep, ops: Ops, on_step: Callable[[Lockstep], None] | None = None) -> Tuple[Optional[str], Ops]:
+def _continue(lock: Run, ops: Ops, on_step: Callable[[Run], None] | None = None) -> Tuple[Optional[str], Ops]:
     for op in ops:
         try:
             lock.apply(op)
@@ -113,13 +133,16 @@ class _Checkpoints:
 
     def __init__(self, n_ops: int = 0) -> None:
         self.every = max(16, n_ops // 40)
-        self.saved: List[Tuple[int, Lockstep]] = []
+        self.saved: List[Tuple[int, Run]] = []
 
-    def record(self, lock: Lockstep) -> None:
+    def record(self, lock: Run) -> None:
         if len(lock.ops) % self.every == 0:
-            self.saved.append((len(lock.ops), lock.copy()))
+            try:
+                self.saved.append((len(lock.ops), lock.copy()))
+            except Exception:  # a subject that cannot be copied: every candidate replays from the start
+                self.every = sys.maxsize
 
-    def resume(self, limit: int) -> Optional[Tuple[int, Lockstep]]:
+    def resume(self, limit: int) -> Optional[Tuple[int, Run]]:
         """A fresh copy of the latest checkpoint at or before operation `limit`."""
         best = None
         for n, lock in self.saved:
@@ -146,7 +169,9 @@ class _Minimizer:
         deadline: float,
         log: Callable[[str], None],
         max_replays: Optional[int] = None,
+        target: Optional[Target] = None,
     ) -> None:
+        self.target: Target = target or LockstepTarget()
         self.header, self.ops, self.kind = header, ops, kind
         self.deadline = deadline
         self.max_replays = max_replays
@@ -185,7 +210,7 @@ class _Minimizer:
         if not self.strict and header == self.header:
             start = self.checkpoints.resume(_common_prefix(ops, self.ops))
         if start is None:
-            kind, applied = _replay_repairing(header, ops)
+            kind, applied = _replay_repairing(self.target, header, ops)
             return kind == self.kind, applied, True
         n, lock = start
         kind, applied = _continue(lock, ops[n:])
@@ -198,7 +223,9 @@ class _Minimizer:
         short = len(self.ops) < _Checkpoints.MIN_OPS  # short traces replay from the start anyway
         if short and not verify:
             return True
-        kind, applied = _replay_repairing(self.header, self.ops, None if short else self.checkpoints.record)
+        kind, applied = _replay_repairing(
+            self.target, self.header, self.ops, None if short else self.checkpoints.record
+        )
         if kind != self.kind or applied != self.ops:
             self.checkpoints = _Checkpoints()
             return False
@@ -519,51 +546,265 @@ def minimize(
     budget: float = 60.0,
     log: Callable[[str], None] | None = None,
     max_replays: Optional[int] = None,
+    target: Optional[Target] = None,
 ) -> Tuple[Header, Ops, str]:
     """Shrink a failing trace within `budget` seconds (math.inf: no time limit) and at most
     `max_replays` candidate replays; returns (header, ops, fingerprint). A replay count, unlike
     seconds, gives the same result on a loaded machine: tests bound the work with it.
 
     Raises MinimizeError if the trace does not fail (or is invalid). If the budget runs out the
-    best trace so far is returned (log says so); otherwise the result is 1-minimal.
+    best trace so far is returned (log says so); otherwise the result is 1-minimal. `target`
+    (default: reference against fast) replays the candidates; the caller keeps it active.
     """
     log = log or (lambda msg: None)
+    target = target or LockstepTarget()
     start = time.monotonic()
-    kind, step = fingerprint_of(header, ops)
+    kind, step, applied = _fingerprint(target, header, ops)
     log(f"fingerprint {kind} at step {step} of {len(ops)}")
-    ops = [dict(op) for op in ops[:step]]
+    ops = [dict(op) for op in applied]
     if not kind.startswith("expect:") and any("expect" in op for op in ops):
         # recorded expectations only get in the way of shrinking
         stripped = [{k: v for k, v in op.items() if k != "expect"} for op in ops]
-        kind2, _ = _replay_repairing(header, stripped)
+        kind2, _ = _replay_repairing(target, header, stripped)
         if kind2 == kind:
             ops = stripped
-    m = _Minimizer(header, ops, kind, start + budget, log, max_replays)
+    m = _Minimizer(header, ops, kind, start + budget, log, max_replays, target)
     complete = m.run()
     log(
         f"{'1-minimal' if complete else 'budget exhausted (result may not be 1-minimal)'}: "
         f"{len(m.ops)} ops after {m.tests} replays in {time.monotonic() - start:.1f}s"
     )
-    out_header = replace(m.header, producer="minimize")
+    out_header = target.trace_header(m.header, "minimize")
     return out_header, m.ops, kind
 
 
 def main_minimize(
-    path: str, output: str, budget: float = 60.0, bug: str | None = None, max_replays: Optional[int] = None
+    path: str,
+    output: str,
+    budget: float = 60.0,
+    bug: str | None = None,
+    max_replays: Optional[int] = None,
+    target: Optional[Target] = None,
 ) -> int:
-    """`kvledger minimize TRACE -o OUT`: exit 0 with the minimized trace written, 2 on an error."""
+    """`kvledger minimize TRACE -o OUT` on `target` (default: reference against fast with `bug`):
+    exit 0 with the minimized trace written, 1 when a subject's trace replays clean, 2 on an error."""
+    from kvledger.checker.targets import lockstep_target
     from kvledger.engine.ledger.trace import TraceError, read, write
-    from kvledger.subjects.fast_zoo import patched
 
+    target = target or lockstep_target(bug)
     try:
         header, ops = read(path)
-        with patched(bug):
+    except (OSError, TraceError) as e:
+        print(f"kvledger minimize: {path}: {e}", file=sys.stderr)
+        return 2
+    if isinstance(target, SubjectTarget):
+        return _main_minimize_subject(path, output, budget, max_replays, target, header, ops)
+    try:
+        with target.active():
             start = time.monotonic()
             m_header, m_ops, kind = minimize(header, ops, budget=budget, log=_log.info, max_replays=max_replays)
-    except (OSError, TraceError, MinimizeError, KeyError) as e:
+    except (MinimizeError, KeyError) as e:
         print(f"kvledger minimize: {path}: {e}", file=sys.stderr)
         return 2
     write(output, m_header, m_ops)
     print(f"{len(ops)} -> {len(m_ops)} operations in {time.monotonic() - start:.1f}s, fingerprint {kind}: {output}")
+    bug = target.bug
     print(f"replay it: kvledger replay {output}" + (f"  (needs bug {bug!r} patched in)" if bug else ""))
     return 0
+
+
+# -- a subject's traces: the operations only ---------------------------------------------------------
+# A subject's replay costs milliseconds where lockstep's costs microseconds, and a subject accepts
+# only some page sizes: its traces are shrunk by delta debugging over the operations (drop chunks,
+# then single operations), then simpler operations (shorter prompts, smaller max_tokens, budgets
+# and stops), each candidate replayed from scratch on a fresh subject, an operation the driver
+# refuses at its new point skipped. `shortest_failure` also tries short random cases of the same
+# kind, since a trace can only lose operations. Stops after `budget` seconds or `max_replays`
+# candidates (the second gives the same result on any machine).
+CaseRunner = Callable[[Callable[[SubjectConfig], Subject], int, Sequence[int], int], Any]
+
+
+def _subject_replay(target: SubjectTarget, config: SubjectConfig, ops: Sequence[Op]) -> Tuple[Optional[Finding], Ops]:
+    """The first finding on a fresh subject (None if none) and the operations that applied."""
+    try:
+        run = target.start_config(config)
+    except Finding as f:
+        return f, []
+    for op in ops:
+        try:
+            run.apply(op)
+        except InvalidOp:
+            continue
+        except Finding as f:
+            return f, list(run.ops)
+    return None, list(run.ops)
+
+
+def minimize_ops(
+    factory: Union[Callable[[SubjectConfig], Subject], SubjectTarget],
+    config: SubjectConfig,
+    ops: Sequence[Op],
+    kind: str,
+    budget: float = 60.0,
+    max_replays: int | None = None,
+) -> Tuple[Ops, Finding | None]:
+    """A subject's failing `ops` on `config` shrunk keeping the finding's `kind`: (ops, finding)."""
+    target = factory if isinstance(factory, SubjectTarget) else SubjectTarget(factory, "subject")
+    deadline = time.monotonic() + budget
+    replays = [0]
+
+    def fails(candidate: Ops) -> Tuple[bool, Ops, Finding | None]:
+        replays[0] += 1
+        finding, applied = _subject_replay(target, config, candidate)
+        return (finding is not None and finding.kind == kind), applied, finding
+
+    def out_of_budget() -> bool:
+        return time.monotonic() > deadline or (max_replays is not None and replays[0] >= max_replays)
+
+    ok, current, finding = fails(list(ops))
+    if not ok:
+        return list(ops), finding
+    while not out_of_budget():
+        before = len(current), json.dumps(current)
+        current, finding = _drop(current, finding, fails, out_of_budget)
+        current, finding = _simplify(current, finding, fails, out_of_budget)
+        if (len(current), json.dumps(current)) == before:
+            break
+    renumbered = _renumber_by_submission(current)
+    if renumbered != current and not out_of_budget():
+        ok, applied, f = fails(renumbered)
+        if ok and len(applied) == len(renumbered):
+            current, finding = applied, f
+    _log.info("minimized %d ops to %d in %d replays", len(ops), len(current), replays[0])
+    return current, finding
+
+
+Fails = Callable[[Ops], Tuple[bool, Ops, Optional[Finding]]]
+
+
+def _drop(
+    current: Ops, finding: Finding | None, fails: Fails, out_of_budget: Callable[[], bool]
+) -> Tuple[Ops, Finding | None]:
+    """Delta debugging: drop chunks of operations, halving the chunk until single operations."""
+    chunk = max(len(current) // 2, 1)
+    while chunk >= 1 and not out_of_budget():
+        i, shrunk = 0, False
+        while i < len(current) and not out_of_budget():
+            ok, applied, f = fails(current[:i] + current[i + chunk :])
+            if ok:
+                current, finding, shrunk = applied, f, True
+            else:
+                i += chunk
+        if not shrunk:
+            chunk //= 2
+    return current, finding
+
+
+def _simplify(
+    current: Ops, finding: Finding | None, fails: Fails, out_of_budget: Callable[[], bool]
+) -> Tuple[Ops, Finding | None]:
+    """Simpler operations one at a time; a change that makes later operations moot (they are then
+    skipped or become no-ops for `_drop`) is kept as long as the finding is."""
+    i = 0
+    while i < len(current) and not out_of_budget():
+        for simpler in _simpler(current[i]):
+            ok, applied, f = fails(current[:i] + [simpler] + current[i + 1 :])
+            if ok and len(applied) <= len(current):
+                current, finding = applied, f
+                break
+        else:
+            i += 1
+    return current, finding
+
+
+def _renumber_by_submission(ops: Ops) -> Ops:
+    """uids 0, 1, 2, ... in submission order, for a reader."""
+    new: Dict[int, int] = {}
+    for op in ops:
+        if op["op"] == "submit":
+            new.setdefault(op["uid"], len(new))
+
+    def uid(u: int) -> int:
+        return new.get(u, u)
+
+    out = []
+    for op in ops:
+        op = dict(op)
+        if "uid" in op:
+            op["uid"] = uid(op["uid"])
+        if op.get("stop"):
+            op["stop"] = [uid(u) for u in op["stop"]]
+        out.append(op)
+    return out
+
+
+def _simpler(op: Op) -> Ops:
+    out = []
+    if op["op"] == "submit":
+        tokens = op["tokens"]
+        for n in range(1, len(tokens)):
+            out.append({**op, "tokens": tokens[:n]})
+        if op["max_tokens"] > 1:
+            out.append({**op, "max_tokens": 1})
+            out.append({**op, "max_tokens": op["max_tokens"] - 1})
+    elif op["op"] in ("prefill", "decode"):
+        if op.get("stop"):
+            out.append({**op, "stop": []})
+        if op["op"] == "prefill" and op["budget"] < 64:
+            out.append({**op, "budget": 64})
+        if len(op.get("sample", ())) > 1:
+            out.append({**op, "sample": op["sample"][:1]})
+    return [o for o in out if o != op]
+
+
+def _main_minimize_subject(
+    path: str, output: str, budget: float, max_replays: int | None, target: SubjectTarget, header: Header, ops: Ops
+) -> int:
+    config = config_of(header)
+    finding, _ = _subject_replay(target, config, ops)
+    if finding is None:
+        print(f"{path}: replays clean on {target.name}; nothing to minimize")
+        return 1
+    small, finding = minimize_ops(target, config, ops, finding.kind, budget, max_replays)
+    trace.write(output, header_of(config, header.seed, "kvledger fuzz --subject", target.name, target.version), small)
+    assert finding is not None  # the input's kind, kept by every accepted candidate
+    print(f"[{finding.kind}] {finding.message}")
+    print(f"minimized {len(ops)} operations to {len(small)}: {output}")
+    for op in small:
+        print("  " + json.dumps(op))
+    return 0
+
+
+def shortest_failure(
+    factory: Union[Callable[[SubjectConfig], Subject], SubjectTarget],
+    kind: str,
+    ops: Ops,
+    config: SubjectConfig,
+    finding: Finding | None,
+    page_sizes: Sequence[int],
+    budget: float = 20.0,
+    cases: int = 200,
+    max_ops: int = 6,
+    *,
+    run_case: CaseRunner,
+) -> Tuple[Ops, SubjectConfig, Finding | None]:
+    """A minimized trace can only lose operations, so a failure reached the long way (a pool
+    filled by many decodes) stays long. This also searches short random cases (`run_case`, the
+    subject fuzzer's: `max_ops` before the drain, case seeds from 10**9) for the same kind of
+    finding, minimizes each one found, and returns the shortest of all (its ops, config, finding);
+    deterministic for a number of cases."""
+    target = factory if isinstance(factory, SubjectTarget) else SubjectTarget(factory, "subject")
+    deadline = time.monotonic() + budget
+    best = (ops, config, finding)
+    for k in range(cases):
+        if time.monotonic() > deadline or len(best[0]) <= 2:
+            break
+        result = run_case(target.factory, 10**9 + k, page_sizes, max_ops)
+        if result.finding is None or result.finding.kind != kind or len(result.ops) >= 4 * len(best[0]):
+            continue
+        small, f = minimize_ops(
+            target, result.config, result.ops, kind, budget=max(deadline - time.monotonic(), 1), max_replays=2000
+        )
+        if len(small) < len(best[0]):
+            best = (small, result.config, f)
+    return best

@@ -13,37 +13,35 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Sequence
 
 from hypothesis import HealthCheck, Phase, settings
 
+from kvledger.checker.targets import SpecTarget
 from kvledger.engine.ledger import trace
 from kvledger.properties.profiles import register_profiles
 from kvledger.properties.subject import SubjectConfig
 from kvledger.properties.subject_driver import expected_events
 from kvledger.properties.subject_machine import SUBJECT_EXAMPLES, SUBJECT_STEPS, Progress, machine_for
-from kvledger.subjects import parse_spec
-from kvledger.subjects.edits import SourceEdit
+from kvledger.properties.target import header_of
 
 log = logging.getLogger(__name__)
 
 
 def run_subject_check(
-    text: str,
+    target: SpecTarget,
     profile: str = "ci",
     examples: int | None = None,
-    edits: Sequence[SourceEdit] = (),
     out_dir: str | Path = ".kvledger/failures",
     minimize_budget: float = 30.0,
     quiet: bool = False,
 ) -> tuple[int, Progress, Path | None]:
     """(exit code, what the run reached, the minimized failing trace or None)."""
-    from kvledger.checker.subject_fuzz import header_for
-    from kvledger.checker.subject_minimize import minimize_ops, shortest_failure
+    from kvledger.checker.minimize import minimize_ops, shortest_failure
+    from kvledger.checker.subject_fuzz import run_case
 
-    spec = parse_spec(text)
-    factory = spec.factory(edits)
-    page_sizes = spec.page_sizes()
+    spec, text = target.spec, target.name
+    factory = target.factory
+    page_sizes = target.page_sizes
     sample = factory(SubjectConfig(num_pages=8, page_size=page_sizes[0], max_seq_len=16))
     version, expected = sample.version, expected_events(sample.capabilities)
     register_profiles(profile)
@@ -77,12 +75,12 @@ def run_subject_check(
         if progress.last_failure is None:
             raise
         config, ops, finding = progress.last_failure
-        small, finding = minimize_ops(factory, config, ops, finding.kind, budget=minimize_budget / 2)
+        small, finding = minimize_ops(target, config, ops, finding.kind, budget=minimize_budget / 2)
         small, config, finding = shortest_failure(
-            factory, finding.kind, small, config, finding, page_sizes, budget=minimize_budget / 2
+            target, finding.kind, small, config, finding, page_sizes, budget=minimize_budget / 2, run_case=run_case
         )
         path = Path(out_dir) / f"{spec.name.replace(':', '-')}-{finding.kind.replace(':', '-')}.jsonl"
-        trace.write(path, header_for(spec, version, config, None), small)
+        trace.write(path, header_of(config, None, "kvledger fuzz --subject", text, version), small)
         if not quiet:
             print(f"FAILED after {elapsed:.1f}s ({progress.sequences} sequences): [{finding.kind}] {finding.message}")
             print(f"minimized to {len(small)} operations: {path} (kvledger replay {path})")

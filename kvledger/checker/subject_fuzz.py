@@ -152,10 +152,12 @@ def minimize_finding(
 ) -> Tuple[List[Dict[str, Any]], SubjectConfig]:
     """A finding's trace made small: delta debugging on its operations, then a search of short
     cases for the same finding (half the budget each); returns the operations and their config."""
-    from kvledger.checker.subject_minimize import minimize_ops, shortest_failure
+    from kvledger.checker.minimize import minimize_ops, shortest_failure
 
     small, finding = minimize_ops(factory, config, ops, kind, budget=budget / 2, max_replays=max_replays)
-    small, small_config, _ = shortest_failure(factory, kind, small, config, finding, page_sizes, budget=budget / 2)
+    small, small_config, _ = shortest_failure(
+        factory, kind, small, config, finding, page_sizes, budget=budget / 2, run_case=run_case
+    )
     return small, small_config
 
 

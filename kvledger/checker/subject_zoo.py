@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Sequence
 
+from kvledger.checker.minimize import minimize_ops, shortest_failure
 from kvledger.checker.subject_fuzz import run_case
-from kvledger.checker.subject_minimize import minimize_ops, shortest_failure
 from kvledger.properties.subject import Subject, SubjectConfig
 from kvledger.subjects import parse_spec
 
@@ -55,7 +55,15 @@ def catch(
                 factory, result.config, result.ops, row.kind, budget=minimize_budget / 2, max_replays=400
             )
             small, _, _ = shortest_failure(
-                factory, row.kind, small, result.config, f, page_sizes, budget=minimize_budget / 2, cases=100
+                factory,
+                row.kind,
+                small,
+                result.config,
+                f,
+                page_sizes,
+                budget=minimize_budget / 2,
+                cases=100,
+                run_case=run_case,
             )
             row.min_ops = len(small)
             return row

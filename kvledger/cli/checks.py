@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 SUBJECT_HELP = (
     "judge mode on this cache manager instead of reference vs fast: fast, reference, vllm, "
@@ -17,6 +18,32 @@ SUBJECT_HELP = (
 def _subject_error(command: str, e: Exception) -> int:
     print(f"kvledger {command}: {e}", file=sys.stderr)
     return 2
+
+
+def _target(args: argparse.Namespace, command: str, named: str | None = None) -> Any:
+    """The one target a command runs on, from --subject (or the subject a trace's header names),
+    --fix and --bug: a subject in judge mode, or reference against fast with fast's zoo bug. An
+    exit status (2) when the spec, the fix or the bug is unknown or the subject is not installed."""
+    from kvledger.checker.targets import target_for
+    from kvledger.properties.subject import SubjectUnavailable
+    from kvledger.subjects import SpecError
+
+    try:
+        return target_for(
+            args.subject,
+            fix=getattr(args, "fix", None),
+            bug=args.bug,
+            device=getattr(args, "device", "cpu"),
+            named=named,
+        )
+    except (SpecError, SubjectUnavailable, KeyError) as e:
+        return _subject_error(command, e)
+
+
+def _is_subject(target: Any) -> bool:
+    from kvledger.properties.target import SubjectTarget
+
+    return isinstance(target, SubjectTarget)
 
 
 def _add_subject(p: argparse.ArgumentParser) -> None:
@@ -95,24 +122,24 @@ def _check(args: argparse.Namespace) -> int:
     os.environ["HYPOTHESIS_PROFILE"] = args.profile
     if args.tasks is not None:
         return _check_campaign(args)
-    if args.subject:
-        from kvledger.checker.subject_check import run_subject_check
-        from kvledger.checker.subject_replay import edits_for
-        from kvledger.properties.subject import SubjectUnavailable
-        from kvledger.subjects import SpecError, parse_spec
+    if not args.subject:  # the lockstep machine runs reference against fast as they are
+        from kvledger.checker.check import run_check
 
-        try:
-            edits = edits_for(parse_spec(args.subject), fix=args.fix, bug=args.bug)
-            return run_subject_check(args.subject, args.profile, args.examples, edits, args.out_dir)[0]
-        except (SpecError, SubjectUnavailable, KeyError) as e:
-            return _subject_error("check", e)
-    from kvledger.checker.check import run_check
+        return run_check(args.profile, args.examples)
+    target = _target(args, "check")
+    if isinstance(target, int):
+        return target
+    from kvledger.checker.subject_check import run_subject_check
+    from kvledger.properties.subject import SubjectUnavailable
 
-    return run_check(args.profile, args.examples)
+    try:
+        return run_subject_check(target, args.profile, args.examples, args.out_dir)[0]
+    except SubjectUnavailable as e:
+        return _subject_error("check", e)
 
 
 def _check_campaign(args: argparse.Namespace) -> int:
-    from kvledger.tools import campaigns
+    from kvledger.checker import campaigns
 
     if args.subject:
         print(
@@ -176,13 +203,12 @@ def _replay(args: argparse.Namespace) -> int:
     named = _named_subject("replay", args.trace)
     if isinstance(named, int):
         return named
-    if args.subject or named:
-        from kvledger.checker.subject_replay import replay_subject_file
+    target = _target(args, "replay", named)
+    if isinstance(target, int):
+        return target
+    from kvledger.checker.replay import replay_trace
 
-        return replay_subject_file(args.trace, args.subject, fix=args.fix, bug=args.bug)
-    from kvledger.checker.replay import replay_file
-
-    return replay_file(args.trace, device=args.device, bug=args.bug)
+    return replay_trace(args.trace, target)
 
 
 # -- zoo --------------------------------------------------------------------------------------------
@@ -207,7 +233,7 @@ def add_zoo(sub: argparse._SubParsersAction) -> None:
 
 
 def _zoo(args: argparse.Namespace) -> int:
-    if args.subject:
+    if args.subject:  # the subject's own zoo: a target per bug
         from kvledger.checker.subject_zoo import print_subject_zoo, run_subject_zoo
         from kvledger.properties.subject import SubjectUnavailable
         from kvledger.subjects import SpecError
@@ -271,28 +297,29 @@ def _fuzz(args: argparse.Namespace) -> int:
         return 2
     if args.tasks is not None:
         return _fuzz_campaign(args)
-    if args.subject:
+    target = _target(args, "fuzz")
+    if isinstance(target, int):
+        return target
+    if _is_subject(target):
         from kvledger.checker.subject_fuzz import fuzz_subject, print_report
-        from kvledger.checker.subject_replay import edits_for
         from kvledger.properties.subject import SubjectUnavailable
-        from kvledger.subjects import SpecError, parse_spec
+        from kvledger.subjects import SpecError
 
         try:
-            edits = edits_for(parse_spec(args.subject), fix=args.fix, bug=args.bug)
             report = fuzz_subject(
-                args.subject,
+                target.name,
                 args.seconds,
                 workers=args.workers,
                 seed=args.seed,
                 out_dir=args.out_dir,
-                edits=edits,
+                edits=target.edits,
                 minimize_budget=args.minimize_budget,
                 max_cases=args.max_cases,
                 minimize_replays=args.minimize_replays,
             )
         except (SpecError, SubjectUnavailable, KeyError) as e:
             return _subject_error("fuzz", e)
-        print_report(args.subject, report, args.workers)
+        print_report(target.name, report, args.workers)
         return 1 if report.findings else 0
     from kvledger.checker.fuzz import fuzz
 
@@ -302,7 +329,7 @@ def _fuzz(args: argparse.Namespace) -> int:
             workers=args.workers,
             seed=args.seed,
             out_dir=args.out_dir,
-            bug=args.bug,
+            bug=target.bug,
             minimize_budget=args.minimize_budget,
             admission=args.admission,
             max_cases=args.max_cases,
@@ -314,7 +341,7 @@ def _fuzz(args: argparse.Namespace) -> int:
 
 
 def _fuzz_campaign(args: argparse.Namespace) -> int:
-    from kvledger.tools import campaigns
+    from kvledger.checker import campaigns
 
     try:
         if args.cases < 1:
@@ -368,18 +395,16 @@ def _minimize(args: argparse.Namespace) -> int:
     named = _named_subject("minimize", args.trace)
     if isinstance(named, int):
         return named
-    if args.subject or named:
-        from kvledger.checker.subject_minimize import main_minimize_subject
-        from kvledger.properties.subject import SubjectUnavailable
-        from kvledger.subjects import SpecError
-
-        try:
-            return main_minimize_subject(args.trace, args.output, args.budget, args.subject, args.max_replays)
-        except (SpecError, SubjectUnavailable) as e:
-            return _subject_error("minimize", e)
+    target = _target(args, "minimize", named)
+    if isinstance(target, int):
+        return target
     from kvledger.checker.minimize import main_minimize
+    from kvledger.properties.subject import SubjectUnavailable
 
-    return main_minimize(args.trace, args.output, args.budget, args.bug, args.max_replays)
+    try:
+        return main_minimize(args.trace, args.output, args.budget, max_replays=args.max_replays, target=target)
+    except SubjectUnavailable as e:
+        return _subject_error("minimize", e)
 
 
 # -- subjects, show, coverage -----------------------------------------------------------------------

@@ -110,25 +110,19 @@ def run(args: argparse.Namespace) -> int:
     except (KeyError, ValueError) as e:
         print(f"kvledger explore: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
-    edits = ()
-    bug = args.bug
-    if args.subject:
-        from kvledger.checker.subject_replay import edits_for
-        from kvledger.properties.subject import SubjectUnavailable
-        from kvledger.subjects import SpecError, parse_spec
+    from kvledger.checker.targets import target_for
+    from kvledger.properties.subject import SubjectUnavailable
+    from kvledger.subjects import SpecError
 
-        try:
-            edits = edits_for(parse_spec(args.subject), fix=args.fix, bug=args.bug)
-        except (SpecError, SubjectUnavailable, KeyError) as e:
-            print(f"kvledger explore: {e}", file=sys.stderr)
-            return 2
-        bug = None
+    try:
+        target = target_for(args.subject, fix=args.fix, bug=args.bug)
+    except (SpecError, SubjectUnavailable, KeyError) as e:
+        print(f"kvledger explore: {e}", file=sys.stderr)
+        return 2
     try:
         result = explore(
             scope,
-            bug=bug,
-            subject=args.subject,
-            edits=edits,
+            target=target,
             path=args.path,
             canonical=not args.plain,
             merge=not args.no_merge,
@@ -138,12 +132,8 @@ def run(args: argparse.Namespace) -> int:
     except KeyError as e:  # an unknown zoo bug
         print(f"kvledger explore: {e.args[0]}", file=sys.stderr)
         return 2
-    except Exception as e:
-        if type(e).__name__ != "SubjectUnavailable":
-            raise
+    except SubjectUnavailable as e:
         print(f"kvledger explore: {e}", file=sys.stderr)
         return 2
-    if args.subject and args.bug:
-        result.bug = args.bug
     print(format_result(result))
     return result.exit_code

@@ -90,7 +90,7 @@ def test_merged_states_observe_alike() -> None:
 
 
 def test_ctrl_c_reports_what_was_explored(monkeypatch) -> None:
-    from kvledger.tools import explore as mod
+    from kvledger.checker import explore as mod
 
     calls = {"n": 0}
     real = mod.LockstepBackend.key

@@ -10,15 +10,21 @@ from dataclasses import replace
 import pytest
 
 from kvledger.properties.subject import SubjectConfig
-from kvledger.properties.subject_driver import SubjectDriver, replay
+from kvledger.properties.subject_driver import SubjectDriver
+from kvledger.properties.target import SubjectTarget, header_of, replay
 from tests.support.paths import SUPPORT
 from tests.support.toy_block_subject import ToyBlockCache
 
 CONFIG = SubjectConfig(num_pages=8, page_size=2, max_seq_len=16, max_running=4)
 
 
+def replay_on(factory, config, ops):
+    """(the first finding or None, the run) of `ops` on a fresh subject built for `config`."""
+    return replay(SubjectTarget(factory, "toy"), header_of(config, None, "test", "toy", ""), ops)
+
+
 def run(bug, ops):
-    return replay(lambda config: ToyBlockCache(config, bug), CONFIG, ops)[0]
+    return replay_on(lambda config: ToyBlockCache(config, bug), CONFIG, ops)[0]
 
 
 SHARED = [
@@ -80,7 +86,7 @@ def test_worst_case_promise_broken_is_3_no_oom():
 
     ops = [{"op": "submit", "uid": u, "tokens": [u, u, u, u, u], "max_tokens": 8} for u in range(3)]
     ops += [{"op": "prefill", "budget": 64}] + [{"op": "decode"}] * 8
-    finding, _ = replay(Overbooks, SubjectConfig(num_pages=12, page_size=2, max_seq_len=16), ops)
+    finding, _ = replay_on(Overbooks, SubjectConfig(num_pages=12, page_size=2, max_seq_len=16), ops)
     assert finding.kind == "3-no-oom"
 
 

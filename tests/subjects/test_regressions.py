@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvledger.checker.subject_fuzz import config_of
-from kvledger.checker.subject_replay import edits_for
+from kvledger.checker.targets import subject_target
 from kvledger.engine.ledger.trace import read
 from kvledger.properties.subject import SubjectUnavailable
-from kvledger.properties.subject_driver import replay
-from kvledger.subjects import parse_spec
+from kvledger.properties.target import replay
 from tests.support.paths import SUBJECT_REGRESSIONS
 
 CORPUS = SUBJECT_REGRESSIONS
@@ -40,9 +38,7 @@ def test_every_trace_has_its_expectations():
 def test_replays_as_expected(name, spec, fix, kind):
     header, ops = read(CORPUS / f"{name}.jsonl")
     try:
-        subject = parse_spec(spec)
-        factory = subject.factory(edits_for(subject, fix=fix))
-        finding, _ = replay(factory, config_of(header), ops)
+        finding, _ = replay(subject_target(spec, fix=fix), header, ops)
     except SubjectUnavailable as e:
         pytest.skip(str(e))
     assert (finding.kind if finding else None) == kind, finding
