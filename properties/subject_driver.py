@@ -45,7 +45,7 @@ from kvledger.engine.ledger.ops import (
     parse,
 )
 from kvledger.properties.subject import Capabilities, Subject, SubjectConfig, View
-from kvledger.properties.subject_judge import Ledger, judge
+from kvledger.properties.subject_judge import Witness, judge
 from kvledger.reference.pages import div_ceil
 
 __all__ = ["Finding", "SubjectDriver", "InvalidOp"]
@@ -116,7 +116,7 @@ class SubjectDriver:
         self.config = config
         self.caps = subject.capabilities
         self.check = check
-        self.ledger = Ledger()
+        self.witness = Witness()
         self.max_tokens: Dict[int, int] = {}
         self.waiting: List[int] = []  # head first; a request mid-prefill stays here
         self.running: List[int] = []  # admission order
@@ -182,7 +182,7 @@ class SubjectDriver:
     def judge(self) -> None:
         view = self.view()
         try:
-            judge(view, self.caps, self.ledger, self.subject)
+            judge(view, self.caps, self.witness, self.subject)
             check_queue_order(self.waiting, self.arrival, self.admitted, self.preempted)
         except InvariantViolation as e:
             raise Finding(e.invariant, str(e).split("] ", 1)[-1]) from e
@@ -208,8 +208,8 @@ class SubjectDriver:
         self._call("submit", self.subject.submit, uid, list(tokens), max_tokens)
         self.known.add(uid)
         self.arrival[uid] = len(self.arrival)
-        self.ledger.tokens[uid] = list(tokens)
-        self.ledger.prompt_len[uid] = len(tokens)
+        self.witness.tokens[uid] = list(tokens)
+        self.witness.prompt_len[uid] = len(tokens)
         self.max_tokens[uid] = max_tokens
         self.waiting.append(uid)
         return OpResult()
@@ -235,15 +235,15 @@ class SubjectDriver:
                 if hit is None:
                     refused = uid
                     break
-            start = self.ledger.computed[uid]
-            end = start + min(len(self.ledger.tokens[uid]) - start, left)
+            start = self.witness.computed[uid]
+            end = start + min(len(self.witness.tokens[uid]) - start, left)
             if not self._allocate(uid, start, end):
                 break
             if uid not in self.live:  # preempted while making room for itself
                 break
             left -= end - start
             batch.append((uid, start, end))
-            if end < len(self.ledger.tokens[uid]):
+            if end < len(self.witness.tokens[uid]):
                 self.on_event("prefill: chunked")
                 break
         batch = [(u, a, b) for u, a, b in batch if u in self.live]  # a later allocation preempted it
@@ -258,7 +258,7 @@ class SubjectDriver:
         for uid in list(self.running):
             if uid not in self.running:  # preempted by an earlier request's allocation
                 continue
-            n = len(self.ledger.tokens[uid])
+            n = len(self.witness.tokens[uid])
             if self._allocate(uid, n - 1, n) and uid in self.running:
                 batch.append((uid, n - 1, n))
         batch = [(u, a, b) for u, a, b in batch if u in self.running]
@@ -292,7 +292,7 @@ class SubjectDriver:
 
     # -- the parts of a step -----------------------------------------------------------------------
     def _needs(self, uid: int) -> int:
-        return len(self.ledger.tokens[uid])  # an upper bound before the hit is known
+        return len(self.witness.tokens[uid])  # an upper bound before the hit is known
 
     def _admit(self, uid: int, budget: int) -> int | None:
         before = self.view() if self.check else None
@@ -304,7 +304,7 @@ class SubjectDriver:
                     "4-failed-admission", f"refusing uid {uid} changed the subject's free list, rows, cache or counts"
                 )
             return None
-        tokens = self.ledger.tokens[uid]
+        tokens = self.witness.tokens[uid]
         if not isinstance(hit, int) or not 0 <= hit < len(tokens):
             raise Finding(
                 "8-request",
@@ -316,13 +316,13 @@ class SubjectDriver:
         self.live.add(uid)
         self.admitted[uid] = self.admissions  # the newest admission is the first victim, as running[-1] is
         self.admissions += 1
-        self.ledger.computed[uid] = hit
+        self.witness.computed[uid] = hit
         return hit
 
     def _note_hit(self, uid: int, hit: int, before: View) -> None:
         ps = self.caps.page_size
         self.on_event("hit: prefix hit")
-        tokens = self.ledger.tokens[uid]
+        tokens = self.witness.tokens[uid]
         hit_pages = {int(loc) // ps for loc in self.view().requests.get(uid, [])[:hit]}
         held_before = {int(loc) // ps for row in before.requests.values() for loc in row}
         if hit_pages - held_before:
@@ -346,8 +346,8 @@ class SubjectDriver:
         """The token prefix a cache entry stands for: its path (radix) or what its KV was written for."""
         if entry.tokens is not None:
             return entry.tokens
-        found = self.ledger.written.get(int(entry.locations[-1])) if entry.locations else None
-        return self.ledger.prefixes.get(found[0], ()) if found else ()
+        found = self.witness.written.get(int(entry.locations[-1])) if entry.locations else None
+        return self.witness.prefixes.get(found[0], ()) if found else ()
 
     def _allocate(self, uid: int, start: int, end: int) -> bool:
         """Locations for [start, end) of `uid`, preempting the newest live request while the
@@ -379,7 +379,7 @@ class SubjectDriver:
         self.victims.append(uid)
         self._call("preempt", self.subject.preempt, uid)
         self.live.discard(uid)
-        self.ledger.computed.pop(uid, None)
+        self.witness.computed.pop(uid, None)
         if uid in self.running:
             self.running.remove(uid)
         if uid in self.waiting:
@@ -403,7 +403,7 @@ class SubjectDriver:
         sampled = 0
         ending: List[int] = []
         for uid, start, end in batch:
-            tokens = self.ledger.tokens[uid]
+            tokens = self.witness.tokens[uid]
             row = row_of[uid]
             if len(row) < end:
                 raise Finding(
@@ -416,15 +416,15 @@ class SubjectDriver:
                 token = int(sample[sampled % len(sample)]) if sample else 0
                 sampled += 1
             self._call("computed", self.subject.computed, uid, start, end, token)
-            self.ledger.wrote(row[start:end], tokens, start)
-            self.ledger.computed[uid] = end
+            self.witness.wrote(row[start:end], tokens, start)
+            self.witness.computed[uid] = end
             if token is None:
                 continue
             tokens.append(token)
             if prefill:
                 self.waiting.remove(uid)
                 self.running.append(uid)
-            generated = len(tokens) - self.ledger.prompt_len[uid]
+            generated = len(tokens) - self.witness.prompt_len[uid]
             if generated >= self.max_tokens[uid] or uid in stop:
                 ending.append(uid)
         for uid in ending:
@@ -439,7 +439,7 @@ class SubjectDriver:
             if uid in queue:
                 queue.remove(uid)
         self.live.discard(uid)
-        self.ledger.computed.pop(uid, None)
+        self.witness.computed.pop(uid, None)
         self.preempted.discard(uid)
 
 

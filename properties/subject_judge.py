@@ -1,7 +1,7 @@
 """The subject-independent judge: every invariant of a cache manager, from its raw `View`.
 
 It reads the view (the subject's free structure, request rows, prefix-cache entries, counts) and
-what the harness recorded (`Ledger`: what was submitted, what each request holds computed, and
+what the harness recorded (`Witness`: what was submitted, what each request holds computed, and
 which token prefix each location's KV was written for), and does its own arithmetic. It calls no
 method of the subject but `cache_key` (a hash-chained cache's own hash, to recompute a key).
 The invariants keep the names of kvledger's own judge (`invariants.py`) where they mean the same:
@@ -34,15 +34,16 @@ from typing import Any, Dict, List, Sequence, Set, Tuple
 
 import numpy as np
 
-from kvledger.engine.ledger.invariants import InvariantViolation, check_queue_order, prefix_hashes
+from kvledger.engine.ledger.invariants import InvariantViolation, prefix_hashes
 from kvledger.properties.subject import CachedEntry, Capabilities, View
 
-__all__ = ["InvariantViolation", "Ledger", "judge"]
+__all__ = ["InvariantViolation", "Witness", "judge"]
 
 
 @dataclass
-class Ledger:
-    """What the harness knows independently of the subject."""
+class Witness:
+    """What the harness knows independently of the subject (what it saw submitted, computed and
+    written), against which the subject's own View is judged."""
 
     tokens: Dict[int, List[int]] = field(default_factory=dict)  # uid -> prompt + sampled tokens
     prompt_len: Dict[int, int] = field(default_factory=dict)
@@ -64,11 +65,11 @@ def _fail(invariant: str, message: str) -> None:
     raise InvariantViolation(invariant, message)
 
 
-def judge(view: View, caps: Capabilities, ledger: Ledger, subject: Any = None) -> None:
+def judge(view: View, caps: Capabilities, witness: Witness, subject: Any = None) -> None:
     """Every invariant over one view (see the module doc); InvariantViolation on the first broken."""
     ps = caps.page_size
     pages = set(caps.pages)
-    live = set(ledger.computed)
+    live = set(witness.computed)
     if not live:
         locked = [e.name or str(e.locations[:2]) for e in view.cached if e.lock]
         if locked:
@@ -79,16 +80,16 @@ def judge(view: View, caps: Capabilities, ledger: Ledger, subject: Any = None) -
                 "5-quiescence",
                 f"no live request, but pages {refs[:8]} have reference counts {[view.page_refs[p] for p in refs[:8]]}",
             )
-    _check_requests(view, ledger, live)
+    _check_requests(view, witness, live)
     holders = _check_rows(view, ps, pages)
     cached = _check_entries(view, ps, pages)
     _check_partition(view, caps, holders, cached, pages)
     _check_counts(view, holders)
     _check_counters(view, ps, holders)
-    _check_provenance(view, ledger, subject)
+    _check_provenance(view, witness, subject)
 
 
-def _check_requests(view: View, ledger: Ledger, live: Set[int]) -> None:
+def _check_requests(view: View, witness: Witness, live: Set[int]) -> None:
     shown = set(view.requests)
     if shown != live:
         missing, extra = sorted(live - shown), sorted(shown - live)
@@ -99,10 +100,10 @@ def _check_requests(view: View, ledger: Ledger, live: Set[int]) -> None:
             + (f"the subject still holds rows for uids {extra}, which are not live" if extra else ""),
         )
     for uid in sorted(live):
-        if len(view.requests[uid]) < ledger.computed[uid]:
+        if len(view.requests[uid]) < witness.computed[uid]:
             _fail(
                 "8-request",
-                f"uid {uid} computed {ledger.computed[uid]} positions but holds locations "
+                f"uid {uid} computed {witness.computed[uid]} positions but holds locations "
                 f"for {len(view.requests[uid])}",
             )
 
@@ -240,39 +241,39 @@ def _check_counters(view: View, ps: int, holders: Dict[int, Dict[int, int]]) -> 
             _fail("9-counters", f"the subject counts {name} = {value}, its structures hold {computed[name]}")
 
 
-def _check_provenance(view: View, ledger: Ledger, subject: Any) -> None:
-    for uid in sorted(ledger.computed):  # first: a wrong reuse is named by the request that reads it
-        tokens, n = ledger.tokens[uid], ledger.computed[uid]
+def _check_provenance(view: View, witness: Witness, subject: Any) -> None:
+    for uid in sorted(witness.computed):  # first: a wrong reuse is named by the request that reads it
+        tokens, n = witness.tokens[uid], witness.computed[uid]
         hashes = prefix_hashes(tokens[:n])
         row = view.requests[uid]
         for pos in range(n):
-            found = ledger.written.get(int(row[pos]))
+            found = witness.written.get(int(row[pos]))
             if found is None or found[0] != hashes[pos]:
                 what = "was never computed" if found is None else "holds KV computed for other tokens"
                 _fail("7-kv-provenance", f"uid {uid}: position {pos} reads location {int(row[pos])}, which {what}")
     for n, entry in enumerate(view.cached):
-        _check_entry(entry, entry.name or f"entry {n}", ledger, subject)
+        _check_entry(entry, entry.name or f"entry {n}", witness, subject)
 
 
-def _check_entry(entry: CachedEntry, name: str, ledger: Ledger, subject: Any) -> None:
+def _check_entry(entry: CachedEntry, name: str, witness: Witness, subject: Any) -> None:
     if entry.tokens is not None:
         start = entry.start or 0
         hashes = prefix_hashes(entry.tokens)
         for i, loc in enumerate(entry.locations):
-            found = ledger.written.get(int(loc))
+            found = witness.written.get(int(loc))
             if found is None or found[0] != hashes[start + i]:
                 what = "was never computed" if found is None else "holds KV computed for other tokens"
                 _fail("7-kv-provenance", f"cache {name}: position {start + i} is at location {int(loc)}, which {what}")
         return
     if entry.key is None:
         return
-    last = ledger.written.get(int(entry.locations[-1]))
+    last = witness.written.get(int(entry.locations[-1]))
     if last is None:
         _fail(
             "7-kv-provenance",
             f"cache {name} (key {entry.key!r:.24}) holds location {int(entry.locations[-1])}, which was never computed",
         )
-    prefix = ledger.prefixes[last[0]]
+    prefix = witness.prefixes[last[0]]
     start = len(prefix) - len(entry.locations)
     if start < 0 or (entry.start is not None and entry.start != start):
         _fail(
@@ -282,7 +283,7 @@ def _check_entry(entry: CachedEntry, name: str, ledger: Ledger, subject: Any) ->
         )
     hashes = prefix_hashes(prefix)
     for i, loc in enumerate(entry.locations):
-        if ledger.written.get(int(loc), (None,))[0] != hashes[start + i]:
+        if witness.written.get(int(loc), (None,))[0] != hashes[start + i]:
             _fail(
                 "7-kv-provenance",
                 f"cache {name}: location {int(loc)} does not hold position {start + i} of "

@@ -286,7 +286,7 @@ def subject_key(driver: Any, canonical: bool = True) -> bytes:
     def u(x: int) -> Any:
         return rank.get(x, ("uid", x)) if canonical else x
 
-    led = driver.ledger
+    led = driver.witness
     admitted = {k: v for k, v in driver.admitted.items() if k in present}
     adm_rank = _ranks(list(admitted.values()))
     parts = (

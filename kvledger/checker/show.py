@@ -16,8 +16,10 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvalidOp, InvariantViolation
+from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.trace import Header
-from kvledger.properties.lockstep import Finding, Lockstep
+from kvledger.properties.lockstep import Lockstep
+from kvledger.properties.target import LockstepTarget
 
 FREE, CACHED, LOCKED, CONFLICT = 0, 1, 2, 3  # request uids take codes from FIRST_UID on
 FIRST_UID = 4
@@ -146,14 +148,16 @@ def render(header: Header, ops: List[Dict], out: str | Path, title: str | None =
     return divergence
 
 
-def main_show(path: str, output: str, bug: str | None = None) -> int:
-    """`kvledger show TRACE -o FILE.png`: exit 0 when drawn, 2 on an error."""
+def main_show(path: str, output: str, bug: str | None = None, target: LockstepTarget | None = None) -> int:
+    """`kvledger show TRACE -o FILE.png` on reference against fast (`target`, or fast with `bug`;
+    a subject shows only its View, which names no page owner): exit 0 when drawn, 2 on an error."""
+    from kvledger.checker.targets import lockstep_target
     from kvledger.engine.ledger.trace import TraceError, read
-    from kvledger.subjects.fast_zoo import patched
 
+    target = target or lockstep_target(bug)
     try:
         header, ops = read(path)
-        with patched(bug):
+        with target.active():
             divergence = render(
                 header,
                 ops,

@@ -435,8 +435,9 @@ def add_show(sub: argparse._SubParsersAction) -> None:
 
 def _show(args: argparse.Namespace) -> int:
     from kvledger.checker.show import main_show
+    from kvledger.checker.targets import lockstep_target
 
-    return main_show(args.trace, args.output, args.bug)
+    return main_show(args.trace, args.output, target=lockstep_target(args.bug))
 
 
 def add_coverage(sub: argparse._SubParsersAction) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from kvledger.engine.ledger.invariants import InvariantViolation, check_queue_order
 from kvledger.properties.subject import CachedEntry, Capabilities, View
-from kvledger.properties.subject_judge import Ledger, judge
+from kvledger.properties.subject_judge import Witness, judge
 
 RADIX = Capabilities(
     page_size=2,
@@ -26,23 +26,23 @@ BLOCKS = replace(RADIX, worst_case_admission=False, preempts=True, cached_pages_
 
 def sound():
     """uid 1 read [5, 6, 7] (cached as pages 0-1, locked) and wrote [8]; page 2 is its own; 3-5 free."""
-    ledger = Ledger()
-    ledger.tokens[1] = [5, 6, 7, 8, 9]
-    ledger.prompt_len[1] = 4
-    ledger.computed[1] = 4
-    ledger.wrote([0, 1, 2, 3], [5, 6, 7, 8], 0)
+    witness = Witness()
+    witness.tokens[1] = [5, 6, 7, 8, 9]
+    witness.prompt_len[1] = 4
+    witness.computed[1] = 4
+    witness.wrote([0, 1, 2, 3], [5, 6, 7, 8], 0)
     view = View(
         free=[3, 4, 5],
         requests={1: [0, 1, 2, 3, 4]},
         cached=[CachedEntry((0, 1, 2, 3), 0, tokens=(5, 6, 7, 8), lock=1, name="node 1")],
         counters={"free_pages": 3, "evictable_tokens": 0, "protected_tokens": 4},
     )
-    return view, ledger
+    return view, witness
 
 
-def verdict(view, ledger, caps=RADIX, subject=None):
+def verdict(view, witness, caps=RADIX, subject=None):
     try:
-        judge(view, caps, ledger, subject)
+        judge(view, caps, witness, subject)
     except InvariantViolation as e:
         return e.invariant, str(e)
     return None
@@ -75,50 +75,50 @@ def test_a_sound_view_passes():
     ],
 )
 def test_each_clause_names_what_broke(change, invariant, words):
-    view, ledger = sound()
-    change(view, ledger)
-    found = verdict(view, ledger)
+    view, witness = sound()
+    change(view, witness)
+    found = verdict(view, witness)
     assert found is not None and found[0] == invariant and words in found[1], found
 
 
 def test_a_cached_entry_must_hold_kv_of_the_tokens_it_claims():
-    view, ledger = sound()
+    view, witness = sound()
     view.cached[0] = replace(view.cached[0], tokens=(5, 6, 7, 0))
-    assert verdict(view, ledger)[0] == "7-kv-provenance"
+    assert verdict(view, witness)[0] == "7-kv-provenance"
 
 
 def test_pages_two_requests_share_must_be_cached_at_the_same_positions():
-    view, ledger = sound()
-    ledger.tokens[2], ledger.prompt_len[2], ledger.computed[2] = [5, 6, 7, 8, 1], 5, 2
+    view, witness = sound()
+    witness.tokens[2], witness.prompt_len[2], witness.computed[2] = [5, 6, 7, 8, 1], 5, 2
     view.requests[2] = [0, 1, 10, 11]  # shares page 0 (positions 0-1) with uid 1, owns page 5
     view.free, view.counters = [3, 4], {}
     view.cached = [
         CachedEntry((0, 1), 0, tokens=(5, 6), lock=1, name="node 1"),
         CachedEntry((2, 3), 2, tokens=(5, 6, 7, 8), lock=1, name="node 2"),
     ]
-    assert "node 1 (positions [0, 2)) has lock count 1, but 2" in verdict(view, ledger)[1]
+    assert "node 1 (positions [0, 2)) has lock count 1, but 2" in verdict(view, witness)[1]
     view.cached[0] = replace(view.cached[0], lock=2)
-    assert verdict(view, ledger) is None
+    assert verdict(view, witness) is None
     view.cached = []
     view.free = [3, 4, 1]
-    found = verdict(view, ledger)
+    found = verdict(view, witness)
     assert found[0] == "1-2-partition" and "page 0 is held by uids [1, 2] but not cached" in found[1]
     view.requests[2] = [10, 11, 0, 1]
     view.cached = [CachedEntry((0, 1), 0, tokens=(5, 6), lock=1), CachedEntry((2, 3), 2, tokens=(5, 6, 7, 8), lock=1)]
     view.free = [3, 4]
-    found = verdict(view, ledger)
+    found = verdict(view, witness)
     assert "held by uids [1, 2] at different positions [0, 2]" in found[1] or "lock count" in found[1], found
 
 
 def test_quiescence_no_lock_without_a_live_request():
-    view, ledger = sound()
-    ledger.computed.clear()
+    view, witness = sound()
+    witness.computed.clear()
     view.requests.clear()
     view.free = [2, 3, 4, 5]
     view.counters = {"free_pages": 4}
-    assert verdict(view, ledger)[0] == "5-quiescence"
+    assert verdict(view, witness)[0] == "5-quiescence"
     view.cached[0] = replace(view.cached[0], lock=0)
-    assert verdict(view, ledger) is None
+    assert verdict(view, witness) is None
 
 
 def test_a_hash_chained_key_is_recomputed_with_the_subjects_own_function():
@@ -126,19 +126,19 @@ def test_a_hash_chained_key_is_recomputed_with_the_subjects_own_function():
         def cache_key(self, tokens):
             return ("key", tuple(tokens))
 
-    view, ledger = sound()
+    view, witness = sound()
     view.cached = [
         CachedEntry((0, 1), None, key=("key", (5, 6)), name="block 0"),
         CachedEntry((2, 3), None, key=("key", (5, 6, 7, 8)), name="block 1"),
     ]
     view.page_refs = {p: (1 if p < 3 else 0) for p in range(6)}
     view.counters = {"free_pages": 3}
-    assert verdict(view, ledger, BLOCKS, Keys()) is None
+    assert verdict(view, witness, BLOCKS, Keys()) is None
     view.cached[1] = replace(view.cached[1], key=("key", (7, 8)))  # chained from the wrong parent
-    found = verdict(view, ledger, BLOCKS, Keys())
+    found = verdict(view, witness, BLOCKS, Keys())
     assert found[0] == "7-kv-provenance" and "a hit there reads KV of another prefix" in found[1]
     view.page_refs[0] = 2
-    assert "reference count 2" in verdict(view, ledger, BLOCKS, Keys())[1]
+    assert "reference count 2" in verdict(view, witness, BLOCKS, Keys())[1]
 
 
 def test_queue_order_first_come_first_served_and_preempted_ahead():

@@ -253,7 +253,7 @@ def test_judge_finds_the_f64d821_bug_and_not_the_fix():
     for subject in (_build(FIXED), _build(BUGGY, edits=nanovllm.FIXES["nanovllm-f64d821-hit-resets-free-block"])):
         finding, driver = drive(subject, CFG, BUG_OPS)
         assert finding is None, finding
-        assert driver.ledger.computed == {2: 9, 3: 5}
+        assert driver.witness.computed == {2: 9, 3: 5}
 
 
 # -- the zoo -----------------------------------------------------------------------------------------------------
