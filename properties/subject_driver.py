@@ -27,7 +27,7 @@ import os
 import signal
 import threading
 import traceback
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Set, Union
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Sequence, Set, Tuple, Union
 
 from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.invariants import InvariantViolation, check_queue_order
@@ -44,7 +44,7 @@ from kvledger.engine.ledger.ops import (
     Submit,
     parse,
 )
-from kvledger.properties.subject import Capabilities, Subject, SubjectConfig, View
+from kvledger.properties.subject import CachedEntry, Capabilities, Subject, SubjectConfig, View
 from kvledger.properties.subject_judge import Witness, judge
 from kvledger.reference.pages import div_ceil
 
@@ -98,7 +98,7 @@ def _watchdog(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def expected_events(caps: Capabilities) -> frozenset:
+def expected_events(caps: Capabilities) -> FrozenSet[str]:
     """The rare states a subject with these capabilities can reach."""
     return frozenset(e for e in SUBJECT_EVENTS if caps.preempts or not e.startswith("preempt"))
 
@@ -132,7 +132,7 @@ class SubjectDriver:
         self.ops = 0
 
     # -- calling the subject ---------------------------------------------------------------------
-    def _call(self, what: str, fn: Callable, *args: Any) -> Any:
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
             with _watchdog(CALL_LIMIT_S):
                 return fn(*args)
@@ -150,7 +150,8 @@ class SubjectDriver:
             ) from e
 
     def view(self) -> View:
-        return self._call("view", self.subject.view)
+        view: View = self._call("view", self.subject.view)
+        return view
 
     # -- operations ------------------------------------------------------------------------------
     def apply(self, op: Union[Dict[str, Any], CacheOp]) -> OpResult:
@@ -342,7 +343,7 @@ class SubjectDriver:
             elif common >= start + ps if entry.tokens is not None else common == start >= ps:
                 self.on_event("hit: diverges after the first page of a cached entry")
 
-    def _claimed(self, entry: Any) -> Sequence[int]:
+    def _claimed(self, entry: CachedEntry) -> Sequence[int]:
         """The token prefix a cache entry stands for: its path (radix) or what its KV was written for."""
         if entry.tokens is not None:
             return entry.tokens
@@ -447,7 +448,7 @@ def _shared(a: Sequence[int], b: Sequence[int]) -> int:
     return len(os.path.commonprefix([list(a), list(b)]))
 
 
-def _state(view: View) -> tuple:
+def _state(view: View) -> Tuple[Any, ...]:
     """What a refused admission must leave as it was. Cached entries are compared per location:
     a radix match may split a node, which moves no page and no lock."""
     cached = sorted(

@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Tuple
 
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvariantViolation
 from kvledger.engine.ledger.finding import Finding
+from kvledger.engine.ledger.observer import LedgerState
 
 __all__ = ["Finding", "compare", "state_diff"]
 
@@ -29,9 +30,11 @@ def state_diff(ref: Dict[str, Any], fst: Dict[str, Any]) -> Tuple[str, str] | No
     return None
 
 
-def compare(ref: CacheScheduler, fst: CacheScheduler, step: int, op: Dict[str, Any]) -> None:
-    """Invariants on each side, then the whole observable state side by side."""
-    for name, ledger in (("reference", ref), ("fast", fst)):
+def compare(ref: CacheScheduler, fst: LedgerState, step: int, op: Dict[str, Any]) -> None:
+    """Invariants on each side, then the whole observable state side by side (`fst`: a scheduler,
+    or the state the engine's shadow verifier is shown)."""
+    sides: Tuple[Tuple[str, LedgerState], ...] = (("reference", ref), ("fast", fst))
+    for name, ledger in sides:
         try:
             ledger.check()
         except InvariantViolation as e:

@@ -76,7 +76,7 @@ class Probe:
 
 
 CacheOp = Union[Submit, Prefill, Decode, Finish, Abort, Evict, Probe]
-KINDS: Dict[str, type] = {
+KINDS: Dict[str, Any] = {
     "submit": Submit,
     "prefill": Prefill,
     "decode": Decode,
@@ -170,7 +170,7 @@ def parse(line: Dict[str, Any]) -> CacheOp:
     """A trace line -> its operation; InvalidOp naming what is wrong."""
     kind = line.get("op")
     cls = KINDS.get(kind) if isinstance(kind, str) else None
-    if cls is None:
+    if cls is None or not isinstance(kind, str):
         raise InvalidOp(f"unknown operation {kind!r}")
     names = {f.name for f in fields(cls)}
     unknown = sorted(set(line) - names - set(TRACE_ONLY))
@@ -182,8 +182,9 @@ def parse(line: Dict[str, Any]) -> CacheOp:
             if f.default is MISSING:
                 raise InvalidOp(f"{kind}: missing field {f.name!r}")
             continue
-        values[f.name] = _checked(kind, f.name, line[f.name], many=f.type.startswith("Tuple"))
-    return cls(**values)
+        values[f.name] = _checked(kind, f.name, line[f.name], many=str(f.type).startswith("Tuple"))
+    op: CacheOp = cls(**values)
+    return op
 
 
 def to_json(op: CacheOp) -> Dict[str, Any]:

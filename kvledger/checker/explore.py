@@ -37,7 +37,7 @@ import time
 from array import array
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 from kvledger.checker.explore_scope import Scope
 from kvledger.checker.explore_state import lockstep_key, subject_key
@@ -357,7 +357,7 @@ def search(
     `max_kept`: states kept as objects on the frontier (copy path); the rest are rebuilt by replay."""
     start = time.perf_counter()
     result.start_rss_mb = _rss_mb()
-    seen: set = set()
+    seen: Set[bytes] = set()
     tree = _Tree()
     found: Dict[str, Counterexample] = {}
     bar = _bar(progress, f"explore {scope.name}")
@@ -538,7 +538,7 @@ ProgressFn = Callable[[str], None]
 
 
 # -- auditing the canonicalization --------------------------------------------------------------------
-def _renamed(result: OpResult, uids: Dict[int, Any], locs: Callable[[Sequence[int]], Tuple]) -> Any:
+def _renamed(result: OpResult, uids: Dict[int, Any], locs: Callable[[Sequence[int]], Tuple[Any, ...]]) -> Any:
     """An operation's result with its uids and KV locations renamed (see `audit_merges`)."""
     out = {}
     produced = {f.name: getattr(result, f.name) for f in fields(result)}
@@ -556,14 +556,14 @@ def _renamed(result: OpResult, uids: Dict[int, Any], locs: Callable[[Sequence[in
     return tuple(out.items())
 
 
-def observe(scope: Scope, lock: Lockstep, lookahead: int) -> Tuple:
+def observe(scope: Scope, lock: Lockstep, lookahead: int) -> Tuple[Any, ...]:
     """What every operation sequence of up to `lookahead` operations from `lock` shows, uids and
     pages renamed: for each enabled operation in order, refused, the divergence kind, or the result
     and what follows. Two states that canonicalization merges must observe alike."""
     from kvledger.checker.explore_state import _Names
 
     names = _Names(lock.ref, True)
-    out: List[Tuple] = []
+    out: List[Tuple[Any, ...]] = []
     for op in lockstep_ops(scope, lock):
         child = lock.copy()
         try:
@@ -601,7 +601,7 @@ def audit_merges(scope: Scope, *, bug: Optional[str] = None, lookahead: int = 2,
     with backend.target.active():
         root = backend.root()
         kept: Dict[bytes, Tuple[Lockstep, List[Op]]] = {backend.key(root): (root, [])}
-        frontier = [(root, [])]
+        frontier: List[Tuple[Lockstep, List[Op]]] = [(root, [])]
         depth = 0
         while frontier and audit.merges < max_merges and (scope.max_depth is None or depth < scope.max_depth):
             nxt = []

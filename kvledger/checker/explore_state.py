@@ -60,7 +60,7 @@ merging, the baseline the tests compare against.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from kvledger.engine.ledger.invariants import tolist
 
@@ -108,7 +108,7 @@ class _Names:
             return uid
         return self.uid.get(uid, ("uid", uid))
 
-    def locs(self, locations: Sequence[int]) -> Tuple:
+    def locs(self, locations: Sequence[int]) -> Tuple[Any, ...]:
         if not self.canonical:
             return tuple(locations)
         ps, page = self.ps, self.page
@@ -124,7 +124,7 @@ def _ranks(values: Sequence[int]) -> Dict[int, int]:
     return {v: i for i, v in enumerate(sorted(set(values)))}
 
 
-def _tree(sched: Any, names: _Names, fast_side: bool) -> Tuple[Tuple, Dict[int, Any]]:
+def _tree(sched: Any, names: _Names, fast_side: bool) -> Tuple[Tuple[Any, ...], Dict[int, Any]]:
     """The prefix cache's structure, and id(node) -> the node's name (its index in nodes())."""
     cache = sched.cm.prefix_cache
     if not hasattr(cache, "root"):  # the naive cache holds nothing
@@ -135,13 +135,13 @@ def _tree(sched: Any, names: _Names, fast_side: bool) -> Tuple[Tuple, Dict[int, 
     heap = list(getattr(cache, "_leaves", ())) if fast_side else []
     if names.canonical:  # stale entries are skipped when popped and never valid again
         heap = [e for e in heap if e[2] == e[3].version and e[3].parent is not None]
+    clock: Optional[Dict[int, int]] = None
+    ids: Optional[Dict[int, int]] = None
     if names.canonical:
         clock = _ranks([n.last_access for n in nodes] + [e[0] for e in heap])
         ids = _ranks([n.id for n in nodes] + [e[1] for e in heap])
-    else:
-        clock = ids = None
     table_storage = sched.page_table.untyped_storage().data_ptr() if fast_side else None
-    out: List[Tuple] = []
+    out: List[Tuple[Any, ...]] = []
     for n in nodes:
         parent = index.get(id(n.parent), "detached")
         entry = [
@@ -157,7 +157,7 @@ def _tree(sched: Any, names: _Names, fast_side: bool) -> Tuple[Tuple, Dict[int, 
             if not names.canonical:
                 entry.append(n.version)
         out.append(tuple(entry))
-    extra: Tuple = ()
+    extra: Tuple[Any, ...] = ()
     if fast_side:
         entries = []
         for la, nid, version, node in heap:
@@ -172,7 +172,7 @@ def _tree(sched: Any, names: _Names, fast_side: bool) -> Tuple[Tuple, Dict[int, 
     return (tuple(out), extra), index
 
 
-def _handle(handle: Any, index: Dict[int, Any], names: _Names) -> Tuple:
+def _handle(handle: Any, index: Dict[int, Any], names: _Names) -> Tuple[Any, ...]:
     node = getattr(handle, "node", None)
     if node is None:
         where: Any = None
@@ -183,7 +183,7 @@ def _handle(handle: Any, index: Dict[int, Any], names: _Names) -> Tuple:
     return (handle.cached_len, where)
 
 
-def side_key(sched: Any, names: _Names, fast_side: bool) -> Tuple:
+def side_key(sched: Any, names: _Names, fast_side: bool) -> Tuple[Any, ...]:
     """One CacheScheduler's state, renamed (see the module docstring)."""
     ps = sched.page_size
     u = names.u
@@ -222,9 +222,9 @@ def side_key(sched: Any, names: _Names, fast_side: bool) -> Tuple:
     admitted = sched._admitted_at
     if names.canonical:
         adm_rank = _ranks(list(admitted.values()))
-        order: Tuple = tuple(sorted((u(k), adm_rank[v]) for k, v in admitted.items()))
+        order: Tuple[Any, ...] = tuple(sorted((u(k), adm_rank[v]) for k, v in admitted.items()))
         preempted = tuple(sorted((u(k), c, min(t, 2)) for k, (c, t) in sched._preempted.items()))
-        counters: Tuple = ()
+        counters: Tuple[Any, ...] = ()
     else:
         order = (tuple(sorted(sched._arrival.items())), tuple(sorted(admitted.items())))
         preempted = tuple(sorted((k, c, t) for k, (c, t) in sched._preempted.items()))
@@ -244,7 +244,7 @@ def side_key(sched: Any, names: _Names, fast_side: bool) -> Tuple:
         None if observed is None else (observed.ratio, tuple(observed._fractions)),
         tuple(sorted((u(k), v) for k, v in sched._prompt_len.items())),
     )
-    provenance = ()
+    provenance: Tuple[Any, ...] = ()
     if sched.provenance is not None:
         locs = list(sched.provenance.at)
         provenance = tuple(sorted(zip(names.locs(locs), (sched.provenance.at[x] for x in locs)), key=repr))

@@ -31,7 +31,7 @@ import logging
 import sys
 import time
 from dataclasses import replace
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 from kvledger.engine.ledger import trace
 from kvledger.engine.ledger.cache_scheduler import InvalidOp
@@ -290,7 +290,7 @@ class _Minimizer:
     def _with(self, i: int, field: str, value: object) -> bool:
         return self.test(self.ops[:i] + [{**self.ops[i], field: value}] + self.ops[i + 1 :])
 
-    def _current(self, i: int, field: str, op_kind: str) -> object:
+    def _current(self, i: int, field: str, op_kind: str) -> Any:
         """The field's value now (None if a repair dropped or replaced op i)."""
         if i < len(self.ops) and self.ops[i]["op"] == op_kind:
             return self.ops[i].get(field)
@@ -352,7 +352,7 @@ class _Minimizer:
             lo, hi = 0, getattr(self.header, field)  # lo: loses the failure, hi: keeps it
             while hi - lo > 1:
                 mid = (lo + hi) // 2 if lo else 1  # try the smallest first
-                if self.test(self.ops, replace(self.header, **{field: mid})):
+                if self.test(self.ops, replace(self.header, **{field: mid})):  # type: ignore[arg-type]
                     hi, progress = mid, True
                 else:
                     lo = mid
@@ -404,7 +404,7 @@ class _Minimizer:
             return False
 
 
-def _size(header: Header, ops: Ops) -> tuple:
+def _size(header: Header, ops: Ops) -> Tuple[int, ...]:
     """Smaller is simpler: fewer ops, then smaller values, then a smaller header (page size
     first: with small pages fewer steps cross a page), then uids numbered densely in submission
     order, then smaller token values. Every accepted candidate is strictly smaller, so the
@@ -427,18 +427,19 @@ def _size(header: Header, ops: Ops) -> tuple:
     )
 
 
-def _op_magnitude(op: Dict) -> int:
+def _op_magnitude(op: Op) -> int:
     tokens = op.get("tokens", 0)
-    return (
+    magnitude: int = (
         (len(tokens) if isinstance(tokens, list) else tokens)
         + op.get("max_tokens", 0)
         + op.get("budget", 0)
         + len(op.get("sample", ()))
         + len(op.get("stop", ()))
     )
+    return magnitude
 
 
-def _tidy(op: Dict) -> Dict:
+def _tidy(op: Op) -> Op:
     """An empty stop list says nothing: drop it."""
     if "stop" in op and not op["stop"]:
         return {k: v for k, v in op.items() if k != "stop"}
@@ -449,7 +450,7 @@ def _submitted_uids(ops: Ops) -> List[int]:
     return [op["uid"] for op in ops if op["op"] == "submit"]
 
 
-def _without_uids(ops: Ops, uids: set) -> Ops:
+def _without_uids(ops: Ops, uids: Set[int]) -> Ops:
     out = []
     for op in ops:
         if op["op"] in _UID_OPS and op.get("uid") in uids:
@@ -466,7 +467,7 @@ def _smaller_ints(value: int, low: int) -> Iterator[int]:
             yield v
 
 
-def _simplifiable_fields(op: Dict) -> List[Tuple[str, str, int]]:
+def _simplifiable_fields(op: Op) -> List[Tuple[str, str, int]]:
     """(field, "int" | "tokens" | "list", lowest value or shortest length) for each field of
     `op` the values pass may shrink."""
     kind = op["op"]

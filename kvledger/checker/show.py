@@ -11,7 +11,7 @@ from __future__ import annotations
 import colorsys
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -47,7 +47,9 @@ def _page_codes(ledger: CacheScheduler, uid_code: Dict[int, int]) -> np.ndarray:
     return row
 
 
-def ownership_matrix(header: Header, ops: List[Dict]) -> Tuple[np.ndarray, Dict[int, int], Optional[Finding], int]:
+def ownership_matrix(
+    header: Header, ops: List[Dict[str, Any]]
+) -> Tuple[np.ndarray, Dict[int, int], Optional[Finding], int]:
     """Page codes after each step (row 0 is the initial state), the uid -> code map, the first
     divergence (None if none) and the number of steps the reference applied."""
     lock = Lockstep(header)
@@ -80,7 +82,7 @@ def _uid_colour(i: int) -> Tuple[float, float, float]:
     return colorsys.hls_to_rgb(hue, lightness, 0.75)
 
 
-def render(header: Header, ops: List[Dict], out: str | Path, title: str | None = None) -> Optional[Finding]:
+def render(header: Header, ops: List[Dict[str, Any]], out: str | Path, title: str | None = None) -> Optional[Finding]:
     """Draw the trace's page ownership to `out` (PNG); returns the first divergence, if any."""
     import matplotlib
 
@@ -114,7 +116,7 @@ def render(header: Header, ops: List[Dict], out: str | Path, title: str | None =
         or f"{header.cache_type} cache, page size {header.page_size}, {header.num_pages} pages, {len(ops)} operations",
         fontsize=10,
     )
-    if divergence is not None:
+    if divergence is not None and divergence.step is not None:
         ax.axvline(divergence.step, color="red", linewidth=1.5)
         right_half = divergence.step > steps / 2  # label on the side with room
         ax.annotate(

@@ -74,11 +74,12 @@ def run_subject_check(
         elapsed = time.perf_counter() - start
         if progress.last_failure is None:
             raise
-        config, ops, finding = progress.last_failure
-        small, finding = minimize_ops(target, config, ops, finding.kind, budget=minimize_budget / 2)
-        small, config, finding = shortest_failure(
-            target, finding.kind, small, config, finding, page_sizes, budget=minimize_budget / 2, run_case=run_case
+        config, ops, first = progress.last_failure
+        small, found = minimize_ops(target, config, ops, first.kind, budget=minimize_budget / 2)
+        small, config, found = shortest_failure(
+            target, first.kind, small, config, found, page_sizes, budget=minimize_budget / 2, run_case=run_case
         )
+        finding = found or first  # every accepted candidate fails as the first failure did
         path = Path(out_dir) / f"{spec.name.replace(':', '-')}-{finding.kind.replace(':', '-')}.jsonl"
         trace.write(path, header_of(config, None, "kvledger fuzz --subject", text, version), small)
         if not quiet:
@@ -98,6 +99,6 @@ def run_subject_check(
             "that reached each:"
         )
         for name in sorted(expected):
-            first = progress.reached.get(name)
-            print(f"  [{'x' if first else ' '}] {name}" + (f"  (sequence {first})" if first else ""))
+            seq = progress.reached.get(name)
+            print(f"  [{'x' if seq else ' '}] {name}" + (f"  (sequence {seq})" if seq else ""))
     return 0, progress, None
