@@ -100,10 +100,9 @@ EXPECTED_EVENTS = frozenset(
         "radix: lock/unlock of an evictable leaf",
     }
 )
-# noted by this machine alone: the fuzzer's walk has no drain, and no EvictionOrderWatch
+# noted by this machine alone: the fuzzer's walk has no EvictionOrderWatch
 MACHINE_ONLY_EVENTS = frozenset(
     {
-        "driver: drain ended requests that were preempted",
         "radix: eviction after a cached leaf was re-touched",
         "radix: eviction after a leaf gained a child",
     }

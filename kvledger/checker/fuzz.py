@@ -31,8 +31,11 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler
-from kvledger.engine.ledger.ops import OpResult
+from kvledger.engine.ledger.finding import Finding
+from kvledger.engine.ledger.ops import InvalidOp, OpResult
 from kvledger.engine.ledger.trace import Header
+from kvledger.properties.machine import invalid_ops
+from kvledger.reference.pages import div_ceil
 
 log = logging.getLogger(__name__)
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -57,6 +60,9 @@ FUZZ_EVENTS = frozenset(
 ADMISSIONS = ("reserve", "optimistic")
 OPTIMISTIC_SHARE = 0.4  # of the cases, when the policy is not forced
 RESERVE_RATIOS = (0.0, 0.0, 0.0, 0.25, 0.5, 0.75)  # 0 reserves least: most preemption
+REFUSAL_EVERY = 32  # an invalid operation after one valid operation in this many, on average
+# findings that are properties of the run, not of the trace's replay: not minimized
+RUN_PROPERTY_KINDS = ("liveness", "refusal:", "accepted-invalid:")
 
 
 def case_seed(seed: int, worker: int, case: int) -> int:
@@ -246,15 +252,89 @@ def walk(
     admission: Optional[str] = None,
 ) -> Iterator[None]:
     """Run case `seed` on `lock` (a Lockstep built from make_case(seed, admission).header), one
-    operation per iteration, for the case's length (or `length`); a Finding propagates."""
+    operation per iteration, for the case's length (or `length`); a Finding propagates.
+
+    Besides the comparison after every operation, the walk judges what the Hypothesis machine
+    judges with its `invalid` and `drain` rules: after about one operation in REFUSAL_EVERY, an
+    operation the scheduler must refuse, on both sides, must change nothing (drawn from a random
+    stream of its own, so the valid operations are those of the walk without it); and at the end
+    of an optimistic case, every request must end once submissions stop (`drain`)."""
     case = make_case(seed, admission)
     walker = Walker(case, random.Random(seed + 1), note)
+    refusals = random.Random(seed + 2)
     for _ in range(length or case.length):
         if not keep_going():
             return
         op = walker.next_op(lock.ref)
         walker.observe(op, lock.apply(op), lock.ref)
+        if refusals.randrange(REFUSAL_EVERY) == 0:
+            check_refusal(lock, refusals.choice(invalid_ops(lock.ref, case.header, walker.next_uid)))
         yield
+    if case.header.policy.preempts and length is None and keep_going():
+        rng = walker.rng
+        sample = [rng.randrange(case.alphabet) for _ in range(rng.randint(1, 4))]
+        yield from drain(lock, rng.choice(case.budgets), sample, note)
+
+
+def check_refusal(lock: Any, op: Dict[str, Any]) -> None:
+    """`op` must be refused (InvalidOp) by each side and change nothing there: a trace keeps only
+    valid operations, so a refusal that changed state would not replay."""
+    for name, side in (("reference", lock.ref), ("fast", lock.fast)):
+        before = side.snapshot()
+        try:
+            side.apply(dict(op))
+        except InvalidOp:
+            if side.snapshot() != before:
+                raise Finding(
+                    f"refusal:{op.get('op')}",
+                    f"the refused operation {op} changed the {name}'s state",
+                    step=lock.step,
+                    op=op,
+                ) from None
+            continue
+        kind = f"accepted-invalid:{op.get('op')}"
+        raise Finding(kind, f"{name} accepted the invalid operation {op}", step=lock.step, op=op)
+
+
+def drain(lock: Any, budget: int, sample: List[int], note: Callable[[str], None]) -> Iterator[None]:
+    """Liveness under optimistic admission: with no new requests, drive the scheduler as the
+    engine does (prefill while admission yields a batch, else decode); every request, waiting or
+    live, must end within a bound counted from what is outstanding (operations, never time),
+    however often it is preempted. One operation per iteration; a request that never ends is a
+    `liveness` Finding."""
+    ref = lock.ref
+    requests = len({p.uid for p in ref.waiting} | set(ref.live))
+    tokens = sum(r.max_device_len - r.device_len + 1 for r in ref.live.values()) + sum(
+        p.output_len + div_ceil(p.input_len, budget) for p in ref.waiting
+    )
+    bound = (requests + 1) * tokens + 10
+    preemptions, ops = ref.preemptions, 0
+
+    def stuck(why: str) -> Finding:
+        return Finding(
+            "liveness",
+            f"{why}: waiting {[p.uid for p in ref.waiting]}, live {sorted(ref.live)} after {ops} operations "
+            f"of the drain (bound {bound})",
+            step=lock.step,
+            op=lock.ops[-1] if lock.ops else None,
+        )
+
+    while ref.waiting or ref.live:
+        if ops >= bound:
+            raise stuck("requests still there once submissions stopped")
+        if ref.waiting:
+            result = lock.apply({"op": "prefill", "budget": budget, "sample": sample})
+            ops += 1
+            yield
+            if result.batch or result.preempted:
+                continue
+        if not ref.dm.runnable:
+            raise stuck("nothing admitted and nothing running")
+        lock.apply({"op": "decode", "sample": sample})
+        ops += 1
+        yield
+    if ref.preemptions > preemptions:
+        note("driver: drain ended requests that were preempted")
 
 
 def case_trace(
@@ -631,6 +711,9 @@ def _handle_failure(
             len(ops),
             budget,
         )
+    if kind.startswith(RUN_PROPERTY_KINDS):  # the trace alone replays clean: the walk's check failed
+        failure.detail += " (a property of the run, not of the trace's replay: not minimized)"
+        return failure
     try:
         with patched(bug):
             m_header, m_ops, m_kind = minimize(

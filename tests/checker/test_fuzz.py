@@ -5,11 +5,21 @@ import math
 
 import pytest
 
-from kvledger.checker.fuzz import PAGE_SIZES, RESERVE_RATIOS, case_seed, case_trace, format_summary, fuzz, make_case
+from kvledger.checker.fuzz import (
+    PAGE_SIZES,
+    RESERVE_RATIOS,
+    case_seed,
+    case_trace,
+    format_summary,
+    fuzz,
+    make_case,
+    walk,
+)
+from kvledger.engine.ledger.cache_scheduler import CacheScheduler
 from kvledger.engine.ledger.trace import read
-from kvledger.properties.lockstep import Finding, replay
+from kvledger.properties.lockstep import Finding, Lockstep, replay
 from kvledger.reference.pages import tokens_to_finish
-from kvledger.subjects.fast_zoo import patched
+from kvledger.subjects.fast_zoo import Bug, patched
 
 BUG = "no-remap-on-duplicate"
 
@@ -120,10 +130,15 @@ def test_a_fuzz_run_over_optimistic_cases_preempts(tmp_path):
 
 
 def test_a_case_trace_replays_identically():
+    """The case's walk, then (an optimistic case) the drain: prefills and decodes until every
+    request ended."""
     header, ops = case_trace(0, 0, 0)
-    assert len(ops) == make_case(header.seed).length
+    length = make_case(header.seed).length
+    assert header.policy.preempts and len(ops) > length
+    assert {op["op"] for op in ops[length:]} <= {"prefill", "decode"}
     lock = replay(header, ops)
     assert lock.step == len(ops)
+    assert not lock.ref.waiting and not lock.ref.live
 
 
 def test_cli_rejects_an_unknown_bug(capsys):
@@ -194,3 +209,69 @@ def test_fuzz_reports_a_hang_with_its_trace(tmp_path, monkeypatch):
     assert failure.kind == "hang" and failure.trace_path.exists()
     result = fz.FuzzResult(10, 0, 1.0, 1, 0, failure=failure)
     assert result.exit_code == 1 and "HANG" in fz.format_summary(result)
+
+
+# -- what the walk judges besides the comparison: refusals and liveness ---------------------------
+# Bugs of the cache scheduler, the driver both sides share: reference and fast agree on every
+# operation, so only these checks can see them (as the Hypothesis machine's `invalid` and `drain`
+# rules do). Each is an edit of the live method, built as the zoo builds its bugs.
+REFUSAL_KEEPS_ADMISSION = Bug(
+    "refusal-keeps-admission",
+    "test",
+    "a prefill refused for its stop does not roll back the admission it ran",
+    CacheScheduler,
+    "prefill",
+    (("checkpoint.restore()", "pass  # BUG: the refusal keeps what admission did"),),
+)
+PREEMPTED_NEVER_READMITTED = Bug(
+    "preempted-never-readmitted",
+    "test",
+    "admission turns away a preempted request at the head of the queue, so it waits forever",
+    CacheScheduler,
+    "admit",
+    (
+        (
+            "fresh = pending.chunked_req is None",
+            "fresh = pending.chunked_req is None\n"
+            "        if fresh and pending.uid in self._preempted:\n"
+            "            break  # BUG: a preempted request is never admitted again",
+        ),
+    ),
+)
+
+
+def _first_finding(bug: Bug, monkeypatch, cases: int, admission=None):
+    """The first Finding of seed 0's first `cases` cases (worker 0), `bug` patched in here."""
+    [(cls, attr, value)] = bug.patches()
+    monkeypatch.setattr(cls, attr, value)
+    for k in range(cases):
+        cseed = case_seed(0, 0, k)
+        lock = Lockstep(make_case(cseed, admission).header)
+        try:
+            for _ in walk(cseed, lock, lambda name: None, lambda: True, admission=admission):
+                pass
+        except Finding as e:
+            return k, e
+    return None, None
+
+
+def test_the_walk_judges_a_refusal_that_changed_state(monkeypatch):
+    case, finding = _first_finding(REFUSAL_KEEPS_ADMISSION, monkeypatch, 20)
+    assert finding is not None, "a refused prefill that kept its admission escaped 20 cases"
+    assert finding.kind == "refusal:prefill" and "changed the reference's state" in finding.message
+
+
+def test_the_walk_judges_liveness_under_optimistic_admission(monkeypatch):
+    case, finding = _first_finding(PREEMPTED_NEVER_READMITTED, monkeypatch, 20, admission="optimistic")
+    assert finding is not None, "a preempted request that waits forever escaped 20 optimistic cases"
+    assert finding.kind == "liveness"
+
+
+def test_the_walk_finds_nothing_of_either_kind_on_the_real_code():
+    for admission in ("optimistic", "reserve"):
+        for k in range(4):
+            cseed = case_seed(5, 0, k)
+            lock = Lockstep(make_case(cseed, admission).header)
+            for _ in walk(cseed, lock, lambda name: None, lambda: True, admission=admission):
+                pass
+            assert not lock.ref.waiting and not lock.ref.live or admission == "reserve"
