@@ -22,7 +22,7 @@ from kvledger.engine.ledger.ops import InvalidOp, OpResult
 from kvledger.properties.machine_base import DriverMachine, Progress
 from kvledger.properties.subject import Subject, SubjectConfig
 from kvledger.properties.subject_driver import SubjectDriver
-from kvledger.properties.subject_workload import ALPHABET, drain_op
+from kvledger.properties.subject_workload import ALPHABET, drain
 
 __all__ = ["SUBJECT_EXAMPLES", "SUBJECT_STEPS", "Progress", "SubjectMachine", "machine_for"]
 
@@ -123,16 +123,17 @@ class SubjectMachine(DriverMachine):
         self._do({"op": "evict", "tokens": tokens})
 
     def teardown(self) -> None:
-        """Drain: every request runs to its end, then quiescence is judged (by the driver)."""
+        """Drain: every request runs to its end, then quiescence is judged (by the driver), and
+        liveness for a subject that preempts (`subject_workload.drain`)."""
         if self.driver is None or self.failed:
             return
-        stalled = 0
-        for _ in range(400):
-            op = drain_op(self.driver, stalled)
-            if op is None:
-                break
-            out = self._do(op)
-            stalled = stalled + 1 if op["op"] == "prefill" and not out.batch else 0
+        try:
+            drain(self.driver, self._do)
+        except Finding as f:
+            if not self.failed:  # not the driver's own finding, which `_do` kept already
+                self.failed = True
+                self.progress.last_failure = (self.config, list(self.ops), f)
+            raise
 
 
 def machine_for(

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from kvledger.engine.ledger.finding import Finding
+from kvledger.engine.ledger.ops import OpResult
 from kvledger.properties.subject import SubjectConfig
 
 ALPHABET = 4
@@ -96,3 +98,40 @@ def drain_op(driver: Any, stalled: int) -> Dict[str, Any] | None:
     if driver.waiting and stalled <= 2:
         return {"op": "prefill", "budget": 64, "sample": [1]}
     return None
+
+
+DRAIN_LIMIT = 400  # operations of a drain at most
+
+
+def stalled_after(stalled: int, op: Dict[str, Any], out: OpResult) -> int:
+    """The prefills in a row that ran nothing, after `op` ran with result `out`."""
+    return stalled + 1 if op["op"] == "prefill" and not out.batch else 0
+
+
+def drain(
+    driver: Any,
+    apply: Callable[[Dict[str, Any]], Optional[OpResult]],
+    limit: int = DRAIN_LIMIT,
+    stalled: int = 0,
+) -> None:
+    """Drive every request towards its end with `drain_op`, each operation through `apply` (None:
+    the driver refused it as invalid), at most `limit` operations, `stalled` prefills in a row
+    having run nothing before it. For a subject that preempts
+    (optimistic admission: a step that finds no room gives up its newest request instead of
+    failing), every request must then have ended: one still waiting or running is a `liveness`
+    Finding. Without preemption a head that never fits can be the subject's promise at work (it
+    waits for pages no request will free), so it is not judged."""
+    for _ in range(limit):
+        op = drain_op(driver, stalled)
+        if op is None:
+            break
+        out = apply(op)
+        if out is not None:
+            stalled = stalled_after(stalled, op, out)
+    if driver.caps.preempts and (driver.waiting or driver.running):
+        raise Finding(
+            "liveness",
+            f"once submissions stopped, waiting {list(driver.waiting)} and running {list(driver.running)} "
+            f"never ended (a drain of at most {limit} operations: prefill while admission runs a batch, "
+            f"else decode)",
+        )

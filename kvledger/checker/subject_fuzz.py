@@ -2,10 +2,12 @@
 
 Each case draws a pool shape and prompt stems (`properties/subject_workload.py`), walks up to
 `MAX_OPS` operations through the `SubjectDriver` (the judge after every one), then drains every
-request to its end, where quiescence is judged. A case is a seed: worker w runs seeds
-`seed * 1_000_003 + w + k * workers`, so the same seed and workers give the same cases on any
-machine; `--max-cases` makes the amount of work machine-independent too (`--seconds` is only a
-budget). The first finding of each kind is written as a trace, minimized, next to it.
+request to its end, where quiescence is judged, and liveness for a subject that preempts
+(`subject_workload.drain`); the driver judges each refusal at the admission itself
+(4-failed-admission). A case is a seed: worker w runs seeds `seed * 1_000_003 + w + k * workers`,
+so the same seed and workers give the same cases on any machine; `--max-cases` makes the amount
+of work machine-independent too (`--seconds` is only a budget). The first finding of each kind is
+written as a trace, minimized, next to it.
 """
 
 from __future__ import annotations
@@ -19,16 +21,15 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from kvledger.engine.ledger import trace
-from kvledger.engine.ledger.ops import InvalidOp
+from kvledger.engine.ledger.ops import InvalidOp, OpResult
 from kvledger.properties.subject import Subject, SubjectConfig
 from kvledger.properties.subject_driver import Finding, SubjectDriver
-from kvledger.properties.subject_workload import drain_op, draw_shape, next_op
+from kvledger.properties.subject_workload import DRAIN_LIMIT, drain, draw_shape, next_op, stalled_after
 from kvledger.subjects import SubjectSpec, parse_spec
 from kvledger.subjects.edits import SourceEdit
 
 log = logging.getLogger(__name__)
 MAX_OPS = 40
-DRAIN_LIMIT = 400
 
 
 @dataclass
@@ -60,25 +61,30 @@ def run_case(
         return result
     history: List[List[int]] = []
     uid = 0
-    stalled = 0
-    for step in range(max_ops + DRAIN_LIMIT):
-        op = next_op(rng, shape, driver, uid, history) if step < max_ops else drain_op(driver, stalled)
-        if op is None:
-            if step >= max_ops:
-                break
-            continue
+
+    def apply(op: Dict[str, Any]) -> OpResult | None:
         try:
             out = driver.apply(op)
-        except InvalidOp:
-            continue
-        except Finding as f:
+        except InvalidOp:  # never recorded: the trace keeps valid operations only
+            return None
+        except Finding:  # the trace ends with the operation that raised it
             ops.append(op)
-            result.finding = f
-            return result
+            raise
         ops.append(op)
-        if op["op"] == "submit":
-            uid += 1
-        stalled = stalled + 1 if op["op"] == "prefill" and not out.batch else 0
+        return out
+
+    stalled = 0
+    try:
+        for _ in range(max_ops):
+            op = next_op(rng, shape, driver, uid, history)
+            out = None if op is None else apply(op)
+            if op is None or out is None:
+                continue
+            uid += op["op"] == "submit"
+            stalled = stalled_after(stalled, op, out)
+        drain(driver, apply, DRAIN_LIMIT, stalled)
+    except Finding as f:
+        result.finding = f
     return result
 
 

@@ -275,3 +275,36 @@ def test_the_walk_finds_nothing_of_either_kind_on_the_real_code():
             for _ in walk(cseed, lock, lambda name: None, lambda: True, admission=admission):
                 pass
             assert not lock.ref.waiting and not lock.ref.live or admission == "reserve"
+
+
+class _NeverReadmitted:
+    """A subject that, once it preempted a request, turns it away at every admission after: a
+    preempted request waits forever (the refusal itself changes nothing, as the protocol asks)."""
+
+    def __init__(self, inner) -> None:
+        self._inner, self._preempted = inner, set()
+
+    def preempt(self, uid: int) -> None:
+        self._preempted.add(uid)
+        self._inner.preempt(uid)
+
+    def admit(self, uid: int, budget: int):
+        return None if uid in self._preempted else self._inner.admit(uid, budget)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+def test_the_subject_fuzzer_judges_liveness_of_a_subject_that_preempts():
+    """A preempting subject's preempted request that is never admitted again ends no drain: a
+    `liveness` finding (before, the drain stopped there quietly). The same seeds find nothing on
+    the subject as it is."""
+    from kvledger.checker.subject_fuzz import run_case
+    from kvledger.subjects import parse_spec
+
+    spec = parse_spec("nanovllm")
+    factory = spec.factory(())
+    kinds = [run_case(lambda c: _NeverReadmitted(factory(c)), seed, spec.page_sizes()).finding for seed in range(30)]
+    assert any(f is not None and f.kind == "liveness" for f in kinds), [f and f.kind for f in kinds]
+    first = next(seed for seed, f in enumerate(kinds) if f is not None)
+    assert run_case(factory, first, spec.page_sizes()).finding is None
