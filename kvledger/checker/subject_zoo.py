@@ -4,9 +4,10 @@ A third-party subject's zoo is its adapter's `ZOO`: single edits to the subject'
 into a fresh instance for every case (the installed package is never touched). The `fast`
 subject's zoo is kvledger's own bug zoo (`zoo.py`, 39 bugs), patched into fast's classes for the
 run. Each bug gets the judge-mode fuzzer, in this process, case seeds 0, 1, 2, ... until the first
-finding or the case / time budget; the catch is reported as the number of cases and the seconds
-it took, with the finding's kind and its minimized length. Cases are counts: the same budget of
-cases gives the same table on any machine.
+finding or the case budget (`--max-cases`: it decides); the catch is reported as the number of
+cases and the seconds it took, with the finding's kind and its minimized length. Cases are counts:
+the same budget of cases gives the same table on any machine. The seconds (`--fuzz-seconds`) are a
+safety net: a bug they cut short of its cases is `cap`, undecided, not escaped.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class SubjectZooRow:
     caught: bool = False
     cases: int = 0  # cases run up to and including the catch
     seconds: float = 0.0
+    capped: bool = False  # the seconds cap (a safety net) cut the run short of its cases: undecided
     kind: str = ""
     min_ops: int | None = None
 
@@ -67,7 +69,8 @@ def catch(
             )
             row.min_ops = len(small)
             return row
-        if time.monotonic() - start > seconds:
+        if time.monotonic() - start > seconds and seed + 1 < max_cases:
+            row.capped = True
             break
     row.seconds = time.monotonic() - start
     return row
@@ -107,10 +110,16 @@ def run_subject_zoo(
             name,
             f"caught ({row.kind}) after {row.cases} cases, {row.seconds:.1f} s"
             if row.caught
+            else f"UNDECIDED: the seconds cap stopped it after {row.cases} cases"
+            if row.capped
             else f"ESCAPED {row.cases} cases",
         )
         rows.append(row)
     return rows
+
+
+def verdict(row: SubjectZooRow) -> str:
+    return "yes" if row.caught else "cap" if row.capped else "NO"
 
 
 def print_subject_zoo(text: str, rows: List[SubjectZooRow]) -> None:
@@ -118,7 +127,7 @@ def print_subject_zoo(text: str, rows: List[SubjectZooRow]) -> None:
     print(f"{'bug':<{width}}  caught  cases  seconds  min ops  finding")
     for r in rows:
         print(
-            f"{r.bug:<{width}}  {'yes' if r.caught else 'NO':<6}  {r.cases:>5}  {r.seconds:>7.1f}  "
+            f"{r.bug:<{width}}  {verdict(r):<6}  {r.cases:>5}  {r.seconds:>7.1f}  "
             f"{r.min_ops if r.min_ops is not None else '-':>7}  {r.kind}"
         )
     caught = sum(r.caught for r in rows)
