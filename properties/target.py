@@ -1,6 +1,7 @@
 """The checker's one seam: a `Target` is what the checker runs a trace on.
 
-Every command (check, fuzz, minimize, replay, show, explore) is written once over a Target:
+replay, minimize and explore are written once over a Target (show over a lockstep one: a subject's
+View names no page owner), and the CLI builds the target once from --subject, --fix and --bug:
 
   LockstepTarget   reference against fast (`lockstep.py`), optionally with a zoo bug of fast
                    patched in; the whole observable state of both sides is compared after every
