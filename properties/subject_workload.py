@@ -116,11 +116,12 @@ def drain(
 ) -> None:
     """Drive every request towards its end with `drain_op`, each operation through `apply` (None:
     the driver refused it as invalid), at most `limit` operations, `stalled` prefills in a row
-    having run nothing before it. For a subject that preempts
-    (optimistic admission: a step that finds no room gives up its newest request instead of
-    failing), every request must then have ended: one still waiting or running is a `liveness`
-    Finding. Without preemption a head that never fits can be the subject's promise at work (it
-    waits for pages no request will free), so it is not judged."""
+    having run nothing before it. For a subject that preempts (optimistic admission: a step that
+    finds no room gives up its newest request instead of failing), it is a `liveness` Finding if
+    requests still run after it (preemption going round in circles), or if nothing runs and the
+    waiting head is a request the subject preempted: it fit the pool once, and an idle pool holds
+    more. A head never admitted at all is not judged: a subject may keep a margin of its pool
+    (SGLang's token ratio), so a request sized to the whole pool can wait on an idle subject."""
     for _ in range(limit):
         op = drain_op(driver, stalled)
         if op is None:
@@ -128,7 +129,8 @@ def drain(
         out = apply(op)
         if out is not None:
             stalled = stalled_after(stalled, op, out)
-    if driver.caps.preempts and (driver.waiting or driver.running):
+    stuck = driver.running or (driver.waiting and driver.waiting[0] in driver.preempted)
+    if driver.caps.preempts and stuck:
         raise Finding(
             "liveness",
             f"once submissions stopped, waiting {list(driver.waiting)} and running {list(driver.running)} "
