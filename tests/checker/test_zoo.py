@@ -245,3 +245,18 @@ def test_the_ci_profile_catches_the_heap_bookkeeping_bugs(name):
     assert run.returncode == 0, run.stderr[-3000:]
     caught = re.search(rf"seed ci: {name} caught at sequence (\d+)", run.stdout)
     assert caught, f"the CI profile missed {name}: {run.stdout[-2000:]}"
+
+
+def test_the_zoo_decides_by_sequences_not_seconds(tmp_path):
+    """The CI profile's catch is the number of the sequence that failed first: a budget of that many
+    sequences catches the bug, one fewer misses it, however long either run took."""
+    from kvledger.checker.audit.zoo_run import run_hypothesis
+
+    caught = run_hypothesis("table-slot-leak", tmp_path / "all", sequences=150)
+    assert caught["caught"] and not caught["timed_out"], caught
+    first = caught["sequence"]
+    assert 1 <= first <= 150
+    assert run_hypothesis("table-slot-leak", tmp_path / "same", sequences=first)["sequence"] == first
+    if first > 1:
+        missed = run_hypothesis("table-slot-leak", tmp_path / "fewer", sequences=first - 1)
+        assert not missed["caught"] and missed["sequences"] == first - 1, missed
