@@ -53,8 +53,8 @@ Patch = Callable[[Optional[str]], ContextManager[Any]]
 
 
 class Run(Protocol):
-    """One trace being applied: `ops` are the lines applied so far (the failing one included),
-    `step` the 1-based index of the last one."""
+    """One trace being applied: `ops` are the lines applied so far (the failing one included);
+    `step` the 1-based number of the last operation tried (a Finding names it)."""
 
     ops: List[Op]
     step: int
@@ -126,7 +126,8 @@ class SubjectRun:
         except Finding as f:
             self.ops.append(op)
             self.step = len(self.ops)
-            raise f.at(self.step, op) from None
+            f.at(self.step, op)
+            raise
         self.ops.append(op)
         self.step = len(self.ops)
         return result
