@@ -8,7 +8,7 @@ import re
 import pytest
 
 from kvledger.cli import main
-from kvledger.tools import mutation
+from kvledger.checker.audit import mutation
 
 pytest.importorskip("ray")
 
