@@ -39,6 +39,7 @@ from __future__ import annotations
 import hypothesis
 from hypothesis import HealthCheck, settings
 
+from kvledger.properties.boundary_rules import BoundaryRules
 from kvledger.properties.eviction_order_watch import EvictionOrderWatch
 from kvledger.properties.lockstep_core import ALPHABET, BUDGETS, OPTIMISTIC_POOL_TOKENS, SAMPLE, LockstepCore
 from kvledger.properties.machine_base import Progress, failures_dir
@@ -110,7 +111,7 @@ MACHINE_ONLY_EVENTS = frozenset(
 # name -> the number of the sequence (1 = the first the run generated) that first reached it
 
 
-class LockstepMachine(OptimisticRules, RadixOrderRules, RefusalRules):
+class LockstepMachine(OptimisticRules, RadixOrderRules, RefusalRules, BoundaryRules):
     """The lockstep machine: `LockstepCore`'s plain rules and invariants, the optimistic-admission
     rules, the radix eviction-order rules and the refused operations. Hypothesis collects the rules
     of every base by name, so how they are split over modules changes nothing it generates.
