@@ -26,8 +26,9 @@ subset), so a rule's share varies from example to example.
 
 The rules live by concept: `lockstep_core.py` (the pair, submit / prefill / decode / evict /
 probe, the invariants), `optimistic_rules.py`, `radix_order_rules.py` (with
-`eviction_order_watch.py`) and `refusal_rules.py`; finish, abort and the run's `Progress` are
-shared with the judge-mode machine (`machine_base.py`). A run reports what it reached to the
+`eviction_order_watch.py`), `refusal_rules.py` and `boundary_rules.py` (requests sized to
+admission's and allocation's boundaries from the model's state); finish, abort and the run's
+`Progress` are shared with the judge-mode machine (`machine_base.py`). A run reports what it reached to the
 `Progress` it is given (`run_machine`, `LockstepMachine.bind`), never to module state.
 
 The Hypothesis profiles (ci, deep, dev) are in `profiles.py`, registered by whoever runs the
