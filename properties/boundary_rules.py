@@ -12,7 +12,7 @@ directly (a match stamps the LRU clock, which would set the two sides apart).
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Any, Dict, List
 
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
@@ -40,7 +40,7 @@ class BoundaryRules(LockstepCore):
             return False
         if self.optimistic and tokens_to_finish(0, total, self.header.page_size) > self.pool:
             return False
-        op: Dict = {"op": "submit", "uid": self.next_uid, "tokens": tokens, "max_tokens": max_tokens}
+        op: Dict[str, Any] = {"op": "submit", "uid": self.next_uid, "tokens": tokens, "max_tokens": max_tokens}
         self._do(op)
         self.next_uid += 1
         return True

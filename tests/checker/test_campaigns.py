@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from kvledger.cli import main
 from kvledger.checker.audit import mutation
+from kvledger.cli import main
 
 pytest.importorskip("ray")
 
