@@ -9,17 +9,44 @@ the commands written over it (check, fuzz, minimize, replay, show, explore, zoo,
 under `audit/`, what measures the checker itself (zoo runs, mutation, coverage, benchmarks).
 """
 
-from kvledger.properties.subject import (
-    CachedEntry,
-    Capabilities,
-    DriverMismatch,
-    Subject,
-    SubjectConfig,
-    SubjectFactory,
-    SubjectUnavailable,
-    View,
-)
-from kvledger.properties.subject_judge import judge
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvledger.properties.subject import (
+        CachedEntry,
+        Capabilities,
+        DriverMismatch,
+        Subject,
+        SubjectConfig,
+        SubjectFactory,
+        SubjectUnavailable,
+        View,
+    )
+    from kvledger.properties.subject_judge import judge
+
+# The names load on first use (PEP 562), so a command that only reaches a module of this package
+# (the CLI's parser reads kvledger.checker.audit.mutation's defaults) does not import the judge and numpy.
+_HOMES = {
+    "CachedEntry": "kvledger.properties.subject",
+    "Capabilities": "kvledger.properties.subject",
+    "DriverMismatch": "kvledger.properties.subject",
+    "Subject": "kvledger.properties.subject",
+    "SubjectConfig": "kvledger.properties.subject",
+    "SubjectFactory": "kvledger.properties.subject",
+    "SubjectUnavailable": "kvledger.properties.subject",
+    "View": "kvledger.properties.subject",
+    "judge": "kvledger.properties.subject_judge",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'kvledger.checker' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)
+
 
 __all__ = [
     "CachedEntry",

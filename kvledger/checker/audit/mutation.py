@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]  # kvledger/checker/audit/ -> the repository
 DEFAULT_CONFIG = "properties/mutation.toml"
 WORK_DIR = ".kvledger/mutation"
 # what a copy of the tree needs: the packages (under their folders) and the tests the stages run
@@ -357,7 +357,7 @@ def kill_main(config: str) -> int:
     """`mutation.py kill`: the stages once, in this interpreter, on the tree this file lies in
     (the config's test-command for plain `cosmic-ray exec`). Exit 0: every stage passed."""
     sys.dont_write_bytecode = True
-    root = Path(__file__).resolve().parents[2]
+    root = ROOT
     cfg = load_config(config, root)
     use_tree(root)
     os.environ.setdefault("KVLEDGER_FAILURES", str(root / ".kvledger" / "mutation-failures"))
