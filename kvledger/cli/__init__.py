@@ -17,21 +17,21 @@ OWN_LOGGING = ("serve",)
 def commands() -> Tuple[Tuple[str, Callable[[argparse._SubParsersAction], None]], ...]:
     """The subcommands in `kvledger --help`'s order, each with the function that registers it. Every
     module here imports only light modules at the top: building the parser never imports torch."""
-    from kvledger.cli import bench, checks, explore, generate, mutation, serve
+    from kvledger.cli import bench, check, explore, fuzz, generate, mutation, replay, serve, subjects, zoo
 
     return (
-        ("check", checks.add_check),
-        ("replay", checks.add_replay),
+        ("check", check.add_check),
+        ("replay", replay.add_replay),
         ("generate", generate.add_parser),
         ("serve", serve.add_parser),
         ("bench", bench.add_parser),
-        ("zoo", checks.add_zoo),
-        ("fuzz", checks.add_fuzz),
+        ("zoo", zoo.add_zoo),
+        ("fuzz", fuzz.add_fuzz),
         ("explore", explore.add_parser),
-        ("minimize", checks.add_minimize),
-        ("subjects", checks.add_subjects),
-        ("show", checks.add_show),
-        ("coverage", checks.add_coverage),
+        ("minimize", replay.add_minimize),
+        ("subjects", subjects.add_subjects),
+        ("show", subjects.add_show),
+        ("coverage", subjects.add_coverage),
         ("mutation", mutation.add_parser),
     )
 
