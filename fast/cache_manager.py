@@ -196,3 +196,11 @@ class CacheManager:
                     f"integrity: radix node {node.id} has lock count {node.ref_count}, "
                     f"but {locks.get(node.id, 0)} live requests hold it"
                 )
+
+    # -- eviction on demand ------------------------------------------------------------------------
+    def evict(self, tokens: int) -> torch.Tensor:
+        """Evict at least `tokens` tokens of unlocked prefix cache and free their pages; the evicted
+        token locations (the cache scheduler's `evict` operation)."""
+        evicted = self.prefix_cache.evict(tokens)
+        self._free(evicted)
+        return evicted

@@ -3,7 +3,7 @@
 Every rank runs the same scheduler over the same calls; the scheduler is deterministic (no
 wall-clock, seeded sampling, logits identical on every rank after the LM head's gather), so every
 rank makes the same cache operations and its page table agrees with rank 0's. `--verify` checks
-that after every operation (engine/distributed/ledger.py)."""
+that after every operation (engine/distributed/rank_agreement.py)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ import torch
 import torch.multiprocessing as mp
 
 from kvledger.engine.distributed.group import TensorParallelGroup
-from kvledger.engine.distributed.ledger import LedgerDivergence
+from kvledger.engine.distributed.rank_agreement import RankDisagreement
 from kvledger.engine.distributed.replicated_engine import RankHook, serve_rank
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class RankProcesses:
     def explain(self, error: BaseException) -> BaseException:
         """The error to raise for `error`, which ended rank 0's step: the failed rank's own error
         when a peer failed (a collective then breaks on rank 0 with a transport error)."""
-        if isinstance(error, (LedgerDivergence, KeyboardInterrupt)) or self._reports is None:
+        if isinstance(error, (RankDisagreement, KeyboardInterrupt)) or self._reports is None:
             return error
         dead = any(not p.is_alive() for p in self.procs)
         if self._failed.wait(REPORT_GRACE_SECONDS if dead or _is_transport_error(error) else 0.0):

@@ -6,7 +6,7 @@ other ranks, which replay it on their own engine, and then every rank steps. The
 then agree call for call: they admit, preempt and allocate alike, and the model's collectives
 inside each step meet. The engine's decisions are thus made once per step by the same
 deterministic code on every rank (as SGLang's tensor-parallel engines do), not shipped as
-page numbers; `--verify` proves they agree (engine/distributed/ledger.py).
+page numbers; `--verify` proves they agree (engine/distributed/rank_agreement.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence
 from kvledger import fast
 from kvledger.engine.distributed.calls import AbortCall, EngineCall, ShutdownCall, StepCall, SubmitCall
 from kvledger.engine.distributed.group import TensorParallelGroup
-from kvledger.engine.distributed.ledger import LedgerCheck
+from kvledger.engine.distributed.rank_agreement import RankAgreement
 from kvledger.engine.runtime.engine import Engine, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -27,27 +27,27 @@ RankHook = Callable[[int, int, Engine], None]
 
 
 class RankCoordination:
-    """What every rank adds to its engine: the group, the optional ledger check, the hook."""
+    """What every rank adds to its engine: the group, the optional agreement check, the hook."""
 
     def __init__(self, group: TensorParallelGroup, verify: bool, hook: Optional[RankHook] = None) -> None:
         self.group = group
-        self.ledger = LedgerCheck(group) if verify else None
+        self.agreement = RankAgreement(group) if verify else None
         self.hook = hook
         self.steps = 0
         # rank 0: the error to raise for one that broke a step (the failed peer's, see ranks.py)
         self.explain: Callable[[BaseException], BaseException] = lambda error: error
 
     def attach(self, engine: Engine) -> None:
-        if self.ledger is not None:
-            engine.observers.append(self.ledger)
+        if self.agreement is not None:
+            engine.observers.append(self.agreement)
 
     def step(self, engine: Engine, run: Callable[[], List[TokenEvent]]) -> List[TokenEvent]:
         if self.hook is not None:
             self.hook(self.group.rank, self.steps, engine)
         self.steps += 1
         events = run()
-        if self.ledger is not None:
-            self.ledger.compare()
+        if self.agreement is not None:
+            self.agreement.compare()
         return events
 
 

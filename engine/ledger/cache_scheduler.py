@@ -21,16 +21,10 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
 
 from kvledger.engine.ledger.invariants import InvariantViolation, KVProvenance, check_queue_order, judge, tolist
 from kvledger.engine.ledger.ops import (
-    Abort,
     CacheOp,
-    Decode,
-    Evict,
-    Finish,
     InvalidOp,
     OpResult,
-    Prefill,
-    Probe,
-    Submit,
+    dispatch,
     parse,
 )
 from kvledger.engine.ledger.rollback import Checkpoint
@@ -241,9 +235,7 @@ class CacheScheduler:
         evictable = self.cm.prefix_cache.size_info.evictable_size
         if not 0 <= tokens <= evictable:
             raise InvalidOp(f"evict: {tokens} tokens asked, {evictable} evictable")
-        evicted = self.cm.prefix_cache.evict(tokens)
-        self.cm._free(evicted)
-        return OpResult(evicted=tuple(tolist(evicted)))
+        return OpResult(evicted=tuple(tolist(self.cm.evict(tokens))))
 
     def probe(self, tokens: Sequence[int]) -> OpResult:
         pending = self.impl.PendingReq(-1, list(tokens) + [0], self.impl.SamplingParams(max_tokens=1))
@@ -259,23 +251,7 @@ class CacheScheduler:
 
     def apply(self, op: Union[Dict[str, Any], CacheOp]) -> OpResult:
         """Apply one operation, typed or as its trace line (checked by `ops.parse`)."""
-        if isinstance(op, dict):
-            op = parse(op)
-        if isinstance(op, Submit):
-            return self.submit(op.uid, op.tokens, op.max_tokens)
-        if isinstance(op, Prefill):
-            return self.prefill(op.budget, op.sample, op.stop)
-        if isinstance(op, Decode):
-            return self.decode(op.sample, op.stop)
-        if isinstance(op, Finish):
-            return self.finish(op.uid)
-        if isinstance(op, Abort):
-            return self.abort(op.uid)
-        if isinstance(op, Evict):
-            return self.evict(op.tokens)
-        if isinstance(op, Probe):
-            return self.probe(op.tokens)
-        raise InvalidOp(f"not a cache operation: {op!r:.80}")
+        return dispatch(parse(op) if isinstance(op, dict) else op, self)
 
     # -- one step: admit or pick the decode batch, allocate, (the model runs), complete ------
     def _run(

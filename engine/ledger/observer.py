@@ -3,7 +3,7 @@
 The engine tells every observer of each operation it performed on `fast`, in order, as an
 `OpRecord` (the typed operation and what the engine saw it do). Observers are the trace recorder
 (`recorder.py`), the shadow verifier (`shadow.py`) and, under tensor parallelism, the cross-rank
-check (`engine/distributed/ledger.py`). With overlap an operation's sampled tokens are known only
+check (`engine/distributed/rank_agreement.py`). With overlap an operation's sampled tokens are known only
 a step later: an observer that compares state (`needs_state`) is then shown the state frozen
 right after the operation, not the live one.
 """

@@ -2,7 +2,7 @@
 
 The multi-process tests spawn a second rank (a fresh interpreter, a few seconds each); tokens are
 compared exactly (float32, greedy or seeded sampling), every run with --verify, so the shadow
-reference and the cross-rank ledger check run after every cache operation."""
+reference and the cross-rank agreement check run after every cache operation."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from kvledger.engine.distributed.ledger import LedgerDivergence
 from kvledger.engine.distributed.partition import FusedRows, PartitionError, TensorParallelShard
+from kvledger.engine.distributed.rank_agreement import RankDisagreement
 from kvledger.engine.distributed.ranks import RankFailed
 from kvledger.engine.engine_config import EngineConfig
 from kvledger.engine.model.config import builtin_config
@@ -156,7 +156,7 @@ def _run(model, size, prompts, params, **options):
     with LLM(model, tensor_parallel_size=size, threads=1, verify=True, **options) as llm:
         outs = llm.generate(prompts, params)
         steps = llm.engine.operations
-        ledger = llm.engine.coordination.ledger.operations if size > 1 else None
+        ledger = llm.engine.coordination.agreement.operations if size > 1 else None
     return [o.token_ids for o in outs], steps, ledger
 
 
@@ -225,7 +225,7 @@ def test_a_second_engine_while_one_runs_is_refused_and_the_first_keeps_working()
     [
         (fail_on_rank_1, RankFailed, "rank 1 failed: RuntimeError: planted failure on rank 1"),
         (fail_on_rank_0, ValueError, "planted failure on rank 0"),
-        (reorder_free_pages_on_rank_1, LedgerDivergence, r"ranks \[1\] disagree with rank 0 after cache operation \d+"),
+        (reorder_free_pages_on_rank_1, RankDisagreement, r"ranks \[1\] disagree with rank 0 after cache operation \d+"),
     ],
 )
 def test_a_rank_that_fails_or_diverges_ends_the_run_with_its_error(hook, error, match):

@@ -56,7 +56,7 @@ def test_two_gpus_generate_the_tokens_of_one_with_graphs_and_overlap(verify):
         assert two.engine.graphs is not None and two.engine.graphs.graphs and two.engine.overlap.enabled
         got = [o.token_ids for o in two.generate(prompts, params)]
         if verify:
-            assert two.engine.coordination.ledger.operations == two.engine.operations
+            assert two.engine.coordination.agreement.operations == two.engine.operations
     assert got == expected
 
 

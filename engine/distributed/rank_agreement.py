@@ -1,4 +1,4 @@
-"""The cross-rank ledger check (`--verify` under tensor parallelism).
+"""Do the ranks agree? The cross-rank check of the cache scheduler's state (`--verify` under tensor parallelism).
 
 Each rank hashes its cache-side state (the same snapshot the shadow verifier compares: owners,
 page-table rows, token pool, queues) after every cache operation. After every step the ranks
@@ -16,7 +16,7 @@ from kvledger.engine.ledger.observer import LedgerState
 from kvledger.engine.ledger.ops import OpRecord
 
 
-class LedgerDivergence(RuntimeError):
+class RankDisagreement(RuntimeError):
     def __init__(self, step: int, op: Dict, ranks: List[int], hashes: List[str]) -> None:
         shown = ", ".join(f"rank {r}: {h[:12]}" for r, h in enumerate(hashes))
         super().__init__(
@@ -30,7 +30,7 @@ def state_hash(snapshot: Dict) -> str:
     return hashlib.sha256(repr(snapshot).encode()).hexdigest()
 
 
-class LedgerCheck:
+class RankAgreement:
     """A scheduler observer: hashes the state after each operation; `compare` after each step."""
 
     needs_state = True  # with overlap, the state right after the operation (see engine/ledger/observer.py)
@@ -44,7 +44,7 @@ class LedgerCheck:
         self._pending.append((step, record, state_hash(state.snapshot())))
 
     def compare(self) -> None:
-        """All-gather every rank's hashes since the last call; raise LedgerDivergence at the first
+        """All-gather every rank's hashes since the last call; raise RankDisagreement at the first
         operation where any rank differs from rank 0."""
         mine, self._pending = self._pending, []
         everyone = self.group.all_gather([(step, h) for step, _, h in mine])
@@ -53,5 +53,5 @@ class LedgerCheck:
             differ = [r for r, entry in enumerate(at) if entry != at[0]]
             if differ:
                 step, op = (mine[i][0], mine[i][1].to_json()) if i < len(mine) else (at[0][0], {})
-                raise LedgerDivergence(step, op, differ, [h for _, h in at])
+                raise RankDisagreement(step, op, differ, [h for _, h in at])
         self.operations += len(mine)
