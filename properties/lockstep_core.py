@@ -95,8 +95,8 @@ class LockstepCore(DriverMachine):
     def _do(self, op: Dict[str, Any]) -> OpResult:
         try:
             result = self.lock.apply(op)
-        except Finding:
-            self._save()
+        except Finding as f:
+            self._save(f)
             raise
         if op["op"] in ("prefill", "decode"):
             if not self.optimistic:
@@ -110,8 +110,9 @@ class LockstepCore(DriverMachine):
     def _check(self, ok: bool, message: str) -> None:
         """A property of the run (not of one side): on failure, keep the trace like a divergence."""
         if not ok:
-            self._save()
-            raise AssertionError(message)
+            error = AssertionError(message)
+            self._save(error)
+            raise error
 
     @property
     def optimistic(self) -> bool:
@@ -121,9 +122,10 @@ class LockstepCore(DriverMachine):
     def pool(self) -> int:
         return self.header.num_pages * self.header.page_size
 
-    def _save(self) -> None:
+    def _save(self, error: AssertionError) -> None:
         # Shrinking reruns failing sequences; Hypothesis replays the minimal one last, so the
-        # file left behind is the shrunk failure.
+        # file left behind (and the progress's last failure) is the shrunk failure.
+        self.progress.last_failure = (self.header, list(self.lock.ops), error)
         failures_dir().mkdir(parents=True, exist_ok=True)
         (failures_dir() / "hypothesis-last-failure.jsonl").write_text(trace.dumps(self.header, self.lock.ops))
 

@@ -37,13 +37,12 @@ machine (tests/conftest.py, the tools), never by importing this module.
 
 from __future__ import annotations
 
-import hypothesis
 from hypothesis import HealthCheck, settings
 
 from kvledger.properties.boundary_rules import BoundaryRules
 from kvledger.properties.eviction_order_watch import EvictionOrderWatch
 from kvledger.properties.lockstep_core import ALPHABET, BUDGETS, OPTIMISTIC_POOL_TOKENS, SAMPLE, LockstepCore
-from kvledger.properties.machine_base import Progress, failures_dir
+from kvledger.properties.machine_base import Progress, failures_dir, run_bound
 from kvledger.properties.optimistic_rules import OptimisticRules
 from kvledger.properties.radix_order_rules import RadixOrderRules
 from kvledger.properties.refusal_rules import RefusalRules, invalid_ops
@@ -123,16 +122,11 @@ class LockstepMachine(OptimisticRules, RadixOrderRules, RefusalRules, BoundaryRu
 
 
 def run_machine(chosen: settings | None = None, progress: Progress | None = None, seed: int | None = None) -> Progress:
-    """Run the state machine as the test suite does, through `LockstepMachine.TestCase`, under
-    `chosen` or else the loaded profile (as the TestCase's own settings: no deadline, no health
-    check) and `seed` (else the profile's: derandomized under ci), reporting to `progress` (else
-    a new one); returns the progress, raises the failure, if any. A TestCase class keeps the
-    settings it was made with, so they are set here, not left to whenever it was first touched."""
+    """Run the state machine as the test suite does (`run_bound`), under `chosen` or else the
+    loaded profile (as the TestCase's own settings: no deadline, no health check) and `seed` (else
+    the profile's: derandomized under ci), reporting to `progress` (else a new one); returns the
+    progress, raises the failure, if any. `kvledger check` runs it through `machines.machine_run`."""
     progress = progress if progress is not None else Progress()
-    machine = LockstepMachine.bind(progress)
-    if seed is not None:
-        hypothesis.seed(seed)(machine)
-    case = machine.TestCase
-    case.settings = chosen or settings(settings.default, deadline=None, suppress_health_check=list(HealthCheck))
-    case("runTest").runTest()
+    chosen = chosen or settings(settings.default, deadline=None, suppress_health_check=list(HealthCheck))
+    run_bound(LockstepMachine.bind(progress), chosen, seed)
     return progress

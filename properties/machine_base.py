@@ -1,44 +1,55 @@
-"""What both Hypothesis state machines share: the run's `Progress` and the `DriverMachine` base.
+"""What both Hypothesis state machines share: the run's `Progress`, the `DriverMachine` base and
+`run_bound`, which runs a bound machine as the test suite does.
 
-There are two machines because there are two targets: `machine.LockstepMachine` runs the
+There are two machines because there are two targets (`target.py`), and they stay two classes
+because they read different state: `machine.LockstepMachine` runs the
 reference and fast `CacheScheduler`s side by side, `subject_machine.SubjectMachine` runs one
 subject through the `SubjectDriver`. Both generate submit / prefill / decode / finish / abort /
 evict sequences over a driver's waiting and running requests; this base holds the part that does
 not depend on the target: which requests can finish or be aborted (and the two rules that draw
-them), the progress of the run, and where a failing trace goes.
+them), the progress of the run (its last failing sequence included), and where a failing trace
+goes. `machines.py` says which machine checks which target.
 
 A Hypothesis machine is a class that Hypothesis instantiates with no arguments, once per
 sequence, so a run's `Progress` cannot be passed to the constructor: `bind(progress)` makes a
 subclass that carries it, and each instance reports to it. An unbound machine (run directly by
 `run_state_machine_as_test`, as the mutation and invariant audits do) reports to a fresh
 `Progress` per sequence that nobody reads.
+
+A machine's class source is part of the run: Hypothesis derives a derandomized run's seed from it
+(`function_digest` of the class, found by name in its module), so the text of `LockstepMachine`
+and `SubjectMachine` stays as it is unless a run is meant to change; their bases are free.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, ClassVar, Dict, List, Optional, Tuple, TypeVar
+from typing import Any, ClassVar, Dict, List, Optional, Tuple, TypeVar, Union
 
-from hypothesis import event
+import hypothesis
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.ops import OpResult
+from kvledger.engine.ledger.trace import Header
 from kvledger.properties.subject import SubjectConfig
+
+# The last failing sequence of a run: the trace header (lockstep) or the pool (judge mode) it ran
+# on, its operations up to the failing one, and the failure (a Finding, or a property of the run).
+LastFailure = Tuple[Union[Header, SubjectConfig], List[Dict[str, Any]], AssertionError]
 
 
 class Progress:
     """What one run of a machine reached, in counts (never time): `sequences` started so far (1 =
     the run's first), `reached` (rare event -> the number of the sequence that first reached it)
-    and, in judge mode, `last_failure` (the configuration, the operations and the finding of the
-    last failing sequence: Hypothesis replays the shrunk one last)."""
+    and `last_failure` (`LastFailure`: when Hypothesis shrinks, it replays the shrunk one last)."""
 
     def __init__(self) -> None:
         self.sequences = 0
         self.reached: Dict[str, int] = {}
-        self.last_failure: Optional[Tuple[SubjectConfig, List[Dict[str, Any]], Finding]] = None
+        self.last_failure: Optional[LastFailure] = None
 
     def start_sequence(self) -> None:
         self.sequences += 1
@@ -55,6 +66,7 @@ def failures_dir() -> Path:
 
 
 M = TypeVar("M", bound="DriverMachine")
+
 
 
 class DriverMachine(RuleBasedStateMachine):
@@ -106,3 +118,16 @@ class DriverMachine(RuleBasedStateMachine):
         uid = data.draw(st.sampled_from(self.waiting_uids() + self.running_uids()), label="uid")
         self._before_abort(uid)
         self._do({"op": "abort", "uid": uid})
+
+
+
+def run_bound(machine: type[DriverMachine], chosen: settings, seed: Optional[int] = None) -> None:
+    """Run `machine` (bound to its progress) as the test suite does, through its TestCase, under
+    `chosen` and `seed` (else the settings': derandomized under ci); raises the failure, if any. A
+    TestCase class keeps the settings it was made with, so they are set here, not left to whenever
+    it was first touched."""
+    if seed is not None:
+        hypothesis.seed(seed)(machine)
+    case = machine.TestCase
+    case.settings = chosen
+    case("runTest").runTest()

@@ -8,6 +8,11 @@ through the `SubjectDriver`; a finding fails the example, Hypothesis shrinks it,
 boundaries plus short tails, and exact repeats of earlier prompts, as the fuzzer draws them
 (`subject_workload.py`), so the same rare events are reached: `progress.reached` records, per
 event, the number of the example that first reached it (counts, never time).
+
+It stays a class apart from `machine.LockstepMachine` because it reads other state (the driver's
+queues, not a scheduler it can see into); what the two share is `machine_base.DriverMachine`, and
+`machines.machine_run` says which one checks a target and with which settings (`SUBJECT_EXAMPLES`,
+`SUBJECT_STEPS`). The text of `SubjectMachine` is its derandomized seed (see `machine_base.py`).
 """
 
 from __future__ import annotations

@@ -1,123 +1,193 @@
-"""`kvledger check`: the lockstep property run, with a report of what it reached and when."""
+"""`kvledger check`: a target's Hypothesis property run, with a report of what it reached and when.
+
+One command over a `Target` (`properties/target.py`): `properties/machines.py` says which machine
+checks it, the events it should reach and its settings; reference against fast runs the lockstep
+machine (a zoo bug of fast patched in while the target is active), a subject runs the judge-mode
+machine. The run is derandomized under `ci`, so it reaches the same states on any machine.
+
+A failing run leaves one trace, written as this target records it (`trace_header`, producer
+"kvledger check"), ready for `kvledger replay`: lockstep's is the sequence Hypothesis shrank; a
+subject's first failing sequence is minimized by kvledger's minimizer instead (a fresh subject per
+replay), which also looks for a shorter case of the same kind.
+
+`sequences_to_reach` runs a target without shrinking and counts, per seed, the sequence that first
+reached each expected event and the one that first failed (the zoo's measure: counts, never time).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import sys
 import time
-from typing import Dict, List, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
-from hypothesis import settings
-
-from kvledger.properties.machine import EXPECTED_EVENTS, Progress, failures_dir, run_machine
+from kvledger.engine.ledger import trace
+from kvledger.engine.ledger.trace import Header
+from kvledger.properties.machine_base import Progress
+from kvledger.properties.machines import Failure, MachineRun, machine_run
 from kvledger.properties.profiles import register_profiles
+from kvledger.properties.target import SubjectTarget, Target, config_of, header_of
 
 log = logging.getLogger(__name__)
 
+PRODUCER = "kvledger check"
+Op = Dict[str, Any]
 
-def reach_report(progress: Progress) -> str:
+
+def reach_report(run: MachineRun) -> str:
     """One line per expected rare event: whether the run reached it, and the number of the
     sequence (1 = the run's first) that reached it first."""
     lines = []
-    for name in sorted(EXPECTED_EVENTS):
-        first = progress.reached.get(name)
-        mark = "x" if name in progress.reached else " "
-        lines.append(f"  [{mark}] {name}" + (f"  (sequence {first})" if first else ""))
+    for name in sorted(run.expected):
+        first = run.progress.reached.get(name)
+        lines.append(f"  [{'x' if first else ' '}] {name}" + (f"  (sequence {first})" if first else ""))
     return "\n".join(lines)
 
 
-def run_check(profile: str, examples: int | None = None) -> int:
+def run_check(
+    target: Target,
+    profile: str = "ci",
+    examples: Optional[int] = None,
+    out_dir: str | Path = ".kvledger/failures",
+    minimize_budget: float = 30.0,
+) -> int:
+    """Run `target`'s machine under `profile` (`examples` sequences instead of the profile's) and
+    print what it reached, or its failure and the trace written under `out_dir`. Exit 0 when it
+    passed, 1 on a failure, 2 when the target's bug is unknown."""
     register_profiles(profile)
-    chosen = settings(settings.default, max_examples=examples) if examples else settings.default
-    log.info(
-        "kvledger check: profile %s, %d sequences of up to %d operations, reference vs fast in lockstep",
-        profile,
-        chosen.max_examples,
-        chosen.stateful_step_count,
-    )
-    progress = Progress()
-    start = time.perf_counter()
-    try:
-        run_machine(chosen, progress)
-    except AssertionError as e:  # a Divergence, or a property of the run (liveness, preemption counts)
-        print(f"FAILED after {time.perf_counter() - start:.1f}s: {e}")
-        print(f"the shrunk failing trace: {failures_dir()}/hypothesis-last-failure.jsonl (kvledger replay it)")
-        return 1
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(target.active())
+        except KeyError as e:  # a zoo bug fast does not have
+            print(f"kvledger check: {e.args[0]}", file=sys.stderr)
+            return 2
+        run = machine_run(target, Progress(), profile, examples)
+        log.info(
+            "kvledger check %s: profile %s, %d sequences of up to %d operations",
+            run.title,
+            profile,
+            run.settings.max_examples,
+            run.settings.stateful_step_count,
+        )
+        start = time.perf_counter()
+        try:
+            run.run()
+        except AssertionError:  # a Finding, or a property of the run (liveness, preemption counts)
+            elapsed = time.perf_counter() - start
+            failure = run.failure()
+            if failure is None:
+                raise
+            header, ops, kind, lines = _smallest(target, failure, minimize_budget)
+            path = Path(out_dir) / f"{_file_stem(target)}-{kind.replace(':', '-')}.jsonl"
+            trace.write(path, target.trace_header(header, PRODUCER), ops)
+            again = f"kvledger replay {path}" + (f" --bug {target.bug}" if target.bug else "")
+            print(f"FAILED after {elapsed:.1f}s ({run.progress.sequences} sequences): {lines[0]}")
+            print(f"the failing trace, {len(ops)} operations: {path} ({again})")
+            for op in ops:
+                print("  " + json.dumps(op))
+            print("\n".join(lines[1:]))
+            return 1
     elapsed = time.perf_counter() - start
+    reached = run.expected & run.progress.reached.keys()
     print(
-        f"passed in {elapsed:.1f}s, {progress.sequences} sequences; rare branches reached "
-        f"({len(EXPECTED_EVENTS & progress.reached.keys())}/{len(EXPECTED_EVENTS)}), "
-        "with the sequence that first reached each:"
+        f"{run.title}: passed in {elapsed:.1f}s, {run.progress.sequences} sequences; rare events reached "
+        f"({len(reached)}/{len(run.expected)}), with the sequence that first reached each:"
     )
-    print(reach_report(progress))
+    print(reach_report(run))
     return 0
 
 
+def _smallest(target: Target, failure: Failure, budget: float) -> Tuple[Header, List[Op], str, List[str]]:
+    """The failing trace to write (header, operations), its kind and the lines that describe it:
+    lockstep's as Hypothesis shrank it; a subject's minimized (half the budget on its operations,
+    half on short cases of the same kind)."""
+    if not isinstance(target, SubjectTarget):
+        return failure.header, failure.ops, failure.kind, [f"[{failure.kind}] {failure.message}"]
+    from kvledger.checker.minimize import minimize_ops, shortest_failure
+    from kvledger.checker.subject_walk import run_case
+
+    config = config_of(failure.header)
+    small, found = minimize_ops(target, config, failure.ops, failure.kind, budget=budget / 2)
+    small, config, found = shortest_failure(
+        target, failure.kind, small, config, found, target.page_sizes, budget=budget / 2, run_case=run_case
+    )
+    kind, message = (found.kind, found.message) if found is not None else (failure.kind, failure.message)
+    detail = found.detail if found is not None else getattr(failure.error, "detail", None)
+    lines = [f"[{kind}] {message}"] + ([detail.rstrip()] if detail else [])
+    return header_of(config, None, "hypothesis", target.name, target.version), small, kind, lines
+
+
+def _file_stem(target: Target) -> str:
+    """A subject's name without its path (`minisgl`, not `minisgl:/checkout`), or "lockstep"."""
+    spec = getattr(target, "spec", None)
+    return str(spec.name if spec is not None else target.name).replace(":", "-")
+
+
+@dataclass
+class Reach:
+    """What one seeded run reached: `sequences` run, `first` (event -> the sequence that first
+    reached it), `caught` (the sequence that first failed, or None) and the failure's text;
+    `expected` the events the target's machine should reach."""
+
+    seed: Optional[int]
+    sequences: int
+    expected: FrozenSet[str]
+    first: Dict[str, int] = field(default_factory=dict)
+    caught: Optional[int] = None
+    failure: Optional[str] = None
+
+
 def sequences_to_reach(
-    seeds: Sequence[int | None], examples: int | None = None, bug: str | None = None, profile: str = "ci"
-) -> List[Dict]:
-    """For each seed (None: the profile's own, derandomized run), run `profile` without shrinking
-    (under zoo bug `bug`, if given) and return what it reached: {"seed", "sequences" (run),
-    "first" (event -> the sequence that first reached it), "caught" (the sequence that first
-    failed, or None)}. Counts only: the same seed gives the same numbers on any machine."""
-    from hypothesis import Phase
-
-    from kvledger.subjects.fast_zoo import patched
-
+    target: Target, seeds: Sequence[Optional[int]], examples: Optional[int] = None, profile: str = "ci"
+) -> List[Reach]:
+    """For each seed (None: the profile's own, derandomized run), run `target`'s machine under
+    `profile` without shrinking (with the target's bug, if any) and return what it reached.
+    Counts only: the same seed gives the same numbers on any machine."""
     register_profiles(profile)
-    base = settings(settings.default, max_examples=examples) if examples else settings.default
-    chosen = settings(base, phases=[p for p in base.phases if p is not Phase.shrink])
     rows = []
-    for s in seeds:
-        progress = Progress()
-        caught, failure = None, None
-        try:
-            with patched(bug):
-                run_machine(chosen, progress, seed=s)
-        except AssertionError as e:
-            caught, failure = progress.sequences, str(e)
-        rows.append(
-            {
-                "seed": s,
-                "sequences": progress.sequences,
-                "first": dict(progress.reached),
-                "caught": caught,
-                "failure": failure,
-            }
-        )
+    with target.active():
+        for s in seeds:
+            run = machine_run(target, Progress(), profile, examples)
+            caught, failure = None, None
+            try:
+                run.run(seed=s, shrink=False)
+            except AssertionError as e:
+                caught, failure = run.progress.sequences, str(e)
+            rows.append(Reach(s, run.progress.sequences, run.expected, dict(run.progress.reached), caught, failure))
     return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """python -m kvledger.checker.check [--seeds 0,1,2|ci] [--examples N] [--bug NAME] [--events a;b]:
+    """python -m kvledger.checker.check [--seeds 0,1,2|ci] [--examples N] [--subject SPEC] [--bug NAME]:
     per seed, the sequence that first reached each expected event (or first failed, with --bug)."""
     import argparse
+
+    from kvledger.checker.targets import target_for
 
     p = argparse.ArgumentParser(prog="python -m kvledger.checker.check", description=main.__doc__)
     p.add_argument("--seeds", default="ci", help="comma-separated seeds; 'ci' is the derandomized CI run")
     p.add_argument("--examples", type=int, default=None)
-    p.add_argument("--bug", default=None)
+    p.add_argument("--subject", default=None, help="a subject spec (default: reference against fast)")
+    p.add_argument("--bug", default=None, help="a zoo bug of fast, or of --subject")
     p.add_argument("--profile", default="ci")
     args = p.parse_args(argv)
     seeds = [None if x == "ci" else int(x) for x in args.seeds.split(",")]
-    for row in sequences_to_reach(seeds, args.examples, args.bug, args.profile):
-        name = "ci" if row["seed"] is None else row["seed"]
+    target = target_for(args.subject, bug=args.bug)
+    for row in sequences_to_reach(target, seeds, args.examples, args.profile):
+        name = "ci" if row.seed is None else row.seed
         if args.bug:
-            print(
-                f"seed {name}: {args.bug} "
-                + (
-                    f"caught at sequence {row['caught']}"
-                    if row["caught"]
-                    else f"missed in {row['sequences']} sequences"
-                )
-            )
+            found = f"caught at sequence {row.caught}" if row.caught else f"missed in {row.sequences} sequences"
+            print(f"seed {name}: {args.bug} {found}")
             continue
-        print(f"seed {name}: {row['sequences']} sequences" + (f"; FAILED: {row['failure']}" if row["failure"] else ""))
-        for event_name in sorted(EXPECTED_EVENTS):
-            print(f"  {row['first'].get(event_name, '-')!s:>6}  {event_name}")
+        print(f"seed {name}: {row.sequences} sequences" + (f"; FAILED: {row.failure}" if row.failure else ""))
+        for event_name in sorted(row.expected):
+            print(f"  {row.first.get(event_name, '-')!s:>6}  {event_name}")
     return 0
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main())

@@ -5,8 +5,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
-from kvledger.cli.checker_options import add_campaign, add_subject, campaign_setup, command_error, shifted, target_of
+from kvledger.cli.checker_options import (
+    add_campaign,
+    add_subject,
+    campaign_setup,
+    command_error,
+    is_subject,
+    shifted,
+    target_of,
+)
 
 
 def add_check(sub: argparse._SubParsersAction) -> None:
@@ -24,7 +33,9 @@ def add_check(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--examples", type=int, default=None, help="override the profile's number of examples")
     add_subject(p)
-    p.add_argument("--bug", default=None, help="with --subject: apply this zoo bug of the subject to a copy first")
+    p.add_argument(
+        "--bug", default=None, help="plant this zoo bug first: fast's (bug-zoo.md), or with --subject the subject's"
+    )
     p.add_argument("--out-dir", default=".kvledger/failures", metavar="DIR", help="where a failing trace goes")
     p.add_argument(
         "--seed", type=int, default=0, help="with --tasks: task i runs under a Hypothesis seed from (seed, i)"
@@ -38,30 +49,27 @@ def add_check(sub: argparse._SubParsersAction) -> None:
 
 def _check(args: argparse.Namespace) -> int:
     os.environ["HYPOTHESIS_PROFILE"] = args.profile
-    if args.tasks is not None:
-        return _check_campaign(args)
-    if not args.subject:  # the lockstep machine runs reference against fast as they are
-        from kvledger.checker.check import run_check
-
-        return run_check(args.profile, args.examples)
     target = target_of(args, "check")
     if isinstance(target, int):
         return target
-    from kvledger.checker.subject_check import run_subject_check
+    if args.tasks is not None:
+        return _check_campaign(args, target)
+    from kvledger.checker.check import run_check
     from kvledger.properties.subject import SubjectUnavailable
 
     try:
-        return run_subject_check(target, args.profile, args.examples, args.out_dir)[0]
+        return run_check(target, args.profile, args.examples, args.out_dir)
     except SubjectUnavailable as e:
         return command_error("check", e)
 
 
-def _check_campaign(args: argparse.Namespace) -> int:
+def _check_campaign(args: argparse.Namespace, target: Any) -> int:
     from kvledger.checker import campaigns
 
-    if args.subject:
+    if is_subject(target) or target.bug:  # a campaign's task runs the lockstep machine on fast as it is
         print(
-            "kvledger check: --tasks runs the lockstep machine; for a subject use kvledger fuzz --subject --tasks",
+            "kvledger check: --tasks runs the lockstep machine on fast as it is; for a subject or a zoo bug "
+            "use kvledger fuzz --tasks (with --subject, --bug)",
             file=sys.stderr,
         )
         return 2
