@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.ops import OpResult
@@ -108,20 +108,21 @@ def stalled_after(stalled: int, op: Dict[str, Any], out: OpResult) -> int:
     return stalled + 1 if op["op"] == "prefill" and not out.batch else 0
 
 
-def drain(
+def drain_steps(
     driver: Any,
     apply: Callable[[Dict[str, Any]], Optional[OpResult]],
     limit: int = DRAIN_LIMIT,
     stalled: int = 0,
-) -> None:
+) -> Iterator[None]:
     """Drive every request towards its end with `drain_op`, each operation through `apply` (None:
     the driver refused it as invalid), at most `limit` operations, `stalled` prefills in a row
-    having run nothing before it. For a subject that preempts (optimistic admission: a step that
-    finds no room gives up its newest request instead of failing), it is a `liveness` Finding if
-    requests still run after it (preemption going round in circles), or if nothing runs and the
-    waiting head is a request the subject preempted: it fit the pool once, and an idle pool holds
-    more. A head never admitted at all is not judged: a subject may keep a margin of its pool
-    (SGLang's token ratio), so a request sized to the whole pool can wait on an idle subject."""
+    having run nothing before it; one iteration per operation the driver ran. For a subject that
+    preempts (optimistic admission: a step that finds no room gives up its newest request instead
+    of failing), it is a `liveness` Finding if requests still run after it (preemption going round
+    in circles), or if nothing runs and the waiting head is a request the subject preempted: it
+    fit the pool once, and an idle pool holds more. A head never admitted at all is not judged: a
+    subject may keep a margin of its pool (SGLang's token ratio), so a request sized to the whole
+    pool can wait on an idle subject."""
     for _ in range(limit):
         op = drain_op(driver, stalled)
         if op is None:
@@ -129,6 +130,7 @@ def drain(
         out = apply(op)
         if out is not None:
             stalled = stalled_after(stalled, op, out)
+            yield
     stuck = driver.running or (driver.waiting and driver.waiting[0] in driver.preempted)
     if driver.caps.preempts and stuck:
         raise Finding(
@@ -137,3 +139,14 @@ def drain(
             f"never ended (a drain of at most {limit} operations: prefill while admission runs a batch, "
             f"else decode)",
         )
+
+
+def drain(
+    driver: Any,
+    apply: Callable[[Dict[str, Any]], Optional[OpResult]],
+    limit: int = DRAIN_LIMIT,
+    stalled: int = 0,
+) -> None:
+    """`drain_steps` run to its end (the state machine's drain rule)."""
+    for _ in drain_steps(driver, apply, limit, stalled):
+        pass

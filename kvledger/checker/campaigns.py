@@ -1,10 +1,11 @@
 """The checker's campaigns: `kvledger fuzz --tasks N`, `kvledger check --tasks N` (with
 `--cluster ADDRESS` to run them on a Ray cluster), each a list of seeded tasks and a merge.
 
-- **fuzz**: task i runs cases `case_seed(seed, i, 0..cases-1)` of the lockstep fuzzer (or, with
-  `--subject`, of the subject's judge-mode fuzzer) and stops at its first finding. The merge sums
-  the counts, unions the rare events reached, and keeps one finding per kind (the first, by task
-  and case), written to the campaign directory, minimized once, with the command that replays it.
+- **fuzz**: task i runs cases 0..cases-1 of the target's fuzz workload (`checker/fuzz.py`: reference
+  against fast, or with `--subject` one subject in judge mode), the case seeds its workload derives
+  from (seed, i, case), and stops at its first finding. The merge sums the counts, unions the rare
+  events reached, and keeps one finding per kind (the first, by task and case), written to the
+  campaign directory, minimized once, with the command that replays it.
 - **check**: task i runs the Hypothesis lockstep machine for `examples` sequences under the
   Hypothesis seed `check_seed(seed, i)`. The merge unions the rare events and keeps the first
   failure of each kind, with its shrunk trace.
@@ -20,7 +21,7 @@ import logging
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from kvledger.campaign import CampaignDir, CampaignRun, Executor, Outcome, Task, run_campaign
 
@@ -36,103 +37,57 @@ def check_seed(seed: int, task: int) -> int:
 
 # -- tasks (run in a worker: a local process or a Ray worker) -------------------------------------
 def fuzz_shard(
-    seed: int, shard: int, cases: int, bug: Optional[str] = None, admission: Optional[str] = None
-) -> Dict[str, Any]:
-    """Cases 0..cases-1 of fuzz worker `shard` under `seed` (kvledger fuzz's case seeds), with a
-    bug-zoo bug patched in if named; stops at the first finding."""
-    import torch
-
-    from kvledger.checker.fuzz import OP_LIMIT_S, OpTimeout, case_seed, limited_steps, make_case, walk
-    from kvledger.properties.lockstep import Finding, Lockstep
-    from kvledger.reference import events
-    from kvledger.subjects.fast_zoo import patched
-
-    torch.set_num_threads(1)
-    first: Dict[str, int] = {}  # rare event -> the case that first reached it
-    number = 0
-
-    def reached(name: str) -> None:
-        first.setdefault(name, number)
-
-    out: Dict[str, Any] = {"ops": 0, "cases": 0, "preemptions": 0, "optimistic_cases": 0, "finding": None}
-    events.set_listener(reached)
-    started = time.perf_counter()
-    try:
-        with patched(bug):
-            for number in range(cases):
-                cseed = case_seed(seed, shard, number)
-                lock = Lockstep(make_case(cseed, admission).header)
-                finding = None
-                try:
-                    for _ in limited_steps(walk(cseed, lock, reached, lambda: True, admission=admission), OP_LIMIT_S):
-                        out["ops"] += 1
-                except OpTimeout:
-                    last = lock.ops[-1].get("op") if lock.ops else None
-                    finding = {
-                        "kind": "hang",
-                        "detail": f"operation {len(lock.ops)} ({last}) ran past {OP_LIMIT_S:g} s",
-                    }
-                except Finding as e:
-                    finding = {"kind": e.kind, "detail": e.message, "step": e.step}
-                except Exception:  # noqa: BLE001 (a crash of the code under test is a finding)
-                    import traceback
-
-                    finding = {"kind": "crash", "detail": traceback.format_exc()}
-                out["preemptions"] += lock.ref.preemptions
-                if finding is not None:
-                    finding.update(case=number, header=asdict(lock.header), ops=list(lock.ops))
-                    out["finding"] = finding
-                    break
-                out["cases"] += 1
-                out["optimistic_cases"] += lock.header.policy.preempts
-    finally:
-        events.set_listener(None)
-    out["events"] = sorted(first)
-    out["first_case"] = first
-    out["seconds"] = time.perf_counter() - started
-    return out
-
-
-def subject_shard(
-    subject: str,
     seed: int,
     shard: int,
     cases: int,
-    fix: Optional[str] = None,
     bug: Optional[str] = None,
-    page_sizes: Optional[Sequence[int]] = None,
+    admission: Optional[str] = None,
+    subject: Optional[str] = None,
+    fix: Optional[str] = None,
 ) -> Dict[str, Any]:
-    """Cases 0..cases-1 of shard `shard` of a subject's judge-mode fuzzer; stops at its first finding."""
-    from kvledger.checker.fuzz import case_seed
-    from kvledger.checker.subject_fuzz import run_case
-    from kvledger.checker.targets import edits_for
-    from kvledger.subjects import parse_spec
+    """Cases 0..cases-1 of fuzz task `shard` under `seed` on the target (`subject` with `fix` and
+    `bug`, else reference against fast with fast's zoo bug `bug`); stops at the first finding."""
+    import torch
 
+    from kvledger.checker.fuzz import TargetRecipe, play_case, workload_for
+    from kvledger.reference import events
+
+    torch.set_num_threads(1)
     logging.getLogger().setLevel(logging.WARNING)
-    spec = parse_spec(subject)
-    factory = spec.factory(edits_for(spec, fix=fix, bug=bug))
-    sizes = spec.page_sizes(tuple(page_sizes or (1, 2, 4)))
-    out: Dict[str, Any] = {"ops": 0, "cases": 0, "events": {}, "finding": None}
+    target = TargetRecipe(subject, fix, bug).build()
+    workload = workload_for(target, admission)
+    counts: Dict[str, int] = {}  # rare event -> the cases that reached it
+    first: Dict[str, int] = {}  # rare event -> the case that first reached it
+    out: Dict[str, Any] = {"ops": 0, "cases": 0, "preemptions": 0, "optimistic_cases": 0, "finding": None}
     started = time.perf_counter()
-    for number in range(cases):
-        cseed = case_seed(seed, shard, number) % (1 << 62)
-        result = run_case(factory, cseed, sizes)
-        out["ops"] += len(result.ops)
-        for name in result.events:
-            out["events"][name] = out["events"].get(name, 0) + 1
-        if result.finding is not None:
-            f = result.finding
-            out["finding"] = {
-                "kind": f.kind,
-                "detail": f.message,
-                "traceback": f.detail,
-                "case": number,
-                "case_seed": cseed,
-                "config": asdict(result.config),
-                "ops": result.ops,
-            }
-            break
-        out["cases"] += 1
+    try:
+        with target.active():
+            for number in range(cases):
+                outcome = play_case(workload, number, workload.task_seed(seed, shard, number))
+                out["ops"] += outcome.steps
+                out["preemptions"] += outcome.preemptions
+                for name in outcome.events:
+                    counts[name] = counts.get(name, 0) + 1
+                    first.setdefault(name, number)
+                f = outcome.finding
+                if f is not None:
+                    out["finding"] = {
+                        "kind": f.kind,
+                        "detail": f.message,
+                        "traceback": f.detail,
+                        "step": f.step,
+                        "case": number,
+                        "case_seed": outcome.seed,
+                        "header": asdict(outcome.header),
+                        "ops": outcome.ops,
+                    }
+                    break
+                out["cases"] += 1
+                out["optimistic_cases"] += outcome.header.policy.preempts
+    finally:
+        events.set_listener(None)
+    out["events"] = counts
+    out["first_case"] = first
     out["seconds"] = time.perf_counter() - started
     return out
 
@@ -174,27 +129,22 @@ def check_run(profile: str, examples: int, hypothesis_seed: int) -> Dict[str, An
 
 # -- task lists ---------------------------------------------------------------------------------
 def fuzz_tasks(
-    seed: int, tasks: int, cases: int, bug: Optional[str], admission: Optional[str], time_limit: float = TASK_LIMIT_S
-) -> List[Task]:
-    args = {"seed": seed, "cases": cases, "bug": bug, "admission": admission}
-    return [
-        Task(f"fuzz/seed{seed}/shard{i}", f"{__name__}:fuzz_shard", {**args, "shard": i}, time_limit)
-        for i in range(tasks)
-    ]
-
-
-def subject_tasks(
-    subject: str,
     seed: int,
     tasks: int,
     cases: int,
-    fix: Optional[str],
     bug: Optional[str],
+    admission: Optional[str],
     time_limit: float = TASK_LIMIT_S,
+    subject: Optional[str] = None,
+    fix: Optional[str] = None,
 ) -> List[Task]:
-    args = {"subject": subject, "seed": seed, "cases": cases, "fix": fix, "bug": bug}
+    args: Dict[str, Any] = {"seed": seed, "cases": cases, "bug": bug, "admission": admission}
+    prefix = "fuzz"
+    if subject is not None:
+        args.update(subject=subject, fix=fix)
+        prefix = f"fuzz/{subject}"
     return [
-        Task(f"fuzz/{subject}/seed{seed}/shard{i}", f"{__name__}:subject_shard", {**args, "shard": i}, time_limit)
+        Task(f"{prefix}/seed{seed}/shard{i}", f"{__name__}:fuzz_shard", {**args, "shard": i}, time_limit)
         for i in range(tasks)
     ]
 
@@ -254,15 +204,8 @@ def _close(
 def replay_task_command(task: Task) -> str:
     a = task.args
     if task.function.endswith(":fuzz_shard"):
-        bug = f" --bug {a['bug']}" if a.get("bug") else ""
-        adm = f" --admission {a['admission']}" if a.get("admission") else ""
-        return f"kvledger fuzz --tasks 1 --first-task {a['shard']} --cases {a['cases']} --seed {a['seed']}{bug}{adm}"
-    if task.function.endswith(":subject_shard"):
-        extra = "".join(f" --{k} {a[k]}" for k in ("fix", "bug") if a.get(k))
-        return (
-            f"kvledger fuzz --subject {a['subject']} --tasks 1 --first-task {a['shard']} --cases {a['cases']} "
-            f"--seed {a['seed']}{extra}"
-        )
+        extra = "".join(f" --{k} {a[k]}" for k in ("subject", "fix", "bug", "admission") if a.get(k))
+        return f"kvledger fuzz --tasks 1 --first-task {a['shard']} --cases {a['cases']} --seed {a['seed']}{extra}"
     return f'python -c "from {task.function.split(":")[0]} import *; print({task.function.split(":")[1]}(**{a!r}))"'
 
 
@@ -274,11 +217,10 @@ def merge_fuzz(
     minimize_replays: Optional[int],
 ) -> Tuple[str, int]:
     """The merged result and the exit status (1: a finding, 2: a task that did not finish)."""
-    from kvledger.engine.ledger import trace
-    from kvledger.engine.ledger.trace import Header
+    from kvledger.checker.fuzz import TargetRecipe, WorkerFailure, handle_failure, workload_for
 
     totals = {"ops": 0, "cases": 0, "preemptions": 0, "optimistic_cases": 0}
-    reached: set = set()
+    reached: Set[str] = set()
     corpus: Dict[str, Tuple[Task, int]] = {}  # rare event -> the first task and case that reached it
     done, findings = _finished(run, tasks, "finding")
     for task, v in done:
@@ -292,29 +234,42 @@ def merge_fuzz(
         f"{len(tasks)} tasks, {run.seconds:.1f}s on {run.workers} worker(s) ({run.where}): "
         f"{totals['ops'] / run.seconds if run.seconds else 0:,.0f} ops/s"
     ]
-    from kvledger.checker.fuzz import _expected_events
-
-    expected = _expected_events()
-    lines.append(f"rare events reached ({len(reached & expected)}/{len(expected)}); where each was first: corpus.jsonl")
+    first_args = tasks[0].args if tasks else {}
+    target = TargetRecipe(first_args.get("subject"), first_args.get("fix"), first_args.get("bug")).build()
+    workload = workload_for(target, first_args.get("admission"))
+    expected = workload.expected_events()
+    if expected:
+        lines.append(
+            f"rare events reached ({len(reached & expected)}/{len(expected)}); where each was first: corpus.jsonl"
+        )
+    else:
+        lines.append(f"events reached: {len(reached)}; where each was first: corpus.jsonl")
     _write_corpus(directory, corpus)
+    if findings:
+        workload.prepare()  # a subject's version, for the traces' headers
     for kind, (task, f) in sorted(findings.items()):
-        bug = task.args.get("bug")
-        name = f"{task.key.replace('/', '-')}-c{f['case']}"
-        path = directory.findings / f"{name}.jsonl"
-        header = Header(**f["header"])
-        trace.write(path, header, f["ops"])
-        line = f"FINDING {kind} in task {task.key}, case {f['case']}: {f['detail'].strip().splitlines()[-1]}"
-        lines.append(line)
-        lines.append(f"  trace: {path} ({len(f['ops'])} ops)")
-        if kind not in ("crash", "hang"):
-            small = _minimize(header, f["ops"], bug, minimize_budget, minimize_replays)
-            if small is not None:
-                m_header, m_ops, m_kind = small
-                m_path = directory.findings / f"{name}-min.jsonl"
-                trace.write(m_path, m_header, m_ops)
-                lines.append(f"  minimized ({len(m_ops)} ops, {m_kind}): {m_path}")
-                path = m_path
-        lines.append(f"  replay it: kvledger replay {path}" + (f" --bug {bug}" if bug else ""))
+        name = f"{task.key.replace('/', '-').replace(':', '-')}-c{f['case']}"
+        failure = WorkerFailure(
+            task.args["shard"], f["case"], f.get("case_seed", 0), f["header"], f["ops"], kind, f["detail"]
+        )
+        paths = (directory.findings / f"{name}.jsonl", directory.findings / f"{name}-min.jsonl")
+        found = handle_failure(
+            failure,
+            target,
+            workload,
+            directory.findings,
+            task.args["seed"],
+            minimize_budget,
+            False,
+            minimize_replays,
+            paths=paths,
+        )
+        lines.append(f"FINDING {kind} in task {task.key}, case {f['case']}: {f['detail'].strip().splitlines()[-1]}")
+        lines.append(f"  trace: {found.trace_path} ({len(f['ops'])} ops)")
+        if found.minimized_path is not None:
+            lines.append(f"  minimized ({found.minimized_ops} ops, {found.minimized_kind}): {found.minimized_path}")
+        extra = "".join(f" --{k} {task.args[k]}" for k in ("fix", "bug") if task.args.get(k))
+        lines.append(f"  replay it: kvledger replay {found.minimized_path or found.trace_path}{extra}")
         lines.append(f"  or its task alone: {replay_task_command(task)}")
     return _close(lines, run, tasks, directory, bool(findings), "no finding")
 
@@ -331,68 +286,6 @@ def _write_corpus(directory: CampaignDir, corpus: Dict[str, Tuple[Task, int]]) -
         for name, (task, case) in sorted(corpus.items())
     ]
     (directory.path / "corpus.jsonl").write_text("".join(line + "\n" for line in lines))
-
-
-def _minimize(header: Any, ops: List[Dict], bug: Optional[str], budget: float, replays: Optional[int]) -> Any:
-    from kvledger.checker.minimize import MinimizeError, minimize
-    from kvledger.subjects.fast_zoo import patched
-
-    try:
-        with patched(bug):
-            return minimize(header, ops, budget=budget, max_replays=replays)
-    except MinimizeError as e:
-        log.warning("could not minimize: %s", e)
-        return None
-
-
-def merge_subject(
-    run: CampaignRun,
-    tasks: Sequence[Task],
-    directory: CampaignDir,
-    minimize_budget: float,
-    minimize_replays: Optional[int],
-) -> Tuple[str, int]:
-    from kvledger.checker.subject_fuzz import header_for, minimize_finding
-    from kvledger.checker.targets import edits_for
-    from kvledger.engine.ledger import trace
-    from kvledger.properties.subject import SubjectConfig
-    from kvledger.subjects import parse_spec
-
-    ops = cases = 0
-    events: Dict[str, int] = {}
-    done, findings = _finished(run, tasks, "finding")
-    for _, v in done:
-        ops += v["ops"]
-        cases += v["cases"]
-        for name, n in v["events"].items():
-            events[name] = events.get(name, 0) + n
-    rate = ops / run.seconds if run.seconds else 0.0
-    lines = [
-        f"{ops:,} operations in {cases:,} complete cases over {len(run.outcomes)} of {len(tasks)} tasks, "
-        f"{run.seconds:.1f}s on {run.workers} worker(s) ({run.where}): {rate:,.0f} ops/s",
-        f"events reached: {len(events)}",
-    ]
-    for kind, (task, f) in sorted(findings.items()):
-        spec = parse_spec(task.args["subject"])
-        factory = spec.factory(edits_for(spec, fix=task.args.get("fix"), bug=task.args.get("bug")))
-        config = SubjectConfig(**f["config"])
-        version = factory(config).version
-        name = f"{task.key.replace('/', '-').replace(':', '-')}-c{f['case']}"
-        path = directory.findings / f"{name}.jsonl"
-        trace.write(path, header_for(spec, version, config, f["case_seed"]), f["ops"])
-        lines.append(f"FINDING {kind} in task {task.key}, case {f['case']}: {f['detail']}")
-        lines.append(f"  trace: {path} ({len(f['ops'])} ops)")
-        sizes = spec.page_sizes((1, 2, 4))
-        small, small_config = minimize_finding(
-            factory, config, f["ops"], kind, sizes, budget=minimize_budget, max_replays=minimize_replays
-        )
-        m_path = directory.findings / f"{name}-min.jsonl"
-        trace.write(m_path, header_for(spec, version, small_config, None), small)
-        extra = "".join(f" --{k} {task.args[k]}" for k in ("fix", "bug") if task.args.get(k))
-        lines.append(f"  minimized ({len(small)} ops): {m_path}")
-        lines.append(f"  replay it: kvledger replay {m_path}{extra}")
-        lines.append(f"  or its task alone: {replay_task_command(task)}")
-    return _close(lines, run, tasks, directory, bool(findings), "no finding")
 
 
 def merge_check(run: CampaignRun, tasks: Sequence[Task], directory: CampaignDir) -> Tuple[str, int]:

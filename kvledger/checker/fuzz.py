@@ -1,374 +1,120 @@
-"""`kvledger fuzz`: a random-walk differential fuzzer over the lockstep harness.
+"""`kvledger fuzz`: random walks over a `Target` (`properties/target.py`), written once.
 
-Faster than the Hypothesis machine (no shrinking bookkeeping, no strategies): each worker
-process runs "cases", each a fresh random configuration weighted toward the edges (tiny pools,
-eviction pressure, shared prefixes over a small alphabet, every page size, both caches, small
-prefill budgets that chunk, both admission policies) and a few hundred operations chosen from the
-model's state. An optimistic case (OPTIMISTIC_SHARE of them) has long outputs and a pool of half
-to once its largest request's worst case, so steps preempt often; its submits are clipped until
-their worst case fits the pool (a bigger one is an InvalidOp under optimistic admission). The
-policy is drawn last: a reserve case is exactly the case it was before optimistic admission.
+What differs between reference against fast and a subject in judge mode is how the next operation
+is chosen from the run's state, and that is the target's `Workload`:
 
-Case k of worker w under seed s is generated from a seed derived from (s, w, k) alone, so the
-same seed and worker count give the same cases; time only decides how many run. On the first
-divergence every worker stops, the failing trace is written, minimized, and the command that
-replays it is printed.
+  LockstepWorkload  (`checker/lockstep_walk.py`) reads the reference CacheScheduler: edge-weighted
+                    configurations, a few hundred operations, refusal checks, liveness under
+                    optimistic admission; the first divergence ends the run
+  SubjectWorkload   (`checker/subject_walk.py`) reads the driver's view of the subject: prompt
+                    stems cut at page boundaries, 40 operations and a drain; the first finding of
+                    each kind is kept and the run goes on
+
+Everything else is here, once: a case (`play_case`: start, walk, each operation within a time
+limit, a Finding, a hang or a crash as its outcome), worker processes that run cases until the
+seconds or `max_cases` are spent, the failing trace written with the target's header, minimized
+by the workload, and one result with one report. Case k of worker w under seed s comes from a
+seed the workload derives from (s, w, k) alone, so the same seed and workers give the same cases;
+`max_cases` makes the amount of work machine-independent too (the seconds are only a budget).
 """
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import logging
 import multiprocessing as mp
 import queue as queue_mod
-import random
 import signal
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Set, Tuple
 
-from kvledger.engine.ledger.cache_scheduler import CacheScheduler
+from kvledger.engine.ledger import trace
 from kvledger.engine.ledger.finding import Finding
-from kvledger.engine.ledger.ops import InvalidOp, OpResult
 from kvledger.engine.ledger.trace import Header
-from kvledger.properties.machine import invalid_ops
-from kvledger.reference.pages import div_ceil
+from kvledger.properties.subject import SubjectConfig
+from kvledger.properties.target import Run, Target, config_of
 
 log = logging.getLogger(__name__)
-PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)
-# the in-progress driver may name requests whose sampled token ends them (EOS)
-_HAS_STOP = "stop" in inspect.signature(CacheScheduler.decode).parameters
+Op = Dict[str, Any]
 
-# events the fuzzer notes itself, on top of the model's `reference.events`
-FUZZ_EVENTS = frozenset(
-    {
-        "driver: rejected request admitted later",
-        "driver: several requests prefill together",
-        "driver: abort mid-chunk",
-        "driver: idle",
-        "fuzz: pool exhausted (no free page)",
-        "fuzz: request larger than the pool",
-        "fuzz: evict everything evictable",
-        "fuzz: every table slot in use",
-        "fuzz: preemption in a prefill step",
-        "fuzz: preemption in a decode step",
-    }
-)
-ADMISSIONS = ("reserve", "optimistic")
-OPTIMISTIC_SHARE = 0.4  # of the cases, when the policy is not forced
-RESERVE_RATIOS = (0.0, 0.0, 0.0, 0.25, 0.5, 0.75)  # 0 reserves least: most preemption
-REFUSAL_EVERY = 32  # an invalid operation after one valid operation in this many, on average
-# findings that are properties of the run, not of the trace's replay: not minimized
-RUN_PROPERTY_KINDS = ("liveness", "refusal:", "accepted-invalid:")
-
-
-def case_seed(seed: int, worker: int, case: int) -> int:
-    digest = hashlib.sha256(f"kvledger-fuzz/{seed}/{worker}/{case}".encode()).digest()
-    return int.from_bytes(digest[:8], "little")
-
-
-# -- one case: a configuration and a random walk ------------------------------------------------
-@dataclass
-class Case:
-    header: Header
-    families: List[List[int]]  # shared prompt prefixes
-    alphabet: int
-    weights: Dict[str, float]
-    budgets: List[int]
-    max_prompt: int
-    max_new: int
-    length: int  # operations to run
-
-
-def make_case(seed: int, admission: Optional[str] = None) -> Case:
-    """Case `seed`; `admission` ("reserve" or "optimistic") forces the policy, else it is drawn."""
-    if admission is not None and admission not in ADMISSIONS:
-        raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}, got {admission!r}")
-    rng = random.Random(seed)
-    ps = rng.choice(PAGE_SIZES)
-    num_pages = rng.choice([1, 2, 3, 4, 5, 6, 8, 8, 12, 16, 16, 24, 32, 64, 256])
-    table_slots = rng.choice([1, 2, 3, 4, 4, 6, 8, 16])
-    pages_per_req = rng.choice([1, 1, 2, 3, 4, 8])
-    max_new = rng.choice([1, 2, 3, 4, 8, 2 * ps])
-    max_prompt = max(2, pages_per_req * ps + 1)
-    # max_seq_len is a multiple of the page size: a page-table row holds whole pages
-    max_seq_len = -(-(max_prompt + max_new) // ps) * ps
-    alphabet = rng.choice([1, 2, 3, 4, 8])
-    families = [[rng.randrange(alphabet) for _ in range(max_prompt)] for _ in range(rng.randint(1, 3))]
-    weights = {"submit": 3.0, "prefill": 3.0, "decode": 4.0, "finish": 0.5, "abort": 0.5, "evict": 0.5, "probe": 0.5}
-    for name in ("finish", "evict", "probe"):
-        weights[name] *= rng.choice([0.0, 1.0, 2.0, 4.0])
-    weights["abort"] *= rng.choice([0.2, 1.0, 2.0, 4.0])  # aborts unblock a queue head that never fits
-    if rng.random() < 0.3:  # chunking: budgets around a page
-        budgets = sorted({max(1, b) for b in (1, 2, ps - 1, ps, ps + 1, 2 * ps + 1)})
-    else:
-        budgets = [max_prompt, 4 * max_prompt, 1 << 20]
-    cache_type = rng.choice(["radix", "naive"])
-    length = rng.randint(100, 500)
-    # drawn after everything else, so a reserve case is the case it was before optimistic admission
-    draw = rng.random()  # drawn even when the policy is forced, so the rest of the case is the same
-    optimistic = draw < OPTIMISTIC_SHARE if admission is None else admission == "optimistic"
-    policy = {}
-    if optimistic:
-        # outputs long enough to outgrow what admission reserved for them, and a pool of half to
-        # once the largest request's worst case: a few live requests outgrow it, preemption
-        # makes room (submits are clipped to fit it, see Walker.next_op)
-        max_new = max(max_new, rng.choice([2 * ps, 4 * ps, 16, 32]))
-        max_seq_len = -(-(max_prompt + max_new) // ps) * ps
-        worst = -(-(max_prompt + max_new - 1) // ps)  # pages
-        num_pages = max(2, rng.randint(worst // 2, worst + 1))
-        weights["decode"] *= 2  # requests outgrow their reservation by decoding
-        policy = {"admission": "optimistic", "reserve_ratio": rng.choice(RESERVE_RATIOS)}
-    header = Header(
-        num_pages=num_pages,
-        page_size=ps,
-        cache_type=cache_type,
-        table_slots=table_slots,
-        max_seq_len=max_seq_len,
-        seed=seed,
-        producer="fuzz",
-        **policy,
-    )
-    return Case(header, families, alphabet, weights, budgets, max_prompt, max_new, length)
-
-
-class Walker:
-    """Chooses the next valid operation from the model's (reference cache scheduler's) state."""
-
-    def __init__(self, case: Case, rng: random.Random, note: Callable[[str], None]) -> None:
-        self.case, self.rng, self.note = case, rng, note
-        self.next_uid = 0
-        self.rejected: Set[int] = set()
-
-    def _length(self, limit: int) -> int:
-        ps, rng = self.case.header.page_size, self.rng
-        if rng.random() < 0.6:  # near a page boundary
-            return max(1, min(limit, rng.randint(0, limit // ps + 1) * ps + rng.choice([-1, 0, 1])))
-        return rng.randint(1, max(1, limit))
-
-    def _tokens(self, limit: int) -> List[int]:
-        rng = self.rng
-        n = self._length(limit)
-        if rng.random() < 0.8:
-            keep = rng.randint(0, n)
-            prefix = rng.choice(self.case.families)[:keep]
-        else:
-            prefix = []
-        return prefix + [rng.randrange(self.case.alphabet) for _ in range(n - len(prefix))]
-
-    def _sample(self) -> List[int]:
-        return [self.rng.randrange(self.case.alphabet) for _ in range(self.rng.randint(0, 3))]
-
-    def next_op(self, ref: CacheScheduler) -> Dict:
-        rng, case = self.rng, self.case
-        running = ref.dm.running_reqs.uids()
-        waiting = [p.uid for p in ref.waiting]
-        evictable = ref.cm.prefix_cache.size_info.evictable_size
-        choices = {
-            "submit": True,
-            "prefill": bool(waiting),
-            "decode": bool(running),
-            "finish": bool(running),
-            "abort": bool(running or waiting),
-            "evict": evictable > 0,
-            "probe": True,
-        }
-        names = [n for n, ok in choices.items() if ok and case.weights[n] > 0]
-        kind = rng.choices(names, [case.weights[n] for n in names])[0]
-        if kind == "submit":
-            tokens = self._tokens(case.max_prompt)
-            max_tokens = rng.randint(1, case.max_new)
-            pool = case.header.num_pages * case.header.page_size
-            if case.header.policy.preempts and len(tokens) + max_tokens > pool + 1:
-                # its worst case must fit the pool (else the submit is an InvalidOp): always clip,
-                # the output to at most the pool, then the prompt (a shared prefix stays a prefix)
-                max_tokens = min(max_tokens, pool)
-                tokens = tokens[: pool + 1 - max_tokens]
-            elif len(tokens) + max_tokens > pool + 1:  # can never be admitted: mostly trim it to fit
-                if rng.random() < 0.9 and pool > max_tokens:
-                    tokens = tokens[: pool + 1 - max_tokens]
-                else:
-                    self.note("fuzz: request larger than the pool")
-            self.next_uid += 1
-            return {"op": "submit", "uid": self.next_uid - 1, "tokens": tokens, "max_tokens": max_tokens}
-        if kind == "prefill":
-            return {"op": "prefill", "budget": rng.choice(case.budgets), "sample": self._sample()}
-        if kind == "decode":
-            op: Dict[str, Any] = {"op": "decode", "sample": self._sample()}
-            if _HAS_STOP and rng.random() < 0.1:
-                if case.header.policy.preempts:
-                    # a request the step preempts samples no token, so it cannot stop: name only
-                    # the oldest live request, which is never preempted, if it is running
-                    oldest = next(iter(ref.live), None)
-                    if oldest in running:
-                        op["stop"] = [oldest]
-                else:
-                    op["stop"] = rng.sample(running, rng.randint(1, len(running)))
-            return op
-        if kind == "finish":
-            return {"op": "finish", "uid": rng.choice(running)}
-        if kind == "abort":
-            uid = rng.choice(waiting + running)
-            if any(p.uid == uid and p.chunked_req is not None for p in ref.waiting):
-                self.note("driver: abort mid-chunk")
-            return {"op": "abort", "uid": uid}
-        if kind == "evict":
-            tokens = rng.choice([1, case.header.page_size, evictable, rng.randint(1, evictable)])
-            tokens = min(tokens, evictable)
-            if tokens == evictable:
-                self.note("fuzz: evict everything evictable")
-            return {"op": "evict", "tokens": tokens}
-        return {"op": "probe", "tokens": self._tokens(case.max_prompt)}
-
-    def observe(self, op: Dict, result: OpResult, ref: CacheScheduler) -> None:
-        if op["op"] == "prefill":
-            if self.rejected & set(result.batch or ()):
-                self.note("driver: rejected request admitted later")
-            if result.refused is not None:
-                self.rejected.add(result.refused)
-            if len(result.batch or ()) > 1:
-                self.note("driver: several requests prefill together")
-        if result.preempted:
-            self.note(f"fuzz: preemption in a {op['op']} step")
-            if not result.batch:
-                self.note("driver: every request of a step preempted")
-        if not ref.live and not ref.waiting and len(ref.known) > 0:
-            self.note("driver: idle")
-        if len(ref.cm.free_slots) == 0:
-            self.note("fuzz: pool exhausted (no free page)")
-        if ref.tm.available_size == 0:
-            self.note("fuzz: every table slot in use")
-
-
-def walk(
-    seed: int,
-    lock: Any,
-    note: Callable[[str], None],
-    keep_going: Callable[[], bool],
-    length: Optional[int] = None,
-    admission: Optional[str] = None,
-) -> Iterator[None]:
-    """Run case `seed` on `lock` (a Lockstep built from make_case(seed, admission).header), one
-    operation per iteration, for the case's length (or `length`); a Finding propagates.
-
-    Besides the comparison after every operation, the walk judges what the Hypothesis machine
-    judges with its `invalid` and `drain` rules: after about one operation in REFUSAL_EVERY, an
-    operation the scheduler must refuse, on both sides, must change nothing (drawn from a random
-    stream of its own, so the valid operations are those of the walk without it); and at the end
-    of an optimistic case, every request must end once submissions stop (`drain`)."""
-    case = make_case(seed, admission)
-    walker = Walker(case, random.Random(seed + 1), note)
-    refusals = random.Random(seed + 2)
-    for _ in range(length or case.length):
-        if not keep_going():
-            return
-        op = walker.next_op(lock.ref)
-        walker.observe(op, lock.apply(op), lock.ref)
-        if refusals.randrange(REFUSAL_EVERY) == 0:
-            check_refusal(lock, refusals.choice(invalid_ops(lock.ref, case.header, walker.next_uid)))
-        yield
-    if case.header.policy.preempts and length is None and keep_going():
-        rng = walker.rng
-        sample = [rng.randrange(case.alphabet) for _ in range(rng.randint(1, 4))]
-        yield from drain(lock, rng.choice(case.budgets), sample, note)
-
-
-def check_refusal(lock: Any, op: Dict[str, Any]) -> None:
-    """`op` must be refused (InvalidOp) by each side and change nothing there: a trace keeps only
-    valid operations, so a refusal that changed state would not replay."""
-    for name, side in (("reference", lock.ref), ("fast", lock.fast)):
-        before = side.snapshot()
-        try:
-            side.apply(dict(op))
-        except InvalidOp:
-            if side.snapshot() != before:
-                raise Finding(
-                    f"refusal:{op.get('op')}",
-                    f"the refused operation {op} changed the {name}'s state",
-                    step=lock.step,
-                    op=op,
-                ) from None
-            continue
-        kind = f"accepted-invalid:{op.get('op')}"
-        raise Finding(kind, f"{name} accepted the invalid operation {op}", step=lock.step, op=op)
-
-
-def drain(lock: Any, budget: int, sample: List[int], note: Callable[[str], None]) -> Iterator[None]:
-    """Liveness under optimistic admission: with no new requests, drive the scheduler as the
-    engine does (prefill while admission yields a batch, else decode); every request, waiting or
-    live, must end within a bound counted from what is outstanding (operations, never time),
-    however often it is preempted. One operation per iteration; a request that never ends is a
-    `liveness` Finding."""
-    ref = lock.ref
-    requests = len({p.uid for p in ref.waiting} | set(ref.live))
-    tokens = sum(r.max_device_len - r.device_len + 1 for r in ref.live.values()) + sum(
-        p.output_len + div_ceil(p.input_len, budget) for p in ref.waiting
-    )
-    bound = (requests + 1) * tokens + 10
-    preemptions, ops = ref.preemptions, 0
-
-    def stuck(why: str) -> Finding:
-        return Finding(
-            "liveness",
-            f"{why}: waiting {[p.uid for p in ref.waiting]}, live {sorted(ref.live)} after {ops} operations "
-            f"of the drain (bound {bound})",
-            step=lock.step,
-            op=lock.ops[-1] if lock.ops else None,
-        )
-
-    while ref.waiting or ref.live:
-        if ops >= bound:
-            raise stuck("requests still there once submissions stopped")
-        if ref.waiting:
-            result = lock.apply({"op": "prefill", "budget": budget, "sample": sample})
-            ops += 1
-            yield
-            if result.batch or result.preempted:
-                continue
-        if not ref.dm.runnable:
-            raise stuck("nothing admitted and nothing running")
-        lock.apply({"op": "decode", "sample": sample})
-        ops += 1
-        yield
-    if ref.preemptions > preemptions:
-        note("driver: drain ended requests that were preempted")
-
-
-def case_trace(
-    seed: int, worker: int, case: int, max_ops: Optional[int] = None, admission: Optional[str] = None
-) -> Tuple[Header, List[Dict]]:
-    """Case `case` of worker `worker` under `seed` (and `admission`, if forced), run here (apply a
-    bug with zoo.patched around it): the trace up to its end, `max_ops` (which may also lengthen
-    the case), or its divergence (included)."""
-    from kvledger.properties.lockstep import Finding, Lockstep
-
-    cseed = case_seed(seed, worker, case)
-    lock = Lockstep(make_case(cseed, admission).header)
-    try:
-        for n, _ in enumerate(
-            walk(cseed, lock, lambda name: None, lambda: True, length=max_ops, admission=admission), 1
-        ):
-            if max_ops is not None and n >= max_ops:
-                break
-    except Finding:
-        pass
-    return lock.header, list(lock.ops)
-
-
-# -- worker processes ---------------------------------------------------------------------------
 REPORT_EVERY = 0.25  # seconds between a worker's progress messages
 PROGRESS_EVERY = 5.0  # seconds between the progress lines logged (INFO)
 OP_LIMIT_S = 10.0  # an operation still running after this long is reported as a hang
 
 
+class Workload(Protocol):
+    """How the fuzzer walks one kind of target (see the module docstring)."""
+
+    producer: str  # what the traces it writes name as their producer
+    stops_at_first: bool  # the first finding ends the run (else: the first of each kind is kept)
+    zoo_cases: int  # the zoo's default budget of fuzz cases per bug
+
+    def prepare(self) -> None:
+        """Anything to build or check once before the workers start (fails early, in one line)."""
+        ...
+
+    def case_seed(self, seed: int, worker: int, workers: int, case: int) -> int: ...
+
+    def task_seed(self, seed: int, shard: int, case: int) -> int:
+        """The seed of case `case` of campaign task `shard`."""
+        ...
+
+    def header(self, cseed: int) -> Header:
+        """The pool of case `cseed`."""
+        ...
+
+    def start(self, header: Header, note: Callable[[str], None]) -> Run:
+        """A fresh run for the case; `note` hears the rare events it reaches."""
+        ...
+
+    def walk(self, run: Any, cseed: int, note: Callable[[str], None], keep_going: Callable[[], bool]) -> Iterator[None]:
+        """The case's operations applied to `run`, one per iteration; a Finding propagates."""
+        ...
+
+    def preemptions(self, run: Any) -> int: ...
+
+    def expected_events(self) -> Set[str]:
+        """The rare events a run should reach (empty: none are listed)."""
+        ...
+
+    def trace_paths(self, out_dir: Path, seed: int, worker: int, case: int, cseed: int, kind: str) -> Tuple[Path, Path]:
+        """Where a failing trace and its minimized trace go."""
+        ...
+
+    def minimizes(self, kind: str) -> bool: ...
+
+    def minimize(
+        self, header: Header, ops: List[Op], kind: str, budget: float, replays: Optional[int], log: Any
+    ) -> Tuple[Header, List[Op], str]:
+        """The failing trace made small (header, operations, kind), inside `target.active()`."""
+        ...
+
+    def replay_hint(self) -> str: ...
+
+
+def workload_for(target: Any, admission: Optional[str] = None) -> Workload:
+    """The workload a target is fuzzed with; `admission` forces the policy of lockstep cases."""
+    from kvledger.properties.target import LockstepTarget, SubjectTarget
+
+    if isinstance(target, LockstepTarget):
+        from kvledger.checker.lockstep_walk import LockstepWorkload
+
+        return LockstepWorkload(target, admission)
+    if isinstance(target, SubjectTarget):
+        from kvledger.checker.subject_walk import SubjectWorkload
+
+        return SubjectWorkload(target)
+    raise TypeError(f"no workload for {type(target).__name__}")
+
+
+# -- one case ----------------------------------------------------------------------------------------
 class OpTimeout(Exception):
     """One operation ran past its time limit (a buggy method looping forever, say)."""
 
 
-def _raise_timeout(signum, frame):
+def _raise_timeout(signum: int, frame: Any) -> None:
     raise OpTimeout
 
 
@@ -390,7 +136,95 @@ def limited_steps(steps: Iterator[None], seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, old)
 
 
-# -- what a worker tells the parent (through a multiprocessing queue) ----------------------------
+@dataclass
+class CaseOutcome:
+    """One case as it ran: its pool, the operations it recorded (the failing one included), the
+    operations that ran clean (`steps`: what the counts count), the rare events it reached, and its
+    finding (kind "hang" or "crash" when the code under test looped or raised outside what the
+    driver judges)."""
+
+    number: int
+    seed: int
+    header: Header
+    ops: List[Op] = field(default_factory=list)
+    events: Set[str] = field(default_factory=set)
+    finding: Optional[Finding] = None
+    preemptions: int = 0
+    steps: int = 0
+
+    @property
+    def config(self) -> SubjectConfig:
+        return config_of(self.header)
+
+
+def play_case(
+    workload: Workload,
+    number: int,
+    cseed: int,
+    keep_going: Callable[[], bool] = lambda: True,
+    op_limit: float = OP_LIMIT_S,
+    tick: Optional[Callable[[Any], None]] = None,
+) -> CaseOutcome:
+    """Case `cseed` (the `number`th of its worker) from start to end, or until `keep_going` says
+    stop; `tick` sees the run after every operation. Call it inside `target.active()`."""
+    outcome = CaseOutcome(number, cseed, workload.header(cseed))
+    try:
+        run = workload.start(outcome.header, outcome.events.add)
+    except Finding as f:  # a subject that fails as it is built
+        outcome.finding = f
+        return outcome
+    try:
+        for _ in limited_steps(workload.walk(run, cseed, outcome.events.add, keep_going), op_limit):
+            outcome.steps += 1
+            if tick is not None:
+                tick(run)
+    except OpTimeout:
+        last = _op_name(run.ops[-1]) if run.ops else None
+        outcome.finding = Finding("hang", f"operation {len(run.ops)} ({last}) ran past {op_limit:g} s")
+    except Finding as f:
+        outcome.finding = f
+    except Exception:  # a crash of the code under test, outside what the driver judges
+        outcome.finding = Finding("crash", traceback.format_exc())
+    outcome.ops = list(run.ops)
+    outcome.preemptions = workload.preemptions(run)
+    return outcome
+
+
+def _op_name(line: Any) -> str:
+    """The operation's name, for a trace line as a dict or typed (`ops.OpRecord`)."""
+    return str(line.get("op") if isinstance(line, dict) else line.name)
+
+
+# -- the target a worker process rebuilds -------------------------------------------------------------
+@dataclass(frozen=True)
+class TargetRecipe:
+    """What a worker process rebuilds the target from (a subject's factory does not pickle)."""
+
+    subject: Optional[str]
+    fix: Optional[str] = None
+    bug: Optional[str] = None
+    device: str = "cpu"
+    edits: Optional[Tuple[Any, ...]] = None
+
+    @staticmethod
+    def of(target: Any) -> TargetRecipe:
+        from kvledger.properties.target import LockstepTarget
+
+        if isinstance(target, LockstepTarget):
+            return TargetRecipe(None, bug=target.bug, device=target.device)
+        if hasattr(target, "spec"):  # checker/targets.py's SpecTarget
+            return TargetRecipe(target.name, target.fix, target.bug, edits=tuple(target.edits))
+        raise ValueError(f"{target.name}: a target built from a factory alone cannot run in worker processes")
+
+    def build(self) -> Any:
+        from kvledger.checker.targets import lockstep_target, subject_target
+
+        if self.subject is None:
+            return lockstep_target(self.bug, self.device)
+        return subject_target(self.subject, fix=self.fix, bug=self.bug, edits=self.edits)
+
+
+# -- what a worker tells the parent (through a multiprocessing queue) ----------------------------------
 @dataclass
 class Ready:
     worker: int
@@ -401,9 +235,9 @@ class Progress:
     worker: int
     ops: int
     cases: int
-    reached: List[str]  # rare events first reached since the last report
+    events: Dict[str, int]  # rare event -> the cases that reached it, since the last report
     preemptions: int = 0  # requests preempted since the last report
-    optimistic_cases: int = 0  # optimistic cases completed since the last report
+    optimistic_cases: int = 0  # optimistic cases run since the last report
 
 
 @dataclass
@@ -413,21 +247,32 @@ class Done:
 
 @dataclass
 class WorkerFailure:
-    kind: str  # "divergence", "crash" or "hang"
     worker: int
     case_no: int
+    case_seed: int
     header: Dict[str, Any]
-    ops: List[Dict[str, Any]]
-    detail: str  # the divergence's detail, the traceback, or what hung
-    divergence_kind: Optional[str] = None
+    ops: List[Op]
+    kind: str  # the finding's kind, "crash" or "hang"
+    detail: str  # its message (a crash: the traceback)
     step: Optional[int] = None
+    traceback: str = ""  # the subject's traceback, if it raised
+
+
+def _failure(worker: int, outcome: CaseOutcome) -> WorkerFailure:
+    f = outcome.finding
+    assert f is not None
+    step = f.step if f.step is not None else len(outcome.ops)
+    return WorkerFailure(
+        worker, outcome.number, outcome.seed, asdict(outcome.header), outcome.ops, f.kind, f.message, step, f.detail
+    )
 
 
 def _worker(
     index: int,
+    recipe: TargetRecipe,
     seed: int,
+    workers: int,
     seconds: float,
-    bug: Optional[str],
     out: Any,
     stop: Any,
     op_limit: float = OP_LIMIT_S,
@@ -437,12 +282,9 @@ def _worker(
     import torch
 
     torch.set_num_threads(1)  # tiny tensors; workers share the cores
-    from kvledger.properties.lockstep import Finding, Lockstep
-    from kvledger.reference import events
-    from kvledger.subjects.fast_zoo import patched
-
-    reached: Set[str] = set()
-    sent: Set[str] = set()
+    target = recipe.build()
+    workload = workload_for(target, admission)
+    events: Dict[str, int] = {}
     ops = cases = preemptions = optimistic_cases = 0
     last = time.monotonic()
 
@@ -450,65 +292,63 @@ def _worker(
         nonlocal ops, cases, preemptions, optimistic_cases, last
         now = time.monotonic()
         if force or now - last >= REPORT_EVERY:
-            out.put(Progress(index, ops, cases, sorted(reached - sent), preemptions, optimistic_cases))
-            sent.update(reached)
+            out.put(Progress(index, ops, cases, dict(events), preemptions, optimistic_cases))
+            events.clear()
             ops = cases = preemptions = optimistic_cases = 0
             last = now
 
     def keep_going() -> bool:
         return not stop.is_set() and time.monotonic() < deadline
 
-    events.set_listener(reached.add)
+    counted = [0]  # of this case's preemptions, those already counted
+
+    def tick(run: Any) -> None:
+        nonlocal ops, preemptions
+        ops += 1
+        preemptions += workload.preemptions(run) - counted[0]
+        counted[0] = workload.preemptions(run)
+        flush()
+
     # the clock starts once imports are done: a loaded machine may take seconds to spawn us
     deadline = time.monotonic() + seconds
     out.put(Ready(index))
-    with patched(bug):
+    kinds: Set[str] = set()
+    with target.active():
         number = 0
         while keep_going() and (max_cases is None or number < max_cases):
-            cseed = case_seed(seed, index, number)
-            lock = Lockstep(make_case(cseed, admission).header)
-            counted = 0  # of this case's preemptions, those already counted
-            try:
-                for _ in limited_steps(walk(cseed, lock, reached.add, keep_going, admission=admission), op_limit):
-                    ops += 1
-                    preemptions += lock.ref.preemptions - counted
-                    counted = lock.ref.preemptions
-                    flush()
-            except OpTimeout:
+            counted[0] = 0
+            cseed = workload.case_seed(seed, index, workers, number)
+            outcome = play_case(workload, number, cseed, keep_going, op_limit, tick)
+            for name in outcome.events:
+                events[name] = events.get(name, 0) + 1
+            # the counts are of the cases and operations the run finished: a finding that stops the
+            # run leaves its case unfinished, one that does not ends its case with the failing operation
+            if outcome.finding is None or not workload.stops_at_first:
+                cases += 1
+                optimistic_cases += outcome.header.policy.preempts
+                ops += len(outcome.ops) - outcome.steps
+            if outcome.finding is not None:
                 flush(force=True)
-                detail = f"operation {len(lock.ops)} ({lock.ops[-1].get('op')}) ran past {op_limit:g} s"
-                out.put(WorkerFailure("hang", index, number, asdict(lock.header), list(lock.ops), detail))
-                return
-            except Finding as e:
-                flush(force=True)
-                out.put(
-                    WorkerFailure(
-                        "divergence", index, number, asdict(lock.header), list(lock.ops), e.message, e.kind, e.step
-                    )
-                )
-                return
-            except Exception:
-                flush(force=True)
-                out.put(
-                    WorkerFailure("crash", index, number, asdict(lock.header), list(lock.ops), traceback.format_exc())
-                )
-                return
-            cases += 1
-            optimistic_cases += lock.header.policy.preempts
+                if outcome.finding.kind not in kinds:
+                    kinds.add(outcome.finding.kind)
+                    out.put(_failure(index, outcome))
+                if workload.stops_at_first:
+                    return
             number += 1
     flush(force=True)
     out.put(Done(index))
 
 
-# -- the parent ---------------------------------------------------------------------------------
+# -- the parent -----------------------------------------------------------------------------------------
 @dataclass
 class FuzzFailure:
-    kind: str  # the divergence kind, "crash" or "hang"
+    kind: str  # the finding's kind, "crash" or "hang"
     step: int
     detail: str
     worker: int
     case: int
     trace_path: Path
+    case_seed: Optional[int] = None
     minimized_path: Optional[Path] = None
     minimized_ops: Optional[int] = None
     minimized_kind: Optional[str] = None
@@ -522,11 +362,18 @@ class FuzzResult:
     workers: int
     seed: int
     bug: Optional[str] = None
-    events: List[str] = field(default_factory=list)
-    failure: Optional[FuzzFailure] = None
+    events: Dict[str, int] = field(default_factory=dict)  # rare event -> the cases that reached it
+    failures: List[FuzzFailure] = field(default_factory=list)  # the first of each kind
     seconds_to_find: Optional[float] = None  # from the first worker ready to the first failure
     preemptions: int = 0  # requests preempted, over every case run
-    optimistic_cases: int = 0  # complete cases under optimistic admission
+    optimistic_cases: int = 0  # cases finished under optimistic admission
+    target: str = "lockstep"
+    expected: Set[str] = field(default_factory=set)  # the rare events listed in the report
+    hint: str = ""  # how to replay a finding, when the target needs more than its trace
+
+    @property
+    def failure(self) -> Optional[FuzzFailure]:
+        return self.failures[0] if self.failures else None
 
     @property
     def ops_per_s(self) -> float:
@@ -534,16 +381,16 @@ class FuzzResult:
 
     @property
     def exit_code(self) -> int:
-        if self.failure is None:
+        if not self.failures:
             return 0
-        return 2 if self.failure.kind == "crash" else 1  # a hang is a bug in the code under test
+        return 2 if self.failures[0].kind == "crash" else 1  # a hang is a bug in the code under test
 
 
-def _expected_events() -> Set[str]:
-    # the rare branches the property run must reach, but those of its rules the fuzzer has not
-    from kvledger.properties.machine import EXPECTED_EVENTS, MACHINE_ONLY_EVENTS
+def expected_events() -> Set[str]:
+    """The rare events a lockstep fuzz run should reach."""
+    from kvledger.checker.lockstep_walk import expected_events as lockstep_expected
 
-    return set(EXPECTED_EVENTS - MACHINE_ONLY_EVENTS) | FUZZ_EVENTS
+    return lockstep_expected()
 
 
 def _progress_line(elapsed: float, seconds: float, ops: int, cases: int, reached: Set[str], expected: Set[str]) -> str:
@@ -565,45 +412,46 @@ def fuzz(
     admission: Optional[str] = None,
     max_cases: Optional[int] = None,
     minimize_replays: Optional[int] = None,
+    target: Optional[Target] = None,
 ) -> FuzzResult:
-    """Fuzz reference vs fast for `seconds` on `workers` processes; see the module docstring.
-    `admission` forces every case's policy; `max_cases` stops each worker after that many cases
-    (then the run is the same whatever the machine's speed, as long as `seconds` is not reached);
-    `minimize_replays` bounds the minimization of a failure by replays as well as by seconds."""
+    """Fuzz `target` (default: reference against fast with `bug`) for `seconds` on `workers`
+    processes; see the module docstring. `admission` forces every lockstep case's policy;
+    `max_cases` stops each worker after that many cases; `minimize_replays` bounds the
+    minimization of a failure by replays as well as by seconds."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    if admission is not None and admission not in ADMISSIONS:
-        raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}, got {admission!r}")
     if max_cases is not None and max_cases < 1:
         raise ValueError(f"max_cases must be >= 1, got {max_cases}")
-    if bug is not None:
-        from kvledger.subjects.fast_zoo import BUGS
+    if target is None:
+        from kvledger.checker.targets import lockstep_target
 
-        if bug not in BUGS:
-            raise KeyError(f"unknown bug {bug!r}; known: {', '.join(sorted(BUGS))}")
-    expected = _expected_events()
+        target = lockstep_target(bug)
+    workload = workload_for(target, admission)
+    workload.prepare()
+    recipe = TargetRecipe.of(target)
+    expected = workload.expected_events()
     ctx = mp.get_context("spawn")  # fresh interpreters: no inherited torch threads or patches
     messages = ctx.Queue()
     stop = ctx.Event()
     start = time.monotonic()
     procs = [
         ctx.Process(
-            target=_worker, args=(i, seed, seconds, bug, messages, stop, OP_LIMIT_S, admission, max_cases), daemon=True
+            target=_worker,
+            args=(i, recipe, seed, workers, seconds, messages, stop, OP_LIMIT_S, admission, max_cases),
+            daemon=True,
         )
         for i in range(workers)
     ]
     for p in procs:
         p.start()
-    ops = cases = 0
-    counts = {"preemptions": 0, "optimistic_cases": 0}
-    reached: Set[str] = set()
-    failure_msg = None
+    tally = _Tally()
+    failures: List[WorkerFailure] = []
     found_at = None
     fuzz_start: Optional[float] = None  # when the first worker was ready
     done = 0
     last_print = start
     try:
-        while done < workers and failure_msg is None:
+        while done < workers and not (failures and workload.stops_at_first):
             try:
                 msg = messages.get(timeout=0.2)
             except queue_mod.Empty:
@@ -611,156 +459,165 @@ def fuzz(
                 if not any(p.is_alive() for p in procs) and messages.empty():
                     break  # a worker died without a word (killed); stop
             if isinstance(msg, Progress):
-                ops += msg.ops
-                cases += msg.cases
-                reached.update(msg.reached)
-                _count(counts, msg)
+                tally.add(msg)
             elif isinstance(msg, Ready):
                 fuzz_start = fuzz_start or time.monotonic()
             elif isinstance(msg, Done):
                 done += 1
             elif isinstance(msg, WorkerFailure):
-                failure_msg = msg
-                found_at = time.monotonic() - (fuzz_start or start)
+                failures.append(msg)
+                found_at = found_at or time.monotonic() - (fuzz_start or start)
             now = time.monotonic()
             if progress and fuzz_start is not None and now - last_print >= PROGRESS_EVERY:
-                log.info(_progress_line(now - fuzz_start, seconds, ops, cases, reached, expected))
+                log.info(_progress_line(now - fuzz_start, seconds, tally.ops, tally.cases, set(tally.events), expected))
                 last_print = now
     finally:
         stop.set()
-        ops, cases = _drain_and_join(procs, messages, ops, cases, reached, counts)
+        _drain_and_join(procs, messages, tally, failures if not workload.stops_at_first else None)
     elapsed = time.monotonic() - (fuzz_start or start)
-    result = FuzzResult(ops, cases, elapsed, workers, seed, bug, sorted(reached), seconds_to_find=found_at, **counts)
-    if failure_msg is not None:
-        result.failure = _handle_failure(
-            failure_msg, Path(out_dir), seed, bug, minimize_budget, progress, minimize_replays
+    result = FuzzResult(
+        tally.ops,
+        tally.cases,
+        elapsed,
+        workers,
+        seed,
+        target.bug,
+        dict(sorted(tally.events.items())),
+        seconds_to_find=found_at,
+        preemptions=tally.preemptions,
+        optimistic_cases=tally.optimistic_cases,
+        target=target.name,
+        expected=expected,
+        hint=workload.replay_hint(),
+    )
+    kept: Dict[str, WorkerFailure] = {}
+    for msg in sorted(failures, key=lambda m: (m.worker, m.case_no)):  # the same choice on any machine
+        kept.setdefault(msg.kind, msg)
+    for msg in kept.values():
+        result.failures.append(
+            handle_failure(msg, target, workload, Path(out_dir), seed, minimize_budget, progress, minimize_replays)
         )
     if progress:
-        print(format_summary(result, expected))
+        print(format_summary(result))
     return result
 
 
-def _count(counts: Dict[str, int], msg: Progress) -> None:
-    counts["preemptions"] += msg.preemptions
-    counts["optimistic_cases"] += msg.optimistic_cases
+class _Tally:
+    """The counts of the workers' progress messages, summed."""
+
+    def __init__(self) -> None:
+        self.ops = self.cases = self.preemptions = self.optimistic_cases = 0
+        self.events: Dict[str, int] = {}
+
+    def add(self, msg: Progress) -> None:
+        self.ops += msg.ops
+        self.cases += msg.cases
+        self.preemptions += msg.preemptions
+        self.optimistic_cases += msg.optimistic_cases
+        for name, n in msg.events.items():
+            self.events[name] = self.events.get(name, 0) + n
 
 
-def _drain_and_join(
-    procs: List[Any], messages: Any, ops: int, cases: int, reached: Set[str], counts: Optional[Dict[str, int]] = None
-) -> tuple:
+def _drain_and_join(procs: List[Any], messages: Any, tally: _Tally, failures: Optional[List[WorkerFailure]]) -> None:
     # A process that has queued messages exits only once they are read: drain while joining.
-    counts = counts if counts is not None else {"preemptions": 0, "optimistic_cases": 0}
     end = time.monotonic() + 10.0
     while any(p.is_alive() for p in procs) and time.monotonic() < end:
         try:
             msg = messages.get(timeout=0.1)
             if isinstance(msg, Progress):
-                ops, cases = ops + msg.ops, cases + msg.cases
-                reached.update(msg.reached)
-                _count(counts, msg)
+                tally.add(msg)
+            elif isinstance(msg, WorkerFailure) and failures is not None:
+                failures.append(msg)
         except queue_mod.Empty:
             pass
     for p in procs:
         if p.is_alive():
             p.terminate()
         p.join(timeout=5.0)
-    return ops, cases
 
 
-def _handle_failure(
+def handle_failure(
     msg: WorkerFailure,
+    target: Any,
+    workload: Workload,
     out_dir: Path,
     seed: int,
-    bug: Optional[str],
     budget: float,
     progress: bool,
     max_replays: Optional[int] = None,
+    paths: Optional[Tuple[Path, Path]] = None,
 ) -> FuzzFailure:
-    from kvledger.checker.minimize import MinimizeError, minimize
-    from kvledger.engine.ledger import trace
-    from kvledger.subjects.fast_zoo import patched
+    """Write a worker's failing trace (with the target's header) and, where the workload
+    minimizes its kind, the minimized trace next to it; `paths` (a campaign's names by task)
+    replaces the workload's."""
+    from kvledger.checker.minimize import MinimizeError
 
-    kind_of_msg, worker, case_no, ops = msg.kind, msg.worker, msg.case_no, msg.ops
     header = Header(**msg.header)
-    name = f"fuzz-s{seed}-w{worker}-c{case_no}"
-    path = out_dir / f"{name}.jsonl"
-    trace.write(path, header, ops)
-    if kind_of_msg in ("crash", "hang"):  # a hang is not minimized: each candidate could hang too
-        if progress:
-            log.info(
-                "%s in worker %s, case %s: %s\n  trace: %s (%d ops)",
-                kind_of_msg.upper(),
-                worker,
-                case_no,
-                msg.detail.splitlines()[-1],
-                path,
-                len(ops),
-            )
-        return FuzzFailure(kind_of_msg, len(ops), msg.detail, worker, case_no, path)
-    kind, step, detail = msg.divergence_kind, msg.step, msg.detail
-    failure = FuzzFailure(kind, step, detail, worker, case_no, path)
+    path, min_path = paths or workload.trace_paths(out_dir, seed, msg.worker, msg.case_no, msg.case_seed, msg.kind)
+    trace.write(path, target.trace_header(header, workload.producer), msg.ops)
+    failure = FuzzFailure(msg.kind, msg.step or len(msg.ops), msg.detail, msg.worker, msg.case_no, path, msg.case_seed)
     if progress:
         log.info(
-            "DIVERGED in worker %s, case %s, step %s: %s\n  %s\n  trace: %s (%d ops); minimizing (budget %gs)...",
-            worker,
-            case_no,
-            step,
-            kind,
-            detail,
+            "%s in worker %s, case %s, step %s: %s\n  trace: %s (%d ops)",
+            msg.kind,
+            msg.worker,
+            msg.case_no,
+            failure.step,
+            msg.detail.strip().splitlines()[-1] if msg.detail.strip() else "",
             path,
-            len(ops),
-            budget,
+            len(msg.ops),
         )
-    if kind.startswith(RUN_PROPERTY_KINDS):  # the trace alone replays clean: the walk's check failed
-        failure.detail += " (a property of the run, not of the trace's replay: not minimized)"
+        if msg.traceback and msg.kind not in ("crash", "hang"):
+            log.info("the subject's traceback:\n%s", msg.traceback)
+    if not workload.minimizes(msg.kind):
+        if msg.kind not in ("crash", "hang"):
+            failure.detail += " (a property of the run, not of the trace's replay: not minimized)"
         return failure
     try:
-        with patched(bug):
-            m_header, m_ops, m_kind = minimize(
-                header, ops, budget=budget, log=log.info if progress else None, max_replays=max_replays
+        with target.active():
+            m_header, m_ops, m_kind = workload.minimize(
+                header, msg.ops, msg.kind, budget, max_replays, log.info if progress else None
             )
-    except MinimizeError as e:  # the divergence did not reproduce in this process
+    except MinimizeError as e:  # the failure did not reproduce in this process
         failure.detail += f" (could not minimize: {e})"
         return failure
-    failure.minimized_path = out_dir / f"{name}-min.jsonl"
-    trace.write(failure.minimized_path, m_header, m_ops)
-    failure.minimized_ops, failure.minimized_kind = len(m_ops), m_kind
+    trace.write(min_path, m_header, m_ops)
+    failure.minimized_path, failure.minimized_ops, failure.minimized_kind = min_path, len(m_ops), m_kind
     return failure
 
 
-def format_summary(result: FuzzResult, expected: Set[str] | None = None) -> str:
-    expected = expected if expected is not None else _expected_events()
-    reached = set(result.events)
+def format_summary(result: FuzzResult) -> str:
     lines = [
-        f"{result.ops:,} operations in {result.cases:,} complete cases, {result.seconds:.1f}s on "
+        f"{result.target}: {result.ops:,} operations in {result.cases:,} cases, {result.seconds:.1f}s on "
         f"{result.workers} worker(s) (seed {result.seed}): {result.ops_per_s:,.0f} ops/s"
     ]
-    lines.append(
-        f"optimistic admission: {result.optimistic_cases:,} complete cases, {result.preemptions:,} requests preempted"
-    )
-    lines.append(f"rare events reached ({len(reached & expected)}/{len(expected)}):")
-    lines += [f"  [{'x' if name in reached else ' '}] {name}" for name in sorted(expected)]
+    if result.optimistic_cases or result.preemptions:
+        lines.append(
+            f"optimistic admission: {result.optimistic_cases:,} complete cases, "
+            f"{result.preemptions:,} requests preempted"
+        )
+    reached, expected = set(result.events), result.expected
+    if expected:
+        lines.append(f"rare events reached ({len(reached & expected)}/{len(expected)}):")
+        lines += [f"  [{'x' if name in reached else ' '}] {name}" for name in sorted(expected)]
     others = sorted(reached - expected)
     if others:
-        lines.append("other events: " + ", ".join(others))
-    f = result.failure
-    if f is None:
-        lines.append("no divergence")
-    elif f.kind == "crash":
-        lines.append(f"CRASH in worker {f.worker}, case {f.case} (not a divergence):\n{f.detail}")
-        lines.append(f"trace up to the crash: {f.trace_path}")
-    elif f.kind == "hang":
-        lines.append(f"HANG in worker {f.worker}, case {f.case}: {f.detail}")
-        lines.append(f"trace up to and including that operation: {f.trace_path} (not minimized)")
-    else:
-        lines.append(f"DIVERGENCE {f.kind} at step {f.step} (worker {f.worker}, case {f.case}): {f.detail}")
-        lines.append(f"failing trace: {f.trace_path}")
-        if f.minimized_path is not None:
-            lines.append(f"minimized ({f.minimized_ops} ops, {f.minimized_kind}): {f.minimized_path}")
-        lines.append(f"replay it: kvledger replay {f.minimized_path or f.trace_path}")
-        if result.bug is not None:
-            lines.append(
-                f"  (it diverges only with bug {result.bug!r} patched in: "
-                f"kvledger replay/minimize/show ... --bug {result.bug})"
-            )
+        lines.append(("other events: " if expected else "events reached: ") + ", ".join(others))
+    if not result.failures:
+        lines.append("no finding")
+    for f in result.failures:
+        if f.kind == "crash":
+            lines.append(f"CRASH in worker {f.worker}, case {f.case} (not a finding):\n{f.detail}")
+            lines.append(f"trace up to the crash: {f.trace_path}")
+        elif f.kind == "hang":
+            lines.append(f"HANG in worker {f.worker}, case {f.case}: {f.detail}")
+            lines.append(f"trace up to and including that operation: {f.trace_path} (not minimized)")
+        else:
+            lines.append(f"FOUND {f.kind} at step {f.step} (worker {f.worker}, case {f.case}): {f.detail}")
+            lines.append(f"failing trace: {f.trace_path}")
+            if f.minimized_path is not None:
+                lines.append(f"minimized ({f.minimized_ops} ops, {f.minimized_kind}): {f.minimized_path}")
+            lines.append(f"replay it: kvledger replay {f.minimized_path or f.trace_path}")
+            if result.hint:
+                lines.append(result.hint)
     return "\n".join(lines)

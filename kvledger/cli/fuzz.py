@@ -10,7 +10,6 @@ from kvledger.cli.checker_options import (
     add_subject,
     campaign_setup,
     command_error,
-    is_subject,
     shifted,
     target_of,
 )
@@ -63,28 +62,8 @@ def _fuzz(args: argparse.Namespace) -> int:
     target = target_of(args, "fuzz")
     if isinstance(target, int):
         return target
-    if is_subject(target):
-        from kvledger.checker.subject_fuzz import fuzz_subject, print_report
-        from kvledger.properties.subject import SubjectUnavailable
-        from kvledger.subjects import SpecError
-
-        try:
-            report = fuzz_subject(
-                target.name,
-                args.seconds,
-                workers=args.workers,
-                seed=args.seed,
-                out_dir=args.out_dir,
-                edits=target.edits,
-                minimize_budget=args.minimize_budget,
-                max_cases=args.max_cases,
-                minimize_replays=args.minimize_replays,
-            )
-        except (SpecError, SubjectUnavailable, KeyError) as e:
-            return command_error("fuzz", e)
-        print_report(target.name, report, args.workers)
-        return 1 if report.findings else 0
     from kvledger.checker.fuzz import fuzz
+    from kvledger.properties.subject import SubjectUnavailable
 
     try:
         result = fuzz(
@@ -92,13 +71,13 @@ def _fuzz(args: argparse.Namespace) -> int:
             workers=args.workers,
             seed=args.seed,
             out_dir=args.out_dir,
-            bug=target.bug,
             minimize_budget=args.minimize_budget,
             admission=args.admission,
             max_cases=args.max_cases,
             minimize_replays=args.minimize_replays,
+            target=target,
         )
-    except (KeyError, ValueError) as e:
+    except (KeyError, ValueError, SubjectUnavailable) as e:
         return command_error("fuzz", e)
     return result.exit_code
 
@@ -112,16 +91,20 @@ def _fuzz_campaign(args: argparse.Namespace) -> int:
         directory, executor = campaign_setup(args, "fuzz")
     except (ValueError, RuntimeError) as e:
         return command_error("fuzz", e)
+    target = target_of(args, "fuzz")
+    if isinstance(target, int):
+        return target
+    from kvledger.checker.fuzz import TargetRecipe
+
+    recipe = TargetRecipe.of(target)  # a task rebuilds the target from it
     n = args.first_task + args.tasks
-    budget, replays = args.minimize_budget, args.minimize_replays
-    if args.subject:
-        tasks = campaigns.subject_tasks(args.subject, args.seed, n, args.cases, args.fix, args.bug, args.task_limit)
-        merge = lambda run: campaigns.merge_subject(run, tasks, directory, budget, replays)  # noqa: E731
-        options = {"subject": args.subject, "fix": args.fix, "bug": args.bug}
-    else:
-        tasks = campaigns.fuzz_tasks(args.seed, n, args.cases, args.bug, args.admission, args.task_limit)
-        merge = lambda run: campaigns.merge_fuzz(run, tasks, directory, budget, replays)  # noqa: E731
-        options = {"bug": args.bug, "admission": args.admission}
+    tasks = campaigns.fuzz_tasks(
+        args.seed, n, args.cases, recipe.bug, args.admission, args.task_limit, subject=recipe.subject, fix=recipe.fix
+    )
+    merge = lambda run: campaigns.merge_fuzz(  # noqa: E731
+        run, tasks, directory, args.minimize_budget, args.minimize_replays
+    )
+    options = {"subject": recipe.subject, "fix": recipe.fix, "bug": recipe.bug, "admission": args.admission}
     tasks = shifted(tasks, args.first_task, args.tasks)
     options.update(seed=args.seed, cases=args.cases, first_task=args.first_task)
     try:

@@ -5,16 +5,8 @@ import math
 
 import pytest
 
-from kvledger.checker.fuzz import (
-    PAGE_SIZES,
-    RESERVE_RATIOS,
-    case_seed,
-    case_trace,
-    format_summary,
-    fuzz,
-    make_case,
-    walk,
-)
+from kvledger.checker.fuzz import format_summary, fuzz
+from kvledger.checker.lockstep_walk import PAGE_SIZES, RESERVE_RATIOS, case_seed, case_trace, make_case, walk
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler
 from kvledger.engine.ledger.trace import read
 from kvledger.properties.lockstep import Finding, Lockstep, replay
@@ -33,7 +25,7 @@ def test_fuzz_finds_nothing_on_the_real_code_and_reports_throughput(tmp_path):
     assert "prefill: chunked" in result.events
     assert not list(tmp_path.iterdir())
     summary = format_summary(result)
-    assert "no divergence" in summary and "ops/s" in summary
+    assert "no finding" in summary and "ops/s" in summary
 
 
 def test_fuzz_catches_a_zoo_bug_and_writes_a_minimized_trace(tmp_path):
@@ -174,12 +166,14 @@ def test_fuzz_reports_a_hang_with_its_trace(tmp_path, monkeypatch):
     import torch
 
     import kvledger.checker.fuzz as fz
+    import kvledger.checker.lockstep_walk as lw
+    from kvledger.checker.targets import lockstep_target
     from kvledger.reference import events
 
     # _worker is a process entry point: keep what it sets process-wide from leaking into other tests
     monkeypatch.setattr(events, "_listener", events._listener)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
-    real_walk = fz.walk
+    real_walk = lw.walk
 
     def hanging_walk(*args, **kwargs):
         for i, step in enumerate(real_walk(*args, **kwargs)):
@@ -188,7 +182,7 @@ def test_fuzz_reports_a_hang_with_its_trace(tmp_path, monkeypatch):
                     pass
             yield step
 
-    monkeypatch.setattr(fz, "walk", hanging_walk)
+    monkeypatch.setattr(lw, "walk", hanging_walk)
 
     class Inbox:
         def __init__(self):
@@ -202,12 +196,13 @@ def test_fuzz_reports_a_hang_with_its_trace(tmp_path, monkeypatch):
             return False
 
     inbox = Inbox()
-    fz._worker(0, 0, 30.0, None, inbox, Never(), op_limit=0.5)
+    fz._worker(0, fz.TargetRecipe(None), 0, 1, 30.0, inbox, Never(), op_limit=0.5)
     hang = [m for m in inbox.items if isinstance(m, fz.WorkerFailure) and m.kind == "hang"]
     assert len(hang) == 1 and "ran past 0.5 s" in hang[0].detail
-    failure = fz._handle_failure(hang[0], tmp_path, 0, None, 1.0, progress=False)
+    target = lockstep_target()
+    failure = fz.handle_failure(hang[0], target, fz.workload_for(target), tmp_path, 0, 1.0, progress=False)
     assert failure.kind == "hang" and failure.trace_path.exists()
-    result = fz.FuzzResult(10, 0, 1.0, 1, 0, failure=failure)
+    result = fz.FuzzResult(10, 0, 1.0, 1, 0, failures=[failure])
     assert result.exit_code == 1 and "HANG" in fz.format_summary(result)
 
 
@@ -299,7 +294,7 @@ def test_the_subject_fuzzer_judges_liveness_of_a_subject_that_preempts():
     """A preempting subject's preempted request that is never admitted again ends no drain: a
     `liveness` finding (before, the drain stopped there quietly). The same seeds find nothing on
     the subject as it is."""
-    from kvledger.checker.subject_fuzz import run_case
+    from kvledger.checker.subject_walk import run_case
     from kvledger.subjects import parse_spec
 
     spec = parse_spec("nanovllm")

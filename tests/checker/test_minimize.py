@@ -155,7 +155,7 @@ def test_a_1000_op_fuzz_walk_of_a_zoo_bug_minimizes_to_at_most_10_ops():
 
 def test_a_long_plain_fuzz_walk_minimizes_to_at_most_10_ops():
     """The hard case: a 1,259-op fuzz walk (64 pages of 64 tokens) failing with evict-counts-pages."""
-    from kvledger.checker.fuzz import case_trace
+    from kvledger.checker.lockstep_walk import case_trace
     from kvledger.checker.minimize import minimize
     from kvledger.subjects.fast_zoo import patched
 

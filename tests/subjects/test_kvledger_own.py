@@ -8,7 +8,7 @@ from typing import List
 
 import pytest
 
-from kvledger.checker.subject_fuzz import run_case
+from kvledger.checker.subject_walk import run_case
 from kvledger.engine.ledger.ops import InvalidOp
 from kvledger.properties.subject import DriverMismatch, Subject, SubjectConfig, SubjectUnavailable
 from kvledger.properties.subject_driver import SubjectDriver, drive

@@ -342,7 +342,7 @@ def test_function_edits_stay_with_their_subject():
 
 
 def _cases(seeds: Sequence[int]) -> set:
-    from kvledger.checker.subject_fuzz import run_case
+    from kvledger.checker.subject_walk import run_case
 
     events: set = set()
     for seed in seeds:

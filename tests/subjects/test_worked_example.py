@@ -10,7 +10,7 @@ from tests.support.paths import ROOT
 sys.path.insert(0, str(ROOT / "docs" / "examples"))  # the worked adapter imports as the page shows
 import my_cache_manager_subject  # noqa: E402
 
-from kvledger.checker.subject_fuzz import run_case  # noqa: E402
+from kvledger.checker.subject_walk import run_case  # noqa: E402
 
 
 def test_the_worked_adapter_keeps_every_invariant():

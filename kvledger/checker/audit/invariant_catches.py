@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from kvledger import fast, reference
-from kvledger.checker.fuzz import case_trace
+from kvledger.checker.lockstep_walk import case_trace
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvalidOp, InvariantViolation
 from kvledger.engine.ledger.trace import Header
 from kvledger.subjects.fast_zoo import BUGS, Bug, patched

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from kvledger.checker.fuzz import Case, Walker, case_seed, make_case, walk
+from kvledger.checker.lockstep_walk import Case, Walker, case_seed, make_case, walk
 from kvledger.checker.minimize import fingerprint_of, minimize
 from kvledger.engine.ledger import trace
 from kvledger.engine.ledger.trace import Header

@@ -166,7 +166,7 @@ def load_config(path: str | Path, root: Path = ROOT) -> Config:
 
 # -- the kill stages (run with kvledger imported from the tree under test) -----------------------
 def _stage_fuzz(spec: Dict[str, Any]) -> None:
-    from kvledger.checker.fuzz import case_seed, make_case, walk
+    from kvledger.checker.lockstep_walk import case_seed, make_case, walk
     from kvledger.properties.lockstep import Lockstep
 
     for case in range(spec["fuzz_cases"]):

@@ -1,13 +1,17 @@
-"""`kvledger zoo`: which property run catches which bug of the zoo, after how many sequences or
-cases, and how small its failing trace gets.
+"""`kvledger zoo`: which of the checker's runs catches each planted bug of a target's zoo, after
+how many sequences or cases, and how small its failing trace gets.
 
-Every decision is by counts, never by time, so the table is the same on an idle laptop and on a
-loaded CI machine. For each bug (see `subjects/fast_zoo.py`):
-  hypothesis  the CI profile of the lockstep state machine (derandomized, without shrinking) with
-              the bug patched in, in a child process, for its first `sequences` sequences; caught =
-              a sequence within them failed; the count is that sequence's number (1 = the first).
-  fuzz        the random-walk fuzzer (`checker/fuzz.py`), one worker, seed 0, its first `cases`
-              cases; the count is the case that diverged (1 = the first).
+The zoo is the target's: fast's planted bugs (`subjects/fast_zoo.py`) for reference against fast
+(and for `--subject fast`), a subject adapter's `ZOO` of source edits for any other subject
+(`zoo_targets`: a target per bug). Every decision is by counts, never by time, so the table is
+the same on an idle laptop and on a loaded CI machine. For each bug:
+  hypothesis  (lockstep only) the CI profile of the lockstep state machine (derandomized, without
+              shrinking) with the bug patched in, in a child process, for its first `sequences`
+              sequences; caught = a sequence within them failed; the count is that sequence's
+              number (1 = the first).
+  fuzz        the fuzzer's cases (`checker/fuzz.py`, the target's workload), seed 0, worker 0 of
+              1, its first `cases` cases in this process; the count is the case that failed
+              (1 = the first).
   min ops     the length of the minimized failing trace: the fuzzer's, else the Hypothesis
               failing trace run through `checker/minimize.py` (both bounded by replays).
 The seconds caps (`--hypothesis-seconds`, `--fuzz-seconds`) are a safety net for a run that hangs:
@@ -24,19 +28,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from kvledger.checker.fuzz import fuzz
 from kvledger.checker.minimize import MinimizeError, minimize
 from kvledger.engine.ledger import trace
+from kvledger.properties.target import LockstepTarget
 from kvledger.subjects.fast_zoo import BUGS, patched
 
 _log = logging.getLogger(__name__)  # `log` is run_zoo's callback
 
 HYPOTHESIS_SEQUENCES = 150  # the CI profile's first sequences (of 1500): a few seconds' worth
-FUZZ_CASES = 100  # the fuzzer's first cases, one worker, seed 0
 HYPOTHESIS_CAP_S = 600.0  # safety nets only: a run stopped by one decides nothing
 FUZZ_CAP_S = 300.0
 MINIMIZE_BUDGET_S = 60.0
@@ -48,7 +51,7 @@ _FIRST_CATCH = "first-catch.json"
 class ZooRow:
     bug: str
     origin: str
-    hyp_caught: bool = False
+    hyp_caught: Optional[bool] = False  # None: not run (a subject's zoo: the fuzzer alone)
     hyp_sequences: Optional[int] = None  # the sequence that failed first, or the sequences run
     hyp_seconds: Optional[float] = None  # to the first failure (reported, never decides)
     hyp_kind: str = ""
@@ -190,34 +193,78 @@ def run_hypothesis(
     return result
 
 
-# -- the fuzzer and the minimizer ----------------------------------------------------------------
+# -- the zoo's targets, the fuzzer and the minimizer ---------------------------------------------
+class _FastWithBug:
+    """`--subject fast` with one of fast's planted bugs: the subject target, the bug patched into
+    fast's classes while it is active (fast's zoo is patches, not source edits)."""
+
+    def __init__(self, target: Any, bug: str) -> None:
+        self._target, self.bug = target, bug
+
+    def active(self) -> Any:
+        return patched(self.bug)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
 
 
-def run_fuzz(name: str, cases: int, work: Path, cap_s: float = FUZZ_CAP_S) -> Dict[str, Any]:
-    """The fuzzer's first `cases` cases against bug `name` (one worker, seed 0; `cap_s`: a safety net)."""
-    res = fuzz(
-        cap_s,
-        workers=1,
-        seed=0,
-        out_dir=work,
-        bug=name,
-        progress=False,
-        minimize_budget=MINIMIZE_BUDGET_S,
-        max_cases=cases,
-        minimize_replays=MINIMIZE_REPLAYS,
-    )
-    f = res.failure
-    if f is None:
-        return {"caught": False, "cases": res.cases, "capped": res.cases < cases, "seconds": None, "kind": ""}
-    return {
-        "caught": True,
-        "cases": f.case + 1,
-        "capped": False,
-        "seconds": res.seconds_to_find,
-        "kind": f.kind,
-        "trace": str(f.minimized_path) if f.minimized_path else None,
-        "min_ops": f.minimized_ops,
-    }
+def zoo_targets(target: Any) -> List[Tuple[str, str, Any]]:
+    """(bug, where it comes from, a target with it) for each bug of `target`'s zoo."""
+    from kvledger.checker.targets import SpecTarget, lockstep_target, subject_target
+
+    if isinstance(target, LockstepTarget):
+        return [(name, bug.origin, lockstep_target(name, target.device)) for name, bug in BUGS.items()]
+    if not isinstance(target, SpecTarget):
+        raise ValueError(f"{target.name} names no zoo (build the target from a subject spec)")
+    spec = target.spec
+    if spec.name == "fast":
+        plain = subject_target(spec.text, edits=())
+        return [(name, BUGS[name].description, _FastWithBug(plain, name)) for name in sorted(BUGS)]
+    base = spec.zoo_base()
+    return [(e.name, e.why, subject_target(spec.text, bug=e.name, edits=base + (e,))) for e in spec.zoo()]
+
+
+def run_fuzz(
+    target: Any,
+    cases: int,
+    work: Path,
+    cap_s: float = FUZZ_CAP_S,
+    minimize_budget: float = MINIMIZE_BUDGET_S,
+    minimize_replays: int = MINIMIZE_REPLAYS,
+) -> Dict[str, Any]:
+    """The fuzzer's first `cases` cases on `target` (seed 0, worker 0 of 1, in this process;
+    `cap_s`: a safety net); the first finding is written and minimized under `work`."""
+    from kvledger.checker.fuzz import WorkerFailure, handle_failure, play_case, workload_for
+    from kvledger.reference import events
+
+    workload = workload_for(target)
+    workload.prepare()
+    start = time.monotonic()
+    try:
+        with target.active():
+            for k in range(cases):
+                outcome = play_case(workload, k, workload.case_seed(0, 0, 1, k))
+                f = outcome.finding
+                if f is not None:
+                    seconds = time.monotonic() - start
+                    failure = WorkerFailure(
+                        0, k, outcome.seed, asdict(outcome.header), outcome.ops, f.kind, f.message, f.step
+                    )
+                    found = handle_failure(failure, target, workload, work, 0, minimize_budget, False, minimize_replays)
+                    return {
+                        "caught": True,
+                        "cases": k + 1,
+                        "capped": False,
+                        "seconds": seconds,
+                        "kind": f.kind,
+                        "trace": str(found.minimized_path) if found.minimized_path else None,
+                        "min_ops": found.minimized_ops,
+                    }
+                if time.monotonic() - start > cap_s and k + 1 < cases:
+                    return {"caught": False, "cases": k + 1, "capped": True, "seconds": None, "kind": ""}
+    finally:
+        events.set_listener(None)
+    return {"caught": False, "cases": cases, "capped": False, "seconds": None, "kind": ""}
 
 
 def minimize_trace(trace_path: str, name: str) -> tuple[int, str] | None:
@@ -242,29 +289,40 @@ def minimize_trace(trace_path: str, name: str) -> tuple[int, str] | None:
 
 
 def run_zoo(
-    names: Sequence[str],
+    target: Any,
+    names: Optional[Sequence[str]],
     out_dir: Path,
     sequences: int = HYPOTHESIS_SEQUENCES,
-    cases: int = FUZZ_CASES,
+    cases: Optional[int] = None,
     hypothesis_cap_s: float = HYPOTHESIS_CAP_S,
     fuzz_cap_s: float = FUZZ_CAP_S,
     log: Callable[[str], None] | None = None,
 ) -> List[ZooRow]:
+    """A row for each bug of `target`'s zoo (those of `names`, if given); `cases` (default: the
+    workload's zoo budget) fuzz cases each, 0 to skip the fuzzer; the CI profile's first
+    `sequences` sequences for a lockstep target."""
+    from kvledger.checker.fuzz import workload_for
+
     log = log or _log.info
+    cases = workload_for(target).zoo_cases if cases is None else cases
+    lockstep = isinstance(target, LockstepTarget)
     rows = []
-    for name in names:
-        bug = BUGS[name]
-        row = ZooRow(name, bug.origin)
+    for name, origin, bugged in zoo_targets(target):
+        if names and name not in names:
+            continue
+        row = ZooRow(name, origin, hyp_caught=None if not lockstep else False)
         work = out_dir / name
-        log(f"[{name}] hypothesis (ci profile, first {sequences} sequences) ...")
-        hyp = run_hypothesis(name, work / "hypothesis", sequences, hypothesis_cap_s)
-        row.hyp_caught, row.hyp_seconds, row.hyp_kind = hyp["caught"], hyp.get("seconds"), hyp.get("kind", "")
-        row.hyp_sequences = hyp.get("sequence") if hyp["caught"] else hyp.get("sequences")
-        row.hyp_capped = hyp["timed_out"] and not hyp["caught"]
+        hyp: Dict[str, Any] = {}
+        if lockstep:
+            log(f"[{name}] hypothesis (ci profile, first {sequences} sequences) ...")
+            hyp = run_hypothesis(name, work / "hypothesis", sequences, hypothesis_cap_s)
+            row.hyp_caught, row.hyp_seconds, row.hyp_kind = hyp["caught"], hyp.get("seconds"), hyp.get("kind", "")
+            row.hyp_sequences = hyp.get("sequence") if hyp["caught"] else hyp.get("sequences")
+            row.hyp_capped = hyp["timed_out"] and not hyp["caught"]
         fz = None
         if cases > 0:
             log(f"[{name}] fuzz (first {cases} cases, seed 0) ...")
-            fz = run_fuzz(name, cases, work / "fuzz", fuzz_cap_s)
+            fz = run_fuzz(bugged, cases, work / "fuzz", fuzz_cap_s)
             row.fuzz_caught, row.fuzz_cases, row.fuzz_seconds = fz["caught"], fz["cases"], fz["seconds"]
             row.fuzz_kind, row.fuzz_capped = fz["kind"], fz["capped"]
         if fz and fz.get("min_ops") is not None:
@@ -315,34 +373,43 @@ def format_table(rows: Sequence[ZooRow]) -> str:
 
 
 def main_zoo(
+    target: Any,
     bugs: str | None,
     fuzz_seconds: float,
     out: str | None,
     hypothesis_seconds: float = HYPOTHESIS_CAP_S,
     sequences: int = HYPOTHESIS_SEQUENCES,
-    cases: int = FUZZ_CASES,
+    cases: Optional[int] = None,
 ) -> int:
     """`fuzz_seconds` and `hypothesis_seconds` are safety caps (a fuzz_seconds of 0 skips the
     fuzzer, as before); `sequences` and `cases` are the budgets that decide."""
-    names = list(BUGS) if not bugs else [b.strip() for b in bugs.split(",") if b.strip()]
-    unknown = [n for n in names if n not in BUGS]
+    from kvledger.checker.fuzz import workload_for
+
+    known = [name for name, _, _ in zoo_targets(target)]
+    names = known if not bugs else [b.strip() for b in bugs.split(",") if b.strip()]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        print(f"kvledger zoo: unknown bugs {unknown}; known: {', '.join(BUGS)}", file=sys.stderr)
+        print(f"kvledger zoo: unknown bugs {unknown}; known: {', '.join(known)}", file=sys.stderr)
         return 2
+    cases = workload_for(target).zoo_cases if cases is None else cases
     out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="kvledger-zoo-"))
     start = time.perf_counter()
-    rows = run_zoo(names, out_dir, sequences, cases if fuzz_seconds > 0 else 0, hypothesis_seconds, fuzz_seconds)
+    fuzz_cases = cases if fuzz_seconds > 0 else 0
+    rows = run_zoo(target, names, out_dir, sequences, fuzz_cases, hypothesis_seconds, fuzz_seconds)
     print(format_table(rows))
     escaped = [r.bug for r in rows if r.escaped]
     undecided = [r.bug for r in rows if r.undecided]
+    within = f"{sequences} sequences of the CI profile or {cases} fuzz cases"
+    if not isinstance(target, LockstepTarget):
+        within = f"{cases} fuzz cases"
     print(
-        f"\n{len(rows) - len(escaped) - len(undecided)}/{len(rows)} bugs caught within {sequences} sequences of "
-        f"the CI profile or {cases} fuzz cases, in {time.perf_counter() - start:.0f}s; traces under {out_dir}"
+        f"\n{target.name}: {len(rows) - len(escaped) - len(undecided)}/{len(rows)} bugs caught within {within}, "
+        f"in {time.perf_counter() - start:.0f}s; traces under {out_dir}"
     )
     if undecided:
         print(f"UNDECIDED (a seconds cap cut the run short of its counts): {', '.join(undecided)}")
     if escaped:
-        print(f"ESCAPED both: {', '.join(escaped)}")
+        print(f"ESCAPED: {', '.join(escaped)}")
     return 1 if escaped or undecided else 0
 
 
