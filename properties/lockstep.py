@@ -5,19 +5,22 @@ then the full observable state (page -> owner, free-list order, live rows, lengt
 available_size, cache sizes, table slots, queues), then the invariants on each side
 (`engine/ledger/invariants.py`, through `kvledger.engine.ledger.divergence.compare`). The first
 difference raises a `Finding` with the step, the operation and what differed.
+
+A line is applied as an `OpRecord` (the operation and its optional `expect`); `apply` also takes a
+bare `CacheOp`, and a dict trace line is parsed once at the entry while callers still build dicts.
 """
 
 from __future__ import annotations
 
 import copy
 from types import ModuleType
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 from kvledger import fast, reference
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvalidOp, InvariantViolation
 from kvledger.engine.ledger.divergence import compare
 from kvledger.engine.ledger.finding import Finding
-from kvledger.engine.ledger.ops import OpResult
+from kvledger.engine.ledger.ops import OpRecord, OpResult, TraceLine, as_record
 from kvledger.engine.ledger.trace import Header
 
 __all__ = ["Finding", "InvalidOp", "Lockstep", "replay"]
@@ -28,18 +31,20 @@ class Lockstep:
         self.header = header
         self.ref = CacheScheduler(reference, **header.cache_scheduler_args())
         self.fast = CacheScheduler(fast_impl, device=device, **header.cache_scheduler_args())
-        self.ops: List[Dict[str, Any]] = []
+        self.ops: List[OpRecord] = []
         self.step = 0
 
-    def apply(self, op: Dict[str, Any]) -> OpResult:
+    def apply(self, line: TraceLine) -> OpResult:
         """Apply one trace line to both sides; the first difference raises a Finding."""
+        record = as_record(line)
+        op = record.to_json()  # as a Finding shows the failing line
         self.step += 1
         # Recorded before either side runs it: whichever side fails (the reference too, on an
         # invariant only the model checks), the saved trace ends with the failing operation.
         # Only an operation the model refuses as invalid is dropped: it was never a valid step.
-        self.ops.append(op)
+        self.ops.append(record)
         try:
-            result = self.ref.apply(op)
+            result = self.ref.apply(record.op)
         except InvalidOp:
             self.ops.pop()
             raise
@@ -48,16 +53,16 @@ class Lockstep:
         except Exception as e:  # the model itself crashed: as much a failure to keep as fast's
             raise self._finding(op, f"reference-raised:{type(e).__name__}", str(e)) from e
         try:
-            fast_result = self.fast.apply(op)
+            fast_result = self.fast.apply(record.op)
         except InvariantViolation as e:
             raise self._finding(op, f"invariant:{e.invariant}", str(e)) from e
         except Exception as e:  # anything fast raises where the model did not
             raise self._finding(op, f"fast-raised:{type(e).__name__}", str(e)) from e
         if result != fast_result:
             raise self._finding(op, f"result:{op['op']}", f"reference {_shown(result)} vs fast {_shown(fast_result)}")
-        expect = op.get("expect")
-        if expect is not None and not result.matches(expect):
-            raise self._finding(op, f"expect:{op['op']}", f"recorded {expect}, replayed {_shown(result)}")
+        expect = record.expect
+        if expect is not None and not expect.matches(result):
+            raise self._finding(op, f"expect:{op['op']}", f"recorded {expect.as_dict()}, replayed {_shown(result)}")
         compare(self.ref, self.fast, self.step, op)
         return result
 
@@ -81,7 +86,7 @@ def _shown(result: OpResult) -> Dict[str, Any]:
 _FIELDS = tuple(OpResult.__dataclass_fields__)
 
 
-def replay(header: Header, ops: List[Dict[str, Any]], device: str = "cpu") -> Lockstep:
+def replay(header: Header, ops: Sequence[TraceLine], device: str = "cpu") -> Lockstep:
     """Replay a trace; raises a Finding or InvalidOp (with `.step` set) at the first problem."""
     lock = Lockstep(header, device)
     for op in ops:

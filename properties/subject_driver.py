@@ -27,23 +27,11 @@ import os
 import signal
 import threading
 import traceback
-from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Sequence, Set, Tuple
 
 from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.invariants import InvariantViolation, check_queue_order
-from kvledger.engine.ledger.ops import (
-    Abort,
-    CacheOp,
-    Decode,
-    Evict,
-    Finish,
-    InvalidOp,
-    OpResult,
-    Prefill,
-    Probe,
-    Submit,
-    parse,
-)
+from kvledger.engine.ledger.ops import InvalidOp, OpResult, TraceLine, as_record, dispatch
 from kvledger.properties.subject import CachedEntry, Capabilities, Subject, SubjectConfig, View
 from kvledger.properties.subject_judge import Witness, judge
 from kvledger.reference.pages import div_ceil
@@ -154,31 +142,14 @@ class SubjectDriver:
         return view
 
     # -- operations ------------------------------------------------------------------------------
-    def apply(self, op: Union[Dict[str, Any], CacheOp]) -> OpResult:
-        if isinstance(op, dict):
-            op = parse(op)
-        result = self._dispatch(op)
+    def apply(self, line: TraceLine) -> OpResult:
+        """Apply one operation (its `expect`, if any, is the lockstep driver's to check: a subject
+        is judged, not compared with a recorded result)."""
+        result = dispatch(as_record(line).op, self)
         self.ops += 1
         if self.check:
             self.judge()
         return result
-
-    def _dispatch(self, op: CacheOp) -> OpResult:
-        if isinstance(op, Submit):
-            return self.submit(op.uid, op.tokens, op.max_tokens)
-        if isinstance(op, Prefill):
-            return self.prefill(op.budget, op.sample, op.stop)
-        if isinstance(op, Decode):
-            return self.decode(op.sample, op.stop)
-        if isinstance(op, Finish):
-            return self.finish(op.uid)
-        if isinstance(op, Abort):
-            return self.abort(op.uid)
-        if isinstance(op, Evict):
-            return self.evict(op.tokens)
-        if isinstance(op, Probe):
-            raise InvalidOp("probe: not an operation a subject is driven with")
-        raise InvalidOp(f"not a cache operation: {op!r:.80}")
 
     def judge(self) -> None:
         view = self.view()
@@ -290,6 +261,9 @@ class SubjectDriver:
         if tokens > evictable:
             raise InvalidOp(f"evict: {tokens} tokens asked, {evictable} evictable")
         return OpResult(evicted_tokens=self._call("evict", self.subject.evict, tokens))
+
+    def probe(self, tokens: Sequence[int]) -> OpResult:
+        raise InvalidOp("probe: not an operation a subject is driven with")
 
     # -- the parts of a step -----------------------------------------------------------------------
     def _needs(self, uid: int) -> int:
@@ -472,9 +446,7 @@ def _full_with_locks(view: View, page_size: int) -> bool:
     return any(e.lock for e in view.cached) or bool(cached & held)
 
 
-def drive(
-    subject: Subject, config: SubjectConfig, ops: Sequence[Dict[str, Any]]
-) -> tuple[Finding | None, SubjectDriver]:
+def drive(subject: Subject, config: SubjectConfig, ops: Sequence[TraceLine]) -> tuple[Finding | None, SubjectDriver]:
     """Apply `ops` to `subject` (an InvalidOp propagates); the first finding or None, and the driver."""
     driver = SubjectDriver(subject, config)
     for op in ops:

@@ -10,11 +10,13 @@ View names no page owner), and the CLI builds the target once from --subject, --
                    operation; built from a factory (the checker builds it from a spec, with the
                    source edits of a --fix or --bug)
 
-A target starts a `Run` for a trace header: a fresh driver that applies trace lines one at a
-time, returns what each did (`OpResult`) and raises the one failure type (`Finding`, its step and
-operation set) or `InvalidOp` for an operation that makes no sense at its point (nothing changed).
-The two drivers stay two because they read different state: lockstep compares two
-`CacheScheduler`s it can see into, judge mode sees a subject only through its `View`.
+A target starts a `Run` for a trace header: a fresh driver that applies typed trace lines
+(`OpRecord`: a `CacheOp` and its optional `expect`) one at a time, returns what each did
+(`OpResult`) and raises the one failure type (`Finding`, its step and operation set) or
+`InvalidOp` for an operation that makes no sense at its point (nothing changed). The two drivers
+stay two because they read different state: lockstep compares two `CacheScheduler`s it can see
+into, judge mode sees a subject only through its `View`; both reach an operation's method through
+the one `ops.dispatch`.
 
 A target also says what a trace it writes records (`trace_header`): the producer, and for a
 subject its spec and version, so that `kvledger replay` finds the subject again.
@@ -26,10 +28,10 @@ import contextlib
 import copy
 import traceback
 from dataclasses import replace
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, ContextManager, List, Optional, Protocol, Sequence, Tuple
 
 from kvledger.engine.ledger.finding import Finding
-from kvledger.engine.ledger.ops import InvalidOp, OpResult
+from kvledger.engine.ledger.ops import InvalidOp, OpRecord, OpResult, TraceLine, as_record
 from kvledger.engine.ledger.trace import Header
 from kvledger.properties.lockstep import Lockstep
 from kvledger.properties.subject import Subject, SubjectConfig, SubjectUnavailable
@@ -48,18 +50,19 @@ __all__ = [
     "replay",
 ]
 
-Op = Dict[str, Any]
 Patch = Callable[[Optional[str]], ContextManager[Any]]
 
 
 class Run(Protocol):
     """One trace being applied: `ops` are the lines applied so far (the failing one included);
-    `step` the 1-based number of the last operation tried (a Finding names it)."""
+    `step` the 1-based number of the last operation tried (a Finding names it). `apply` takes an
+    OpRecord or a bare CacheOp (a dict trace line is parsed once at the entry, while callers that
+    still build dicts remain)."""
 
-    ops: List[Op]
+    ops: List[OpRecord]
     step: int
 
-    def apply(self, op: Op) -> OpResult: ...
+    def apply(self, line: TraceLine) -> OpResult: ...
 
     def copy(self) -> Run: ...
 
@@ -115,20 +118,21 @@ class SubjectRun:
 
     def __init__(self, driver: SubjectDriver) -> None:
         self.driver = driver
-        self.ops: List[Op] = []
+        self.ops: List[OpRecord] = []
         self.step = 0
 
-    def apply(self, op: Op) -> OpResult:
+    def apply(self, line: TraceLine) -> OpResult:
+        record = as_record(line)
         try:
-            result = self.driver.apply(op)
+            result = self.driver.apply(record)
         except InvalidOp:
             raise
         except Finding as f:
-            self.ops.append(op)
+            self.ops.append(record)
             self.step = len(self.ops)
-            f.at(self.step, op)
+            f.at(self.step, record.to_json())
             raise
-        self.ops.append(op)
+        self.ops.append(record)
         self.step = len(self.ops)
         return result
 
@@ -193,7 +197,7 @@ def config_of(header: Header) -> SubjectConfig:
         num_pages=header.num_pages,
         page_size=header.page_size,
         max_seq_len=header.max_seq_len,
-        max_running=header.table_slots,
+        max_running_req=header.table_slots,
     )
 
 
@@ -203,7 +207,7 @@ def header_of(config: SubjectConfig, seed: Optional[int], producer: str, subject
         num_pages=config.num_pages,
         page_size=config.page_size,
         cache_type="radix",
-        table_slots=config.max_running,
+        table_slots=config.max_running_req,
         max_seq_len=config.max_seq_len,
         seed=seed,
         producer=producer,
@@ -213,7 +217,7 @@ def header_of(config: SubjectConfig, seed: Optional[int], producer: str, subject
 
 
 # -- replaying a trace on a target ---------------------------------------------------------------------
-def replay(target: Target, header: Header, ops: Sequence[Op]) -> Tuple[Optional[Finding], Run | None]:
+def replay(target: Target, header: Header, ops: Sequence[TraceLine]) -> Tuple[Optional[Finding], Run | None]:
     """Apply `ops` to a fresh run of `target`: the first Finding (None if none) and the run (None
     when building it failed). A strict target raises InvalidOp (with `.step`) at an invalid
     operation; otherwise the operation is skipped, as a fuzzer never records one. Call it inside
@@ -236,6 +240,6 @@ def replay(target: Target, header: Header, ops: Sequence[Op]) -> Tuple[Optional[
     return None, run
 
 
-def applied(run: Run | None) -> List[Op]:
+def applied(run: Run | None) -> List[OpRecord]:
     """The operations a run applied (none when it was never built)."""
     return [] if run is None else list(run.ops)

@@ -2,11 +2,12 @@
 
 This module is the one list of operations; the docs link here. A trace line is an operation as
 JSON (`{"op": "prefill", "budget": 64, ...}`, plus an optional `expect` the replay checks);
-`parse` turns one into its dataclass, checking every field, and `to_json` turns it back. The
-CacheScheduler dispatches on the dataclass, so a misspelt or mistyped field is an InvalidOp naming
-it, never a TypeError from deep inside. The engine builds typed operations (`OpRecord`: the
-operation and what the engine saw it do) and hands them to its observers; only the trace recorder
-turns them into JSON.
+`parse` turns one into its dataclass, checking every field, and `to_json` turns it back;
+`parse_line` and `OpRecord.to_json` do the same for a whole line, `expect` included. `OpRecord` is
+the typed trace line: what `trace.read` returns, what the drivers apply and record, what the
+minimizer shrinks (`dataclasses.replace`) and the engine hands to its observers. Both drivers
+(`CacheScheduler`, the subject driver) go through one `dispatch` over the dataclasses, so a misspelt
+or mistyped field is an InvalidOp naming it, never a TypeError from deep inside.
 
   Submit(uid, tokens, max_tokens)  queue a request for admission
   Prefill(budget, sample, stop)    admit from the queue head within a token budget, allocate,
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import MISSING, dataclass, fields
-from typing import Any, Dict, Iterable, Optional, Tuple, Union
+from typing import Any, Dict, FrozenSet, Iterable, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 
 class InvalidOp(ValueError):
@@ -90,21 +91,6 @@ TRACE_ONLY = ("op", "expect")  # fields of a trace line that are not the operati
 
 
 @dataclass(frozen=True)
-class Expect:
-    """What the producer saw an operation do, checked on replay: the batch's uids in order and,
-    under a preempting admission policy, the uids preempted to make room (None: not recorded)."""
-
-    batch: Tuple[int, ...]
-    preempted: Optional[Tuple[int, ...]] = None
-
-    def as_dict(self) -> Dict[str, Any]:
-        seen: Dict[str, Any] = {"batch": list(self.batch)}
-        if self.preempted is not None:
-            seen["preempted"] = list(self.preempted)
-        return seen
-
-
-@dataclass(frozen=True)
 class OpResult:
     """What an operation did, as a driver (the cache scheduler, the subject driver) returns it.
     A field an operation does not produce is None.
@@ -146,24 +132,83 @@ class OpResult:
 
 
 _EXPECT_ALIASES = {"rejected": "refused"}
+_RESULT_FIELDS = {f.name: str(f.type) for f in fields(OpResult)}
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What the producer saw an operation do, checked on replay: some fields of its `OpResult`,
+    under the names the trace line writes them, in its order (older traces name the refused uid
+    "rejected"; a name whose value is null is written, and checked, as null)."""
+
+    seen: OpResult
+    names: Tuple[str, ...]
+
+    @classmethod
+    def of_batch(cls, batch: Sequence[int], preempted: Optional[Sequence[int]] = None) -> Expect:
+        """The engine's record of a prefill or decode: its batch and, under a preempting
+        admission policy, the uids it preempted."""
+        seen = OpResult(batch=tuple(batch), preempted=None if preempted is None else tuple(preempted))
+        return cls(seen, ("batch",) if preempted is None else ("batch", "preempted"))
+
+    @classmethod
+    def parse(cls, recorded: Mapping[str, Any]) -> Expect:
+        """A trace line's `expect` object -> an Expect; InvalidOp naming a bad field."""
+        values: Dict[str, Any] = {}
+        for name, value in recorded.items():
+            field_name = _EXPECT_ALIASES.get(name, name)
+            kind = _RESULT_FIELDS.get(field_name)
+            if kind is None:
+                raise InvalidOp(f"expect: unknown field {name!r}; it takes {sorted(_RESULT_FIELDS)}")
+            if value is None:
+                continue
+            if "str" in kind:
+                if not isinstance(value, str):
+                    raise InvalidOp(f"expect: {name} must be a string, got {value!r:.80}")
+                values[field_name] = value
+            else:
+                values[field_name] = _checked("expect", name, value, many="Tuple" in kind)
+        return cls(OpResult(**values), tuple(recorded))
+
+    def as_dict(self) -> Dict[str, Any]:
+        return self.seen.seen(self.names)
+
+    def matches(self, result: OpResult) -> bool:
+        """Whether `result` is what was recorded."""
+        return result.seen(self.names) == self.as_dict()
 
 
 @dataclass(frozen=True)
 class OpRecord:
-    """One operation as the engine performed it: what observers (recorder, shadow) are told."""
+    """One trace line, typed: the operation and what its producer saw it do (checked on replay).
+    `absent` names the fields the line leaves out at their defaults (a fuzzer writes `stop` only
+    when it stops something), so that a line read and written back is the same bytes."""
 
     op: CacheOp
     expect: Optional[Expect] = None
+    absent: FrozenSet[str] = frozenset()
 
     @property
     def name(self) -> str:
         return NAMES[type(self.op)]
 
     def to_json(self) -> Dict[str, Any]:
-        line = to_json(self.op)
+        line = to_json(self.op, self.absent)
         if self.expect is not None:
             line["expect"] = self.expect.as_dict()
         return line
+
+
+TraceLine = Union[OpRecord, CacheOp, Dict[str, Any]]  # what a driver's apply accepts (dicts: until callers are typed)
+
+
+def as_record(line: TraceLine) -> OpRecord:
+    """A trace line in any of its forms as an OpRecord (a dict is parsed: InvalidOp names what is wrong)."""
+    if isinstance(line, OpRecord):
+        return line
+    if isinstance(line, dict):
+        return parse_line(line)
+    return OpRecord(line)
 
 
 def parse(line: Dict[str, Any]) -> CacheOp:
@@ -187,9 +232,59 @@ def parse(line: Dict[str, Any]) -> CacheOp:
     return op
 
 
-def to_json(op: CacheOp) -> Dict[str, Any]:
-    """The operation as a trace line (without `expect`)."""
-    return {"op": NAMES[type(op)], **{f.name: _plain(getattr(op, f.name)) for f in fields(op)}}
+def parse_line(line: Dict[str, Any]) -> OpRecord:
+    """A whole trace line -> its OpRecord (the operation, its `expect`, the fields it leaves out)."""
+    op = parse(line)
+    recorded = line.get("expect")
+    if recorded is not None and not isinstance(recorded, dict):
+        raise InvalidOp(f"expect must be an object, got {recorded!r:.80}")
+    expect = Expect.parse(recorded) if recorded is not None else None
+    absent = frozenset(f.name for f in fields(op) if f.name not in line)
+    return OpRecord(op, expect, absent)
+
+
+def to_json(op: CacheOp, absent: Iterable[str] = ()) -> Dict[str, Any]:
+    """The operation as a trace line (without `expect`), leaving out the fields named `absent`."""
+    skip = frozenset(absent)
+    return {"op": NAMES[type(op)], **{f.name: _plain(getattr(op, f.name)) for f in fields(op) if f.name not in skip}}
+
+
+class OpHandler(Protocol):
+    """What `dispatch` drives: a method per operation (the cache scheduler, the subject driver)."""
+
+    def submit(self, uid: int, tokens: Sequence[int], max_tokens: int) -> OpResult: ...
+
+    def prefill(self, budget: int, sample: Sequence[int] = (), stop: Sequence[int] = ()) -> OpResult: ...
+
+    def decode(self, sample: Sequence[int] = (), stop: Sequence[int] = ()) -> OpResult: ...
+
+    def finish(self, uid: int) -> OpResult: ...
+
+    def abort(self, uid: int) -> OpResult: ...
+
+    def evict(self, tokens: int) -> OpResult: ...
+
+    def probe(self, tokens: Sequence[int]) -> OpResult: ...
+
+
+def dispatch(op: CacheOp, handler: OpHandler) -> OpResult:
+    """The one dispatch over the operations: `op` applied through `handler`'s method for it."""
+    match op:
+        case Submit(uid, tokens, max_tokens):
+            return handler.submit(uid, tokens, max_tokens)
+        case Prefill(budget, sample, stop):
+            return handler.prefill(budget, sample, stop)
+        case Decode(sample, stop):
+            return handler.decode(sample, stop)
+        case Finish(uid):
+            return handler.finish(uid)
+        case Abort(uid):
+            return handler.abort(uid)
+        case Evict(tokens):
+            return handler.evict(tokens)
+        case Probe(tokens):
+            return handler.probe(tokens)
+    raise InvalidOp(f"not a cache operation: {op!r:.80}")
 
 
 def _checked(kind: str, name: str, value: Any, many: bool) -> Any:

@@ -7,6 +7,10 @@ Header: {"kvledger_trace": 2, "num_pages", "page_size", "cache_type", "table_slo
 what the producer saw (for example the batch's uids, and under optimistic admission the uids
 preempted) and is checked on replay.
 
+In memory a line is an `OpRecord` (`ops.py`): `read` parses every line at the file boundary (a bad
+line is a TraceError naming its line number and field) and `write` writes each back with
+`OpRecord.to_json`, byte for byte as it was read.
+
 A subject's trace (judge mode, `kvledger fuzz --subject`) also names the subject's spec and
 version ("subject", "subject_version"); its "cache_type" is the subject's kind of cache.
 
@@ -22,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Tuple
 
-from kvledger.engine.ledger.ops import KINDS
+from kvledger.engine.ledger.ops import KINDS, InvalidOp, OpRecord, TraceLine, parse_line, to_json
 from kvledger.reference.admission_policy import AdmissionPolicy
 
 VERSION = 2
@@ -81,17 +85,26 @@ class Header:
         }
 
 
-def dumps(header: Header, ops: Iterable[Dict[str, Any]]) -> str:
+def dumps(header: Header, ops: Iterable[TraceLine]) -> str:
     head = {"kvledger_trace": VERSION, **{k: v for k, v in asdict(header).items() if k != "kvledger_trace"}}
-    return "\n".join(json.dumps(x, separators=(", ", ": ")) for x in [head, *ops]) + "\n"
+    return "\n".join(json.dumps(x, separators=(", ", ": ")) for x in [head, *map(_json, ops)]) + "\n"
 
 
-def write(path: str | Path, header: Header, ops: Iterable[Dict[str, Any]]) -> None:
+def _json(line: TraceLine) -> Dict[str, Any]:
+    """A line as the file writes it (a dict, from a caller not yet typed, as it is)."""
+    if isinstance(line, OpRecord):
+        return line.to_json()
+    if isinstance(line, dict):
+        return line
+    return to_json(line)
+
+
+def write(path: str | Path, header: Header, ops: Iterable[TraceLine]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(dumps(header, ops))
 
 
-def loads(text: str, source: str = "<trace>") -> Tuple[Header, List[Dict[str, Any]]]:
+def loads(text: str, source: str = "<trace>") -> Tuple[Header, List[OpRecord]]:
     lines = [(i + 1, line) for i, line in enumerate(text.splitlines()) if line.strip()]
     if not lines:
         raise TraceError(f"{source}: empty trace (no header line)")
@@ -114,11 +127,16 @@ def loads(text: str, source: str = "<trace>") -> Tuple[Header, List[Dict[str, An
     except TypeError as e:
         raise TraceError(f"{source}:1: bad header: {e}") from None
     header.validate()
+    parsed = []
     for (lineno, _), op in zip(lines[1:], records[1:]):
         if op.get("op") not in OPS:
             raise TraceError(f"{source}:{lineno}: unknown op {op.get('op')!r} (expected one of {', '.join(OPS)})")
-    return header, records[1:]
+        try:
+            parsed.append(parse_line(op))
+        except InvalidOp as e:
+            raise TraceError(f"{source}:{lineno}: {e}") from None
+    return header, parsed
 
 
-def read(path: str | Path) -> Tuple[Header, List[Dict[str, Any]]]:
+def read(path: str | Path) -> Tuple[Header, List[OpRecord]]:
     return loads(Path(path).read_text(), str(path))

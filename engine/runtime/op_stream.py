@@ -70,4 +70,4 @@ def step_record(
     """A prefill (with its token budget) or decode step as the engine ran it: what was sampled and
     stopped, and what it saw (the batch, and the uids preempted under a preempting policy)."""
     op = Prefill(budget, tuple(sample), tuple(stop)) if phase == "prefill" else Decode(tuple(sample), tuple(stop))
-    return OpRecord(op, Expect(tuple(batch), tuple(preempted) if preempts else None))
+    return OpRecord(op, Expect.of_batch(batch, preempted if preempts else None))

@@ -13,7 +13,8 @@ same kind. Passes, repeated until none makes progress (or the time budget runs o
   renumber   uids densely in order of submission, token values 0, 1, 2, ... by first use
 
 Every accepted candidate is strictly simpler (`_size`), outcomes are cached by the hash of the
-serialized candidate, and the time budget is checked before every replay.
+serialized candidate, and the time budget is checked before every replay. A candidate is a list of
+typed trace lines (`OpRecord`); a shrink is `dataclasses.replace` on an operation (`_set`).
 
 Removing something often makes a later operation invalid (finish of a request that is gone,
 an evict larger than what is evictable). Such a candidate is repaired rather than thrown away:
@@ -36,6 +37,19 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 from kvledger.engine.ledger import trace
 from kvledger.engine.ledger.cache_scheduler import InvalidOp
 from kvledger.engine.ledger.finding import Finding
+from kvledger.engine.ledger.ops import (
+    Abort,
+    CacheOp,
+    Decode,
+    Evict,
+    Finish,
+    OpRecord,
+    Prefill,
+    Probe,
+    Submit,
+    TraceLine,
+    as_record,
+)
 from kvledger.engine.ledger.trace import Header, dumps
 from kvledger.properties.subject import Subject, SubjectConfig
 from kvledger.properties.target import (
@@ -50,10 +64,9 @@ from kvledger.properties.target import (
 
 _log = logging.getLogger(__name__)  # `log` is the minimizer's callback
 
-Op = Dict[str, Any]
-Ops = List[Op]
+Ops = List[OpRecord]
 # ops that name a request: submit/finish/abort through "uid", prefill/decode through "stop"
-_UID_OPS = ("submit", "finish", "abort")
+_UID_OPS = (Submit, Finish, Abort)
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -65,14 +78,14 @@ class _OutOfTime(Exception):
     pass
 
 
-def fingerprint_of(header: Header, ops: Ops, target: Optional[Target] = None) -> Tuple[str, int]:
+def fingerprint_of(header: Header, ops: Sequence[TraceLine], target: Optional[Target] = None) -> Tuple[str, int]:
     """Replay (strictly, on lockstep); return the Finding's (kind, step). Raises MinimizeError if
     the trace passes or is invalid."""
     kind, step, _ = _fingerprint(target or LockstepTarget(), header, ops)
     return kind, step
 
 
-def _fingerprint(target: Target, header: Header, ops: Ops) -> Tuple[str, int, Ops]:
+def _fingerprint(target: Target, header: Header, ops: Sequence[TraceLine]) -> Tuple[str, int, Ops]:
     """(kind, step, the operations applied up to the failing one)."""
     try:
         finding, run = replay(target, header, ops)
@@ -112,7 +125,7 @@ def _continue(lock: Run, ops: Ops, on_step: Callable[[Run], None] | None = None)
             # A bad stop list changes nothing either, but a candidate that left one behind is
             # dropped whole: skipping those steps instead made the search slower (the long fuzz
             # walk of tests/checker/test_minimize.py no longer reached 10 operations in its replays).
-            if op.get("stop"):
+            if _stop(op.op):
                 return None, []
             continue
         except Finding as e:
@@ -267,8 +280,8 @@ class _Minimizer:
         i = 0
         while i + 1 < len(self.ops):
             a, b = self.ops[i], self.ops[i + 1]
-            if a["op"] == b["op"] == "prefill" and not a.get("stop"):
-                merged = {**b, "budget": a["budget"] + b["budget"]}
+            if isinstance(a.op, Prefill) and isinstance(b.op, Prefill) and not a.op.stop:
+                merged = _set(b, budget=a.op.budget + b.op.budget)
                 if self.test(self.ops[:i] + [merged] + self.ops[i + 2 :]):
                     progress = True
                     continue
@@ -287,18 +300,20 @@ class _Minimizer:
                     progress |= self._shrink_list(i, field, low, zero=(kind == "tokens"))
         return progress
 
-    def _with(self, i: int, field: str, value: object) -> bool:
-        return self.test(self.ops[:i] + [{**self.ops[i], field: value}] + self.ops[i + 1 :])
+    def _with(self, i: int, field: str, value: int | List[int]) -> bool:
+        typed = tuple(value) if isinstance(value, list) else value
+        return self.test(self.ops[:i] + [_set(self.ops[i], **{field: typed})] + self.ops[i + 1 :])
 
-    def _current(self, i: int, field: str, op_kind: str) -> Any:
-        """The field's value now (None if a repair dropped or replaced op i)."""
-        if i < len(self.ops) and self.ops[i]["op"] == op_kind:
-            return self.ops[i].get(field)
+    def _current(self, i: int, field: str, op_kind: type) -> Any:
+        """The field's value now (None if a repair dropped or replaced op i, or left the field out)."""
+        if i < len(self.ops) and type(self.ops[i].op) is op_kind and field not in self.ops[i].absent:
+            value = getattr(self.ops[i].op, field)
+            return list(value) if isinstance(value, tuple) else value
         return None
 
     def _shrink_int(self, i: int, field: str, low: int) -> bool:
         """Binary search for the smallest value that still fails (assuming rough monotony)."""
-        op_kind, value = self.ops[i]["op"], self.ops[i][field]
+        op_kind, value = type(self.ops[i].op), getattr(self.ops[i].op, field)
         if value <= low:
             return False
         if self._with(i, field, low):
@@ -316,8 +331,8 @@ class _Minimizer:
 
     def _shrink_list(self, i: int, field: str, min_len: int, zero: bool) -> bool:
         """ddmin over the list's items, then (token lists) values lowered to 0."""
-        op_kind, progress = self.ops[i]["op"], False
-        values = list(self.ops[i].get(field) or [])
+        op_kind, progress = type(self.ops[i].op), False
+        values = self._current(i, field, op_kind) or []
         if min_len == 0 and values and self._with(i, field, []):
             return True
         size = len(values) // 2
@@ -411,9 +426,7 @@ def _size(header: Header, ops: Ops) -> Tuple[int, ...]:
     passes terminate."""
     values = sum(_op_magnitude(op) for op in ops)
     uid_cost = sum(abs(uid - i) for i, uid in enumerate(_submitted_uids(ops)))
-    token_values = sum(
-        sum(op.get("sample", ())) + (sum(op["tokens"]) if isinstance(op.get("tokens"), list) else 0) for op in ops
-    )
+    token_values = sum(sum(_sample(r.op)) + (sum(r.op.tokens) if isinstance(r.op, (Submit, Probe)) else 0) for r in ops)
     return (
         len(ops),
         values,
@@ -427,37 +440,54 @@ def _size(header: Header, ops: Ops) -> Tuple[int, ...]:
     )
 
 
-def _op_magnitude(op: Op) -> int:
-    tokens = op.get("tokens", 0)
-    magnitude: int = (
-        (len(tokens) if isinstance(tokens, list) else tokens)
-        + op.get("max_tokens", 0)
-        + op.get("budget", 0)
-        + len(op.get("sample", ()))
-        + len(op.get("stop", ()))
-    )
-    return magnitude
+def _op_magnitude(line: OpRecord) -> int:
+    match line.op:
+        case Submit(_, tokens, max_tokens):
+            return len(tokens) + max_tokens
+        case Probe(tokens):
+            return len(tokens)
+        case Evict(tokens):
+            return tokens
+        case Prefill(budget, sample, stop):
+            return budget + len(sample) + len(stop)
+        case Decode(sample, stop):
+            return len(sample) + len(stop)
+    return 0
 
 
-def _tidy(op: Op) -> Op:
-    """An empty stop list says nothing: drop it."""
-    if "stop" in op and not op["stop"]:
-        return {k: v for k, v in op.items() if k != "stop"}
-    return op
+def _sample(op: CacheOp) -> Tuple[int, ...]:
+    return op.sample if isinstance(op, (Prefill, Decode)) else ()
+
+
+def _stop(op: CacheOp) -> Tuple[int, ...]:
+    return op.stop if isinstance(op, (Prefill, Decode)) else ()
+
+
+def _set(line: OpRecord, **values: Any) -> OpRecord:
+    """`line` with fields of its operation replaced (each one then written, even when empty)."""
+    return OpRecord(replace(line.op, **values), line.expect, line.absent - set(values))
+
+
+def _tidy(line: OpRecord) -> OpRecord:
+    """An empty stop list says nothing: leave it out."""
+    if isinstance(line.op, (Prefill, Decode)) and not line.op.stop and "stop" not in line.absent:
+        return OpRecord(line.op, line.expect, line.absent | {"stop"})
+    return line
 
 
 def _submitted_uids(ops: Ops) -> List[int]:
-    return [op["uid"] for op in ops if op["op"] == "submit"]
+    return [r.op.uid for r in ops if isinstance(r.op, Submit)]
 
 
 def _without_uids(ops: Ops, uids: Set[int]) -> Ops:
     out = []
-    for op in ops:
-        if op["op"] in _UID_OPS and op.get("uid") in uids:
+    for r in ops:
+        if isinstance(r.op, _UID_OPS) and r.op.uid in uids:
             continue
-        if op.get("stop"):
-            op = {**op, "stop": [u for u in op["stop"] if u not in uids]}
-        out.append(op)
+        stop = _stop(r.op)
+        if stop:
+            r = _set(r, stop=tuple(u for u in stop if u not in uids))
+        out.append(r)
     return out
 
 
@@ -467,22 +497,22 @@ def _smaller_ints(value: int, low: int) -> Iterator[int]:
             yield v
 
 
-def _simplifiable_fields(op: Op) -> List[Tuple[str, str, int]]:
+def _simplifiable_fields(line: OpRecord) -> List[Tuple[str, str, int]]:
     """(field, "int" | "tokens" | "list", lowest value or shortest length) for each field of
-    `op` the values pass may shrink."""
-    kind = op["op"]
+    `line`'s operation the values pass may shrink."""
+    op = line.op
     fields: List[Tuple[str, str, int]] = []
-    if kind in ("submit", "probe"):
-        fields.append(("tokens", "tokens", 1 if kind == "submit" else 0))
-    if kind == "submit":
+    if isinstance(op, (Submit, Probe)):
+        fields.append(("tokens", "tokens", 1 if isinstance(op, Submit) else 0))
+    if isinstance(op, Submit):
         fields.append(("max_tokens", "int", 1))
-    if kind == "prefill":
+    if isinstance(op, Prefill):
         fields.append(("budget", "int", 1))
-    if kind in ("prefill", "decode"):
+    if isinstance(op, (Prefill, Decode)):
         fields.append(("sample", "tokens", 0))
-        if op.get("stop"):
+        if op.stop:
             fields.append(("stop", "list", 0))
-    if kind == "evict":
+    if isinstance(op, Evict):
         fields.append(("tokens", "int", 0))
     return fields
 
@@ -492,7 +522,7 @@ def _header_candidates(header: Header, ops: Ops) -> Iterator[Header]:
         yield replace(header, num_pages=v)
     for v in _smaller_ints(header.table_slots, 1):
         yield replace(header, table_slots=v)
-    longest = max((len(op["tokens"]) + op["max_tokens"] for op in ops if op["op"] == "submit"), default=1)
+    longest = max((len(r.op.tokens) + r.op.max_tokens for r in ops if isinstance(r.op, Submit)), default=1)
     for ps in [p for p in PAGE_SIZES if p < header.page_size]:
         # the same pool in smaller pages (at most 64 more pages: every step costs per page),
         # then as many pages of the smaller size
@@ -513,13 +543,13 @@ def _round_up(value: int, multiple: int) -> int:
 def _renumbered(ops: Ops) -> Ops:
     new = {uid: i for i, uid in enumerate(_submitted_uids(ops))}
     out = []
-    for op in ops:
-        op = dict(op)
-        if op["op"] in _UID_OPS and op.get("uid") in new:
-            op["uid"] = new[op["uid"]]
-        if op.get("stop"):
-            op["stop"] = [new.get(u, u) for u in op["stop"]]
-        out.append(op)
+    for r in ops:
+        if isinstance(r.op, _UID_OPS) and r.op.uid in new:
+            r = _set(r, uid=new[r.op.uid])
+        stop = _stop(r.op)
+        if stop:
+            r = _set(r, stop=tuple(new.get(u, u) for u in stop))
+        out.append(r)
     return out
 
 
@@ -527,23 +557,22 @@ def _relabeled_tokens(ops: Ops) -> Ops:
     """Token values renamed 0, 1, 2, ... in order of first appearance (prompts, probes, samples)."""
     names: Dict[int, int] = {}
 
-    def rename(tokens: List[int]) -> List[int]:
-        return [names.setdefault(t, len(names)) for t in tokens]
+    def rename(tokens: Sequence[int]) -> Tuple[int, ...]:
+        return tuple(names.setdefault(t, len(names)) for t in tokens)
 
     out = []
-    for op in ops:
-        op = dict(op)
-        if op["op"] in ("submit", "probe"):
-            op["tokens"] = rename(op["tokens"])
-        if op.get("sample"):
-            op["sample"] = rename(op["sample"])
-        out.append(op)
+    for r in ops:
+        if isinstance(r.op, (Submit, Probe)):
+            r = _set(r, tokens=rename(r.op.tokens))
+        if _sample(r.op):
+            r = _set(r, sample=rename(_sample(r.op)))
+        out.append(r)
     return out
 
 
 def minimize(
     header: Header,
-    ops: Ops,
+    ops: Sequence[TraceLine],
     budget: float = 60.0,
     log: Callable[[str], None] | None = None,
     max_replays: Optional[int] = None,
@@ -562,14 +591,14 @@ def minimize(
     start = time.monotonic()
     kind, step, applied = _fingerprint(target, header, ops)
     log(f"fingerprint {kind} at step {step} of {len(ops)}")
-    ops = [dict(op) for op in applied]
-    if not kind.startswith("expect:") and any("expect" in op for op in ops):
+    lines = list(applied)
+    if not kind.startswith("expect:") and any(r.expect is not None for r in lines):
         # recorded expectations only get in the way of shrinking
-        stripped = [{k: v for k, v in op.items() if k != "expect"} for op in ops]
+        stripped = [replace(r, expect=None) for r in lines]
         kind2, _ = _replay_repairing(target, header, stripped)
         if kind2 == kind:
-            ops = stripped
-    m = _Minimizer(header, ops, kind, start + budget, log, max_replays, target)
+            lines = stripped
+    m = _Minimizer(header, lines, kind, start + budget, log, max_replays, target)
     complete = m.run()
     log(
         f"{'1-minimal' if complete else 'budget exhausted (result may not be 1-minimal)'}: "
@@ -625,7 +654,9 @@ def main_minimize(
 CaseRunner = Callable[[Callable[[SubjectConfig], Subject], int, Sequence[int], int], Any]
 
 
-def _subject_replay(target: SubjectTarget, config: SubjectConfig, ops: Sequence[Op]) -> Tuple[Optional[Finding], Ops]:
+def _subject_replay(
+    target: SubjectTarget, config: SubjectConfig, ops: Sequence[TraceLine]
+) -> Tuple[Optional[Finding], Ops]:
     """The first finding on a fresh subject (None if none) and the operations that applied."""
     try:
         run = target.start_config(config)
@@ -644,7 +675,7 @@ def _subject_replay(target: SubjectTarget, config: SubjectConfig, ops: Sequence[
 def minimize_ops(
     factory: Union[Callable[[SubjectConfig], Subject], SubjectTarget],
     config: SubjectConfig,
-    ops: Sequence[Op],
+    ops: Sequence[TraceLine],
     kind: str,
     budget: float = 60.0,
     max_replays: int | None = None,
@@ -662,14 +693,15 @@ def minimize_ops(
     def out_of_budget() -> bool:
         return time.monotonic() > deadline or (max_replays is not None and replays[0] >= max_replays)
 
-    ok, current, finding = fails(list(ops))
+    lines = [as_record(op) for op in ops]
+    ok, current, finding = fails(lines)
     if not ok:
-        return list(ops), finding
+        return lines, finding
     while not out_of_budget():
-        before = len(current), json.dumps(current)
+        before = list(current)
         current, finding = _drop(current, finding, fails, out_of_budget)
         current, finding = _simplify(current, finding, fails, out_of_budget)
-        if (len(current), json.dumps(current)) == before:
+        if current == before:
             break
     renumbered = _renumber_by_submission(current)
     if renumbered != current and not out_of_budget():
@@ -721,41 +753,36 @@ def _simplify(
 def _renumber_by_submission(ops: Ops) -> Ops:
     """uids 0, 1, 2, ... in submission order, for a reader."""
     new: Dict[int, int] = {}
-    for op in ops:
-        if op["op"] == "submit":
-            new.setdefault(op["uid"], len(new))
-
-    def uid(u: int) -> int:
-        return new.get(u, u)
+    for uid in _submitted_uids(ops):
+        new.setdefault(uid, len(new))
 
     out = []
-    for op in ops:
-        op = dict(op)
-        if "uid" in op:
-            op["uid"] = uid(op["uid"])
-        if op.get("stop"):
-            op["stop"] = [uid(u) for u in op["stop"]]
-        out.append(op)
+    for r in ops:
+        if isinstance(r.op, _UID_OPS):
+            r = _set(r, uid=new.get(r.op.uid, r.op.uid))
+        stop = _stop(r.op)
+        if stop:
+            r = _set(r, stop=tuple(new.get(u, u) for u in stop))
+        out.append(r)
     return out
 
 
-def _simpler(op: Op) -> Ops:
-    out = []
-    if op["op"] == "submit":
-        tokens = op["tokens"]
-        for n in range(1, len(tokens)):
-            out.append({**op, "tokens": tokens[:n]})
-        if op["max_tokens"] > 1:
-            out.append({**op, "max_tokens": 1})
-            out.append({**op, "max_tokens": op["max_tokens"] - 1})
-    elif op["op"] in ("prefill", "decode"):
-        if op.get("stop"):
-            out.append({**op, "stop": []})
-        if op["op"] == "prefill" and op["budget"] < 64:
-            out.append({**op, "budget": 64})
-        if len(op.get("sample", ())) > 1:
-            out.append({**op, "sample": op["sample"][:1]})
-    return [o for o in out if o != op]
+def _simpler(line: OpRecord) -> Ops:
+    op, out = line.op, []
+    if isinstance(op, Submit):
+        for n in range(1, len(op.tokens)):
+            out.append(_set(line, tokens=op.tokens[:n]))
+        if op.max_tokens > 1:
+            out.append(_set(line, max_tokens=1))
+            out.append(_set(line, max_tokens=op.max_tokens - 1))
+    elif isinstance(op, (Prefill, Decode)):
+        if op.stop:
+            out.append(_set(line, stop=()))
+        if isinstance(op, Prefill) and op.budget < 64:
+            out.append(_set(line, budget=64))
+        if len(op.sample) > 1:
+            out.append(_set(line, sample=op.sample[:1]))
+    return [o for o in out if o != line]
 
 
 def _main_minimize_subject(
@@ -772,14 +799,14 @@ def _main_minimize_subject(
     print(f"[{finding.kind}] {finding.message}")
     print(f"minimized {len(ops)} operations to {len(small)}: {output}")
     for op in small:
-        print("  " + json.dumps(op))
+        print("  " + json.dumps(op.to_json()))
     return 0
 
 
 def shortest_failure(
     factory: Union[Callable[[SubjectConfig], Subject], SubjectTarget],
     kind: str,
-    ops: Ops,
+    ops: Sequence[TraceLine],
     config: SubjectConfig,
     finding: Finding | None,
     page_sizes: Sequence[int],
@@ -796,7 +823,7 @@ def shortest_failure(
     deterministic for a number of cases."""
     target = factory if isinstance(factory, SubjectTarget) else SubjectTarget(factory, "subject")
     deadline = time.monotonic() + budget
-    best = (ops, config, finding)
+    best = ([as_record(op) for op in ops], config, finding)
     for k in range(cases):
         if time.monotonic() > deadline or len(best[0]) <= 2:
             break

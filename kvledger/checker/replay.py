@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
 
 from kvledger.engine.ledger.finding import Finding
-from kvledger.engine.ledger.ops import InvalidOp
+from kvledger.engine.ledger.ops import InvalidOp, OpRecord
 from kvledger.engine.ledger.trace import Header, TraceError, read
 from kvledger.properties.lockstep import Lockstep
 from kvledger.properties.subject import SubjectUnavailable
@@ -52,7 +52,7 @@ def replay_trace(path: str, target: Target) -> int:
         print(f"kvledger replay: {e}", file=sys.stderr)
         return 2
     _warn_on_another_version(path, header, target)
-    applied: List[Dict[str, Any]] = [] if run is None else list(run.ops)
+    applied: List[OpRecord] = [] if run is None else list(run.ops)
     if finding is not None:
         print("\n".join(_finding_lines(target, finding)))
         return 1

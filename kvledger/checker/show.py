@@ -11,12 +11,13 @@ from __future__ import annotations
 import colorsys
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler, InvalidOp, InvariantViolation
 from kvledger.engine.ledger.finding import Finding
+from kvledger.engine.ledger.ops import TraceLine, as_record
 from kvledger.engine.ledger.trace import Header
 from kvledger.properties.lockstep import Lockstep
 from kvledger.properties.target import LockstepTarget
@@ -48,7 +49,7 @@ def _page_codes(ledger: CacheScheduler, uid_code: Dict[int, int]) -> np.ndarray:
 
 
 def ownership_matrix(
-    header: Header, ops: List[Dict[str, Any]]
+    header: Header, ops: Sequence[TraceLine]
 ) -> Tuple[np.ndarray, Dict[int, int], Optional[Finding], int]:
     """Page codes after each step (row 0 is the initial state), the uid -> code map, the first
     divergence (None if none) and the number of steps the reference applied."""
@@ -56,15 +57,16 @@ def ownership_matrix(
     uid_code: Dict[int, int] = {}
     rows = [_page_codes(lock.ref, uid_code)]
     divergence: Optional[Finding] = None
-    for i, op in enumerate(ops):
+    for i, line in enumerate(ops):
         try:
+            record = as_record(line)
             if divergence is None:
                 try:
-                    lock.apply(op)
+                    lock.apply(record)
                 except Finding as e:
                     divergence = e
             else:
-                lock.ref.apply(op)  # the fast side is broken now: follow the model alone
+                lock.ref.apply(record.op)  # the fast side is broken now: follow the model alone
         except InvalidOp as e:
             raise ShowError(f"operation {i + 1} is invalid at that point: {e}") from None
         except InvariantViolation:
@@ -82,7 +84,7 @@ def _uid_colour(i: int) -> Tuple[float, float, float]:
     return colorsys.hls_to_rgb(hue, lightness, 0.75)
 
 
-def render(header: Header, ops: List[Dict[str, Any]], out: str | Path, title: str | None = None) -> Optional[Finding]:
+def render(header: Header, ops: Sequence[TraceLine], out: str | Path, title: str | None = None) -> Optional[Finding]:
     """Draw the trace's page ownership to `out` (PNG); returns the first divergence, if any."""
     import matplotlib
 

@@ -7,6 +7,7 @@ import pytest
 
 from kvledger.checker.minimize import MinimizeError, main_minimize, minimize
 from kvledger.engine.ledger.cache_scheduler import InvalidOp
+from kvledger.engine.ledger.ops import Submit
 from kvledger.engine.ledger.trace import Header, read, write
 from kvledger.properties.lockstep import Finding, Lockstep, replay
 from kvledger.subjects.fast_zoo import patched
@@ -95,9 +96,9 @@ def test_the_minimized_trace_is_renumbered_and_readable(tmp_path):
     assert main_minimize(str(src), str(out), budget=math.inf, bug=BUG, max_replays=300) == 0
     m_header, m_ops = read(out)
     assert m_header.producer == "minimize"
-    assert [op["op"] for op in m_ops] == ["submit", "submit", "prefill"]
-    assert [op["uid"] for op in m_ops[:2]] == [0, 1]
-    assert all("expect" not in op for op in m_ops)
+    assert [op.name for op in m_ops] == ["submit", "submit", "prefill"]
+    assert [op.op.uid for op in m_ops[:2] if isinstance(op.op, Submit)] == [0, 1]
+    assert all(op.expect is None for op in m_ops)
     with patched(BUG):
         assert _kind(m_header, m_ops) == _kind(header, ops)
 

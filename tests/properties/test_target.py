@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvledger.engine.ledger.finding import Finding
-from kvledger.engine.ledger.ops import InvalidOp, OpResult
+from kvledger.engine.ledger.ops import Abort, Finish, InvalidOp, OpRecord, OpResult, Prefill, Submit
 from kvledger.engine.ledger.trace import Header, read
 from kvledger.properties.subject import SubjectConfig
 from kvledger.properties.target import LockstepTarget, SubjectTarget, config_of, header_of, replay
@@ -15,19 +15,28 @@ from tests.support.paths import ROOT
 from tests.support.toy_block_subject import ToyBlockCache
 
 HEADER = Header(num_pages=8, page_size=2, cache_type="radix", table_slots=4, max_seq_len=16)
-SUBMIT = {"op": "submit", "uid": 0, "tokens": [1, 2, 3], "max_tokens": 2}
-PREFILL = {"op": "prefill", "budget": 64, "sample": [7]}
+SUBMIT = OpRecord(Submit(0, (1, 2, 3), 2))
+PREFILL = OpRecord(Prefill(64, (7,)))
 
 
 def test_a_lockstep_run_returns_typed_results_and_counts_its_steps():
     run = LockstepTarget().start(HEADER)
     assert run.apply(SUBMIT) == OpResult()
-    assert run.apply(PREFILL) == OpResult(batch=(0,), refused=None)
+    assert run.apply(PREFILL.op) == OpResult(batch=(0,), refused=None)  # a bare operation will do
     assert run.step == 2 and run.ops == [SUBMIT, PREFILL]
 
 
+def test_a_dict_line_is_parsed_once_at_the_entry():
+    run = LockstepTarget().start(HEADER)
+    run.apply({"op": "submit", "uid": 0, "tokens": [1, 2, 3], "max_tokens": 2})
+    assert run.ops == [SUBMIT]
+    with pytest.raises(InvalidOp, match="budget"):
+        run.apply({"op": "prefill", "budget": "lots"})
+    assert run.ops == [SUBMIT]
+
+
 def test_lockstep_is_strict_and_a_subject_skips_an_invalid_operation():
-    finish = {"op": "finish", "uid": 5}
+    finish = OpRecord(Finish(5))
     with pytest.raises(InvalidOp) as e:
         replay(LockstepTarget(), HEADER, [SUBMIT, finish])
     assert e.value.step == 2
@@ -41,16 +50,16 @@ def test_a_zoo_bug_is_planted_while_the_target_is_active_and_its_finding_placed(
     target = LockstepTarget("free-list-lifo", patch=patched)
     with target.active():
         finding, run = replay(target, header, ops)
-    assert isinstance(finding, Finding) and finding.step == len(run.ops) and finding.op == run.ops[-1]
+    assert isinstance(finding, Finding) and finding.step == len(run.ops) and finding.op == run.ops[-1].to_json()
     assert str(finding).startswith(f"step {finding.step}, op ")
     finding, _ = replay(target, header, ops)  # not active: fast as it is
     assert finding is None
 
 
 def test_a_subject_finding_names_its_operation_and_a_broken_build_is_a_finding():
-    bad = [SUBMIT, PREFILL, {"op": "abort", "uid": 0}]
+    bad = [SUBMIT, PREFILL, OpRecord(Abort(0))]
     finding, run = replay(SubjectTarget(lambda config: ToyBlockCache(config, "abort-raises"), "toy"), HEADER, bad)
-    assert finding is not None and finding.step == 3 and finding.op == bad[2] and run is not None
+    assert finding is not None and finding.step == 3 and finding.op == {"op": "abort", "uid": 0} and run is not None
 
     def broken(config: SubjectConfig) -> ToyBlockCache:
         raise RuntimeError("no pool")
