@@ -176,10 +176,13 @@ def _task_problems(run: CampaignRun, tasks: Sequence[Task]) -> List[str]:
     return lines
 
 
-def _finished(run: CampaignRun, tasks: Sequence[Task], field: str) -> Tuple[List[Tuple[Task, Dict]], Dict]:
+Found = Dict[str, Tuple[Task, Dict[str, Any]]]
+
+
+def _finished(run: CampaignRun, tasks: Sequence[Task], field: str) -> Tuple[List[Tuple[Task, Dict[str, Any]]], Found]:
     """The tasks that returned, with their values, and the first `field` (finding or failure) of
     each kind among them, by task order: kind -> (task, what it found)."""
-    done = [(task, o.value) for task, o in _done(run, tasks) if o.status == "done"]
+    done = [(task, o.value or {}) for task, o in _done(run, tasks) if o.status == "done"]
     first: Dict[str, Tuple[Task, Dict[str, Any]]] = {}
     for task, value in done:
         found = value.get(field)
@@ -312,7 +315,7 @@ def merge_check(run: CampaignRun, tasks: Sequence[Task], directory: CampaignDir)
 
 
 def fuzz_postfix(outcomes: List[Outcome], seconds: float) -> Dict[str, Any]:
-    done = [o.value for o in outcomes if o.status == "done"]
+    done = [o.value or {} for o in outcomes if o.status == "done"]
     cases = sum(v.get("cases", 0) for v in done)
     return {
         "cases/s": f"{cases / seconds if seconds else 0:.1f}",
@@ -321,7 +324,7 @@ def fuzz_postfix(outcomes: List[Outcome], seconds: float) -> Dict[str, Any]:
 
 
 def check_postfix(outcomes: List[Outcome], seconds: float) -> Dict[str, Any]:
-    done = [o.value for o in outcomes if o.status == "done"]
+    done = [o.value or {} for o in outcomes if o.status == "done"]
     return {
         "sequences": sum(v.get("sequences", 0) for v in done),
         "failures": sum(v.get("failure") is not None for v in done),

@@ -106,7 +106,7 @@ def make_case(seed: int, admission: Optional[str] = None) -> Case:
     # drawn after everything else, so a reserve case is the case it was before optimistic admission
     draw = rng.random()  # drawn even when the policy is forced, so the rest of the case is the same
     optimistic = draw < OPTIMISTIC_SHARE if admission is None else admission == "optimistic"
-    policy = {}
+    policy: Dict[str, Any] = {}
     if optimistic:
         # outputs long enough to outgrow what admission reserved for them, and a pool of half to
         # once the largest request's worst case: a few live requests outgrow it, preemption
@@ -157,7 +157,7 @@ class Walker:
     def _sample(self) -> List[int]:
         return [self.rng.randrange(self.case.alphabet) for _ in range(self.rng.randint(0, 3))]
 
-    def next_op(self, ref: CacheScheduler) -> Dict:
+    def next_op(self, ref: CacheScheduler) -> Dict[str, Any]:
         rng, case = self.rng, self.case
         running = ref.dm.running_reqs.uids()
         waiting = [p.uid for p in ref.waiting]
@@ -211,14 +211,13 @@ class Walker:
                 self.note("driver: abort mid-chunk")
             return {"op": "abort", "uid": uid}
         if kind == "evict":
-            tokens = rng.choice([1, case.header.page_size, evictable, rng.randint(1, evictable)])
-            tokens = min(tokens, evictable)
-            if tokens == evictable:
+            size = min(rng.choice([1, case.header.page_size, evictable, rng.randint(1, evictable)]), evictable)
+            if size == evictable:
                 self.note("fuzz: evict everything evictable")
-            return {"op": "evict", "tokens": tokens}
+            return {"op": "evict", "tokens": size}
         return {"op": "probe", "tokens": self._tokens(case.max_prompt)}
 
-    def observe(self, op: Dict, result: OpResult, ref: CacheScheduler) -> None:
+    def observe(self, op: Dict[str, Any], result: OpResult, ref: CacheScheduler) -> None:
         if op["op"] == "prefill":
             if self.rejected & set(result.batch or ()):
                 self.note("driver: rejected request admitted later")
@@ -334,7 +333,7 @@ def drain(lock: Any, budget: int, sample: List[int], note: Callable[[str], None]
 
 def case_trace(
     seed: int, worker: int, case: int, max_ops: Optional[int] = None, admission: Optional[str] = None
-) -> Tuple[Header, List[Dict]]:
+) -> Tuple[Header, List[Dict[str, Any]]]:
     """Case `case` of worker `worker` under `seed` (and `admission`, if forced), run here (apply a
     bug with zoo.patched around it): the trace up to its end, `max_ops` (which may also lengthen
     the case), or its divergence (included)."""

@@ -111,7 +111,7 @@ def _hypothesis_child(name: str, out: Path, sequences: int) -> int:
     # it would not be the CI run.
     do, check = LockstepMachine._do, LockstepMachine._check
 
-    def counted_do(self: LockstepMachine, op: Dict) -> Any:
+    def counted_do(self: LockstepMachine, op: Dict[str, Any]) -> Any:
         if progress.sequences > sequences and not first:
             spent()
         try:
@@ -127,14 +127,17 @@ def _hypothesis_child(name: str, out: Path, sequences: int) -> int:
             caught(e)
             raise
 
-    LockstepMachine._do, LockstepMachine._check = counted_do, counted_check  # this child process only
+    LockstepMachine._do = counted_do  # type: ignore[method-assign,assignment]  # this child process only
+    LockstepMachine._check = counted_check  # type: ignore[method-assign,assignment]
     register_profiles("ci")
     # No shrinking: Hypothesis stops at the first failing sequence, which minimize.py shrinks
     # (far faster than Hypothesis shrinking a stateful run).
-    phases = [p for p in settings.default.phases if p is not Phase.shrink]
+    default = settings.default
+    assert default is not None  # register_profiles loaded the ci profile
+    phases = [p for p in default.phases if p is not Phase.shrink]
     with patched(name):
         try:
-            run_machine(settings(settings.default, phases=phases), progress)
+            run_machine(settings(default, phases=phases), progress)
         except Exception as e:  # caught: Hypothesis re-raises the failure
             caught(e)
             result = {**first, "caught": True, "total_seconds": time.perf_counter() - start}
