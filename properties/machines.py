@@ -10,9 +10,9 @@ target is said here, once, as a `MachineRun`:
              `active()`), or the SubjectMachine over the target's factory and page sizes
   expected   the rare events a run should reach: `machine.EXPECTED_EVENTS`, or those the
              subject's capabilities make reachable (`subject_driver.expected_events`)
-  settings   lockstep: the profile's, and Hypothesis shrinks a failure; judge mode: its own counts
-             per profile (`SUBJECT_EXAMPLES`, `SUBJECT_STEPS`) with Hypothesis' shrinking off, as
-             over a real subject it took minutes where kvledger's minimizer takes seconds
+  settings   lockstep: the profile's; judge mode: its own counts per profile (`SUBJECT_EXAMPLES`,
+             `SUBJECT_STEPS`) with Hypothesis' shrinking off, as over a real subject it took
+             minutes where kvledger's minimizer takes seconds
   failure    the run's last failing sequence as a trace header, its operations and what failed
 
 A command runs a target's machine through `MachineRun.run` inside `target.active()`.
@@ -60,15 +60,13 @@ class Failure:
 
 @dataclass(frozen=True)
 class MachineRun:
-    """A target's Hypothesis machine, bound to the run's `progress` (see the module docstring).
-    `shrunk`: Hypothesis shrinks a failure before the run ends (else it is the first failing
-    sequence, for the caller to minimize). `title` names the target in reports."""
+    """A target's Hypothesis machine, bound to the run's `progress` (see the module docstring);
+    `title` names the target in reports."""
 
     machine: type[DriverMachine]
     progress: Progress
     expected: FrozenSet[str]
     settings: settings
-    shrunk: bool
     title: str
     target: Target
 
@@ -101,7 +99,7 @@ def machine_run(target: Target, progress: Progress, profile: str, examples: Opti
         from kvledger.properties.machine import EXPECTED_EVENTS, LockstepMachine
 
         chosen = settings(settings.default, max_examples=examples) if examples else settings.default
-        return MachineRun(LockstepMachine.bind(progress), progress, EXPECTED_EVENTS, chosen, True, target.name, target)
+        return MachineRun(LockstepMachine.bind(progress), progress, EXPECTED_EVENTS, chosen, target.name, target)
     if isinstance(target, SubjectTarget):
         from kvledger.properties.subject_driver import expected_events
         from kvledger.properties.subject_machine import SUBJECT_EXAMPLES, SUBJECT_STEPS, machine_for
@@ -120,5 +118,5 @@ def machine_run(target: Target, progress: Progress, profile: str, examples: Opti
         machine = machine_for(target.factory, progress, target.page_sizes)
         title = f"{target.name} ({target.version})"
         expected = frozenset(expected_events(sample.capabilities))
-        return MachineRun(machine, progress, expected, chosen, False, title, target)
+        return MachineRun(machine, progress, expected, chosen, title, target)
     raise TypeError(f"no Hypothesis machine checks a {type(target).__name__}")

@@ -5,10 +5,11 @@ checks it, the events it should reach and its settings; reference against fast r
 machine (a zoo bug of fast patched in while the target is active), a subject runs the judge-mode
 machine. The run is derandomized under `ci`, so it reaches the same states on any machine.
 
-A failing run leaves one trace, written as this target records it (`trace_header`, producer
-"kvledger check"), ready for `kvledger replay`: lockstep's is the sequence Hypothesis shrank; a
-subject's first failing sequence is minimized by kvledger's minimizer instead (a fresh subject per
-replay), which also looks for a shorter case of the same kind.
+The run stops at its first failing sequence and leaves one trace, written as this target records
+it (`trace_header`, producer "kvledger check"), ready for `kvledger replay`. kvledger's minimizer
+shrinks it (a subject's with a fresh subject per replay, also looking for a shorter case of the
+same kind); only a lockstep property of the run (a preemption count, liveness), which no replay of
+a trace judges, is shrunk by Hypothesis, in a second run.
 
 `sequences_to_reach` runs a target without shrinking and counts, per seed, the sequence that first
 reached each expected event and the one that first failed (the zoo's measure: counts, never time).
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from kvledger.engine.ledger import trace
+from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.trace import Header
 from kvledger.properties.machine_base import Progress
 from kvledger.properties.machines import Failure, MachineRun, machine_run
@@ -75,13 +77,16 @@ def run_check(
         )
         start = time.perf_counter()
         try:
-            run.run()
+            run.run(shrink=False)
         except AssertionError:  # a Finding, or a property of the run (liveness, preemption counts)
             elapsed = time.perf_counter() - start
             failure = run.failure()
             if failure is None:
                 raise
-            header, ops, kind, lines = _smallest(target, failure, minimize_budget)
+            if isinstance(target, SubjectTarget):
+                header, ops, kind, lines = _minimized_subject(target, failure, minimize_budget)
+            else:
+                header, ops, kind, lines = _minimized_lockstep(target, failure, minimize_budget, profile, examples)
             path = Path(out_dir) / f"{_file_stem(target)}-{kind.replace(':', '-')}.jsonl"
             trace.write(path, target.trace_header(header, PRODUCER), ops)
             again = f"kvledger replay {path}" + (f" --bug {target.bug}" if target.bug else "")
@@ -101,12 +106,37 @@ def run_check(
     return 0
 
 
-def _smallest(target: Target, failure: Failure, budget: float) -> Tuple[Header, List[Op], str, List[str]]:
-    """The failing trace to write (header, operations), its kind and the lines that describe it:
-    lockstep's as Hypothesis shrank it; a subject's minimized (half the budget on its operations,
-    half on short cases of the same kind)."""
-    if not isinstance(target, SubjectTarget):
-        return failure.header, failure.ops, failure.kind, [f"[{failure.kind}] {failure.message}"]
+def _minimized_lockstep(
+    target: Target, failure: Failure, budget: float, profile: str, examples: Optional[int]
+) -> Tuple[Header, List[Op], str, List[str]]:
+    """Lockstep's failing trace to write (header, operations), its kind and the lines that describe
+    it. A Finding replays as a trace, so kvledger's minimizer shrinks it (Hypothesis took minutes
+    over the lockstep machine where delta debugging takes seconds); a property of the run (a
+    preemption count, liveness) fails only under the machine, so the run is repeated with
+    Hypothesis' shrinking, which replays the shrunk sequence last."""
+    from kvledger.checker.minimize import MinimizeError, minimize
+    from kvledger.properties.target import replay
+
+    if isinstance(failure.error, Finding):
+        try:
+            header, ops, kind = minimize(failure.header, failure.ops, budget, target=target)
+        except MinimizeError:
+            return failure.header, failure.ops, failure.kind, _lines(failure.kind, failure.message, None)
+        found, _ = replay(target, header, ops)
+        message = found.message if found is not None else failure.message
+        return header, ops, kind, _lines(kind, message, found.detail if found is not None else None)
+    again = machine_run(target, Progress(), profile, examples)
+    with contextlib.suppress(AssertionError):
+        again.run()
+    shrunk = again.failure() or failure
+    return shrunk.header, shrunk.ops, shrunk.kind, _lines(shrunk.kind, shrunk.message, None)
+
+
+def _minimized_subject(
+    target: SubjectTarget, failure: Failure, budget: float
+) -> Tuple[Header, List[Op], str, List[str]]:
+    """A subject's failing trace minimized by kvledger's minimizer (a fresh subject per replay):
+    half the budget on its operations, half on short cases of the same kind."""
     from kvledger.checker.minimize import minimize_ops, shortest_failure
     from kvledger.checker.subject_walk import run_case
 
@@ -115,10 +145,14 @@ def _smallest(target: Target, failure: Failure, budget: float) -> Tuple[Header, 
     small, config, found = shortest_failure(
         target, failure.kind, small, config, found, target.page_sizes, budget=budget / 2, run_case=run_case
     )
-    kind, message = (found.kind, found.message) if found is not None else (failure.kind, failure.message)
-    detail = found.detail if found is not None else getattr(failure.error, "detail", None)
-    lines = [f"[{kind}] {message}"] + ([detail.rstrip()] if detail else [])
-    return header_of(config, None, "hypothesis", target.name, target.version), small, kind, lines
+    header = header_of(config, None, "hypothesis", target.name, target.version)
+    if found is None:  # not reached: every accepted candidate fails as the first failure did
+        return header, small, failure.kind, _lines(failure.kind, failure.message, None)
+    return header, small, found.kind, _lines(found.kind, found.message, found.detail)
+
+
+def _lines(kind: str, message: str, detail: Optional[str]) -> List[str]:
+    return [f"[{kind}] {message}"] + ([detail.rstrip()] if detail else [])
 
 
 def _file_stem(target: Target) -> str:
