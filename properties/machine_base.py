@@ -25,20 +25,20 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, ClassVar, Dict, List, Optional, Tuple, TypeVar, Union
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import hypothesis
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from kvledger.engine.ledger.ops import OpResult
+from kvledger.engine.ledger.ops import OpResult, TraceLine
 from kvledger.engine.ledger.trace import Header
 from kvledger.properties.subject import SubjectConfig
 
 # The last failing sequence of a run: the trace header (lockstep) or the pool (judge mode) it ran
 # on, its operations up to the failing one, and the failure (a Finding, or a property of the run).
-LastFailure = Tuple[Union[Header, SubjectConfig], List[Dict[str, Any]], AssertionError]
+LastFailure = Tuple[Union[Header, SubjectConfig], Sequence[TraceLine], AssertionError]
 
 
 class Progress:
@@ -66,7 +66,6 @@ def failures_dir() -> Path:
 
 
 M = TypeVar("M", bound="DriverMachine")
-
 
 
 class DriverMachine(RuleBasedStateMachine):
@@ -118,7 +117,6 @@ class DriverMachine(RuleBasedStateMachine):
         uid = data.draw(st.sampled_from(self.waiting_uids() + self.running_uids()), label="uid")
         self._before_abort(uid)
         self._do({"op": "abort", "uid": uid})
-
 
 
 def run_bound(machine: type[DriverMachine], chosen: settings, seed: Optional[int] = None) -> None:

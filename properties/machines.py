@@ -26,11 +26,12 @@ lockstep run draws, and with them the run.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, FrozenSet, List, Optional
+from typing import FrozenSet, List, Optional
 
 from hypothesis import HealthCheck, Phase, settings
 
 from kvledger.engine.ledger.finding import Finding
+from kvledger.engine.ledger.ops import TraceLine
 from kvledger.engine.ledger.trace import Header
 from kvledger.properties.machine_base import DriverMachine, Progress, run_bound
 from kvledger.properties.subject import SubjectConfig
@@ -46,7 +47,7 @@ class Failure:
     plain AssertionError, kind "property")."""
 
     header: Header
-    ops: List[Dict[str, Any]]
+    ops: List[TraceLine]
     error: AssertionError
 
     @property
@@ -88,7 +89,7 @@ class MachineRun:
         if isinstance(where, SubjectConfig):
             version = getattr(self.target, "version", "unknown")
             where = header_of(where, None, "hypothesis", self.target.name, version)
-        return Failure(where, ops, error)
+        return Failure(where, list(ops), error)
 
 
 def machine_run(target: Target, progress: Progress, profile: str, examples: Optional[int] = None) -> MachineRun:
@@ -98,7 +99,9 @@ def machine_run(target: Target, progress: Progress, profile: str, examples: Opti
     if isinstance(target, LockstepTarget):
         from kvledger.properties.machine import EXPECTED_EVENTS, LockstepMachine
 
-        chosen = settings(settings.default, max_examples=examples) if examples else settings.default
+        base = settings.default
+        assert base is not None  # the loaded profile
+        chosen = settings(base, max_examples=examples) if examples else base
         return MachineRun(LockstepMachine.bind(progress), progress, EXPECTED_EVENTS, chosen, target.name, target)
     if isinstance(target, SubjectTarget):
         from kvledger.properties.subject_driver import expected_events

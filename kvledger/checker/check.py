@@ -24,10 +24,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from kvledger.engine.ledger import trace
 from kvledger.engine.ledger.finding import Finding
+from kvledger.engine.ledger.ops import TraceLine, as_record
 from kvledger.engine.ledger.trace import Header
 from kvledger.properties.machine_base import Progress
 from kvledger.properties.machines import Failure, MachineRun, machine_run
@@ -37,7 +38,7 @@ from kvledger.properties.target import SubjectTarget, Target, config_of, header_
 log = logging.getLogger(__name__)
 
 PRODUCER = "kvledger check"
-Op = Dict[str, Any]
+Ops = Sequence[TraceLine]
 
 
 def reach_report(run: MachineRun) -> str:
@@ -93,7 +94,7 @@ def run_check(
             print(f"FAILED after {elapsed:.1f}s ({run.progress.sequences} sequences): {lines[0]}")
             print(f"the failing trace, {len(ops)} operations: {path} ({again})")
             for op in ops:
-                print("  " + json.dumps(op))
+                print("  " + json.dumps(op if isinstance(op, dict) else as_record(op).to_json()))
             print("\n".join(lines[1:]))
             return 1
     elapsed = time.perf_counter() - start
@@ -108,7 +109,7 @@ def run_check(
 
 def _minimized_lockstep(
     target: Target, failure: Failure, budget: float, profile: str, examples: Optional[int]
-) -> Tuple[Header, List[Op], str, List[str]]:
+) -> Tuple[Header, Ops, str, List[str]]:
     """Lockstep's failing trace to write (header, operations), its kind and the lines that describe
     it. A Finding replays as a trace, so kvledger's minimizer shrinks it (Hypothesis took minutes
     over the lockstep machine where delta debugging takes seconds); a property of the run (a
@@ -132,9 +133,7 @@ def _minimized_lockstep(
     return shrunk.header, shrunk.ops, shrunk.kind, _lines(shrunk.kind, shrunk.message, None)
 
 
-def _minimized_subject(
-    target: SubjectTarget, failure: Failure, budget: float
-) -> Tuple[Header, List[Op], str, List[str]]:
+def _minimized_subject(target: SubjectTarget, failure: Failure, budget: float) -> Tuple[Header, Ops, str, List[str]]:
     """A subject's failing trace minimized by kvledger's minimizer (a fresh subject per replay):
     half the budget on its operations, half on short cases of the same kind."""
     from kvledger.checker.minimize import minimize_ops, shortest_failure
