@@ -5,6 +5,7 @@ declared once; creating an EngineConfig checks every value (`engine/options.py` 
 from __future__ import annotations
 
 import argparse
+import warnings
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Dict, Optional, Sequence
 
@@ -30,11 +31,39 @@ def option(
     negative: Optional[str] = None,
     metavar: Optional[str] = None,
     alias: Optional[str] = None,
+    renamed: Optional[str] = None,
 ) -> Any:
     """A config field with what its flag needs. `negative`: the flag that sets a boolean False;
-    `alias`: a second, short flag."""
-    meta = {"help": help, "flag": flag, "choices": choices, "negative": negative, "metavar": metavar, "alias": alias}
+    `alias`: a second, short flag; `renamed`: the option's former name, whose flag and keyword are
+    still accepted with a warning."""
+    meta = {
+        "help": help,
+        "flag": flag,
+        "choices": choices,
+        "negative": negative,
+        "metavar": metavar,
+        "alias": alias,
+        "renamed": renamed,
+    }
     return field(default=default, metadata=meta)
+
+
+class _RenamedFlag(argparse.Action):
+    """A flag's former name: it sets the option, with a warning that names the new flag."""
+
+    def __init__(self, *args: Any, new_flag: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.new_flag = new_flag
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: Optional[str] = None,
+    ) -> None:
+        warnings.warn(f"{option_string} is deprecated: use {self.new_flag}", FutureWarning, stacklevel=2)
+        setattr(namespace, self.dest, values)
 
 
 @dataclass(frozen=True)
@@ -59,7 +88,8 @@ class EngineConfig:
         "KV pool size in tokens, rounded down to whole pages (default: "
         "32768 on the CPU or with --verify, from free memory on CUDA)",
     )
-    max_running_reqs: int = option(64, "requests decoding at once (page-table rows)")
+    # mini-sglang's name for it (its LLM's and ServerArgs' max_running_req)
+    max_running_req: int = option(64, "requests decoding at once (page-table rows)", renamed="max_running_reqs")
     max_seq_len: Optional[int] = option(
         None, "prompt plus generated tokens per request (default: the model's context, at most 4096)"
     )
@@ -110,6 +140,11 @@ class EngineConfig:
     def create(cls, **options: Any) -> EngineConfig:
         """EngineConfig(**options), with an unknown option named like a bad value."""
         known = {f.name for f in fields(cls)}
+        for f in fields(cls):
+            old = f.metadata["renamed"]
+            if old is not None and old in options:
+                warnings.warn(f"engine option {old} is deprecated: use {f.name}", FutureWarning, stacklevel=2)
+                options[f.name] = options.pop(old)
         for name in options:
             if name not in known:
                 raise EngineOptionError(name, f"is not an engine option (known: {', '.join(sorted(known))})")
@@ -168,6 +203,16 @@ class EngineConfig:
                 metavar=meta["metavar"],
                 help=shown,
             )
+            if meta["renamed"]:
+                group.add_argument(
+                    "--" + meta["renamed"].replace("_", "-"),
+                    dest=f.name,
+                    type=kind,
+                    default=argparse.SUPPRESS,
+                    action=_RenamedFlag,
+                    new_flag=flag,
+                    help=argparse.SUPPRESS,
+                )
 
     def resolve(self, num_pages: int, max_seq_len: int) -> ResolvedConfig:
         """This configuration for one engine whose pool holds `num_pages` pages and whose requests
@@ -176,7 +221,7 @@ class EngineConfig:
             num_pages=num_pages,
             page_size=self.page_size,
             cache_type=self.cache_type,
-            max_running_reqs=self.max_running_reqs,
+            max_running_req=self.max_running_req,
             max_seq_len=max_seq_len,
             max_prefill_tokens=self.max_prefill_tokens,
             seed=self.seed,
@@ -197,7 +242,7 @@ class ResolvedConfig:
     num_pages: int
     page_size: int
     cache_type: str
-    max_running_reqs: int
+    max_running_req: int
     max_seq_len: int
     max_prefill_tokens: int
     seed: int
@@ -214,7 +259,7 @@ class ResolvedConfig:
             num_pages=self.num_pages,
             page_size=self.page_size,
             cache_type=self.cache_type,
-            table_slots=self.max_running_reqs,
+            table_slots=self.max_running_req,  # the trace's name for it
             max_seq_len=self.max_seq_len,
             admission=self.admission.kind,
             reserve_ratio=self.admission.reserve_ratio,

@@ -48,7 +48,7 @@ def validate_engine_options(c: "EngineConfig") -> None:
     _check_int(
         "kv_cache_tokens", c.kv_cache_tokens, c.page_size, none_ok=True, least_is=f"one page ({c.page_size} tokens)"
     )
-    _check_int("max_running_reqs", c.max_running_reqs, 1)
+    _check_int("max_running_req", c.max_running_req, 1)
     _check_int("max_seq_len", c.max_seq_len, 2, none_ok=True, least_is="2 (a one-token prompt and one generated token)")
     _check_int("max_prefill_tokens", c.max_prefill_tokens, 1)
     _check_choice("admission", c.admission, ADMISSION_POLICIES)
@@ -78,7 +78,7 @@ def validate_for_model(max_seq_len: Optional[int], config: ModelConfig, tensor_p
 
 
 def _check_ratio(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value <= 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= float(value) <= 1:
         raise EngineOptionError(name, f"must be a number in [0, 1], got {value!r}")
 
 
@@ -89,9 +89,9 @@ def _check_int(
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise EngineOptionError(name, f"must be an integer{' or None' if none_ok else ''}, got {value!r}")
-    if value < least:
+    if int(value) < least:
         raise EngineOptionError(name, f"must be at least {least_is or least}, got {value!r}")
-    if below is not None and value >= below:
+    if below is not None and int(value) >= below:
         raise EngineOptionError(name, f"must be below {below}, got {value!r}")
 
 

@@ -35,6 +35,7 @@ factory, when the subject cannot be imported.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Hashable, List, Protocol, Sequence, Tuple, runtime_checkable
 
@@ -56,7 +57,14 @@ class SubjectConfig:
     num_pages: int  # usable pages (a subject that reserves a page, as vLLM and SGLang do, adds it)
     page_size: int
     max_seq_len: int  # prompt + max_tokens of any request
-    max_running: int = 8  # table slots / concurrent live requests
+    # concurrent live requests (request-table rows): mini-sglang's name for it; a trace's header says table_slots
+    max_running_req: int = 8
+
+    @property
+    def max_running(self) -> int:
+        """The former name of `max_running_req` (deprecated)."""
+        warnings.warn("SubjectConfig.max_running is deprecated: use max_running_req", FutureWarning, stacklevel=2)
+        return self.max_running_req
 
 
 @dataclass(frozen=True)

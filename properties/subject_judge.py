@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Sequence, Set, Tuple
+from typing import Any, Dict, List, NoReturn, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -61,7 +61,7 @@ class Witness:
             self.prefixes.setdefault(hashes[pos], tuple(tokens[: pos + 1]))
 
 
-def _fail(invariant: str, message: str) -> None:
+def _fail(invariant: str, message: str) -> NoReturn:
     raise InvariantViolation(invariant, message)
 
 
@@ -74,11 +74,12 @@ def judge(view: View, caps: Capabilities, witness: Witness, subject: Any = None)
         locked = [e.name or str(e.locations[:2]) for e in view.cached if e.lock]
         if locked:
             _fail("5-quiescence", f"no live request, but cache entries {locked} are locked")
-        refs = sorted(p for p, n in (view.page_refs or {}).items() if n)
+        page_refs = view.page_refs or {}
+        refs = sorted(p for p, n in page_refs.items() if n)
         if refs:
             _fail(
                 "5-quiescence",
-                f"no live request, but pages {refs[:8]} have reference counts {[view.page_refs[p] for p in refs[:8]]}",
+                f"no live request, but pages {refs[:8]} have reference counts {[page_refs[p] for p in refs[:8]]}",
             )
     _check_requests(view, witness, live)
     holders = _check_rows(view, ps, pages)

@@ -25,9 +25,9 @@ class MyCacheManagerSubject:
             explicit_evict=True,
             cached_pages_in_free_pool=False,
         )
-        self.table = make_page_table(config.max_running, -(-config.max_seq_len // ps) * ps)
+        self.table = make_page_table(config.max_running_req, -(-config.max_seq_len // ps) * ps)
         self.cm = CacheManager(config.num_pages, ps, self.table, "radix")
-        self.rows = list(range(config.max_running))
+        self.rows = list(range(config.max_running_req))
         self.pending: Dict[int, PendingReq] = {}
         self.live: Dict[int, Req] = {}
         self.allocated: set = set()  # uids with pages for [cached_len, device_len), not yet computed

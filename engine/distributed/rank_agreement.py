@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from kvledger.engine.distributed.group import TensorParallelGroup
 from kvledger.engine.ledger.observer import LedgerState
@@ -17,7 +17,8 @@ from kvledger.engine.ledger.ops import OpRecord
 
 
 class RankDisagreement(RuntimeError):
-    def __init__(self, step: int, op: Dict, ranks: List[int], hashes: List[str]) -> None:
+    def __init__(self, step: Optional[int], op: Dict[str, Any], ranks: List[int], hashes: List[str]) -> None:
+        # step None: rank 0 performed no operation where another rank did
         shown = ", ".join(f"rank {r}: {h[:12]}" for r, h in enumerate(hashes))
         super().__init__(
             f"tensor-parallel ranks {ranks} disagree with rank 0 after cache operation {step} "
@@ -26,7 +27,7 @@ class RankDisagreement(RuntimeError):
         self.step, self.op, self.ranks, self.hashes = step, op, ranks, hashes
 
 
-def state_hash(snapshot: Dict) -> str:
+def state_hash(snapshot: Dict[str, Any]) -> str:
     return hashlib.sha256(repr(snapshot).encode()).hexdigest()
 
 

@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, NoReturn, Optional, Tuple
 
 import torch
 import torch.multiprocessing as mp
@@ -114,7 +114,7 @@ class RankProcesses:
         if rank == 0:
             return cls(group, [], None, None)
         engine = build_rank(options, group, device, hook=hook)
-        serve_rank(engine.engine, engine.coordination)
+        serve_rank(engine.engine, engine.rank_coordination())
         group.close()
         _leave(0)
 
@@ -164,7 +164,7 @@ def _spawned_rank(rank: int, size: int, options: Any, init: str, reports: Any, h
         device = rank_device(options.device, rank, size)
         group = TensorParallelGroup.connect(rank, size, torch.device(device), init)
         engine = build_rank(options, group, device, hook=hook)
-        serve_rank(engine.engine, engine.coordination)
+        serve_rank(engine.engine, engine.rank_coordination())
         group.close()
     except BaseException:
         reports.put(("failed", rank, traceback.format_exc()))
@@ -172,7 +172,7 @@ def _spawned_rank(rank: int, size: int, options: Any, init: str, reports: Any, h
     _leave(0)
 
 
-def _leave(code: int) -> None:
+def _leave(code: int) -> NoReturn:
     """End a rank other than 0 once its work is done and its group closed, without interpreter
     teardown. The process group's native threads can still be running when the interpreter's
     destructors run, and a C++ thread destroyed while running aborts the process (SIGABRT,

@@ -12,7 +12,7 @@ page numbers; `--verify` proves they agree (engine/distributed/rank_agreement.py
 from __future__ import annotations
 
 import logging
-from typing import Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 from kvledger import fast
 from kvledger.engine.distributed.calls import AbortCall, EngineCall, ShutdownCall, StepCall, SubmitCall
@@ -54,7 +54,7 @@ class RankCoordination:
 class ReplicatedEngine(Engine):
     """Rank 0's Engine: every accepted call is queued for the other ranks."""
 
-    def __init__(self, *args, coordination: RankCoordination, **kwargs) -> None:
+    def __init__(self, *args: Any, coordination: RankCoordination, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.coordination = coordination
         coordination.attach(self)

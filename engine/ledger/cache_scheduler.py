@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Sequence, Set, Tuple, Union
 
 from kvledger.engine.ledger.invariants import InvariantViolation, KVProvenance, check_queue_order, judge, tolist
 from kvledger.engine.ledger.ops import (
@@ -77,7 +77,7 @@ class CacheScheduler:
         self._submissions = 0
         self.waiting: List[Any] = []
         self.live: Dict[int, Any] = {}  # uid -> admitted request (running or mid-chunk)
-        self.known: set = set()
+        self.known: Set[int] = set()
         # uid -> (prompt, max_tokens) while it lives: what the invariants judge requests against
         self.submitted: Dict[int, tuple[tuple[int, ...], int]] = {}
         # what each KV location encodes (invariant 7); the engine's own ledger turns it off: its
@@ -138,7 +138,8 @@ class CacheScheduler:
         try:
             self._check_stop(self._sampling(batch), stop)
         except InvalidOp:
-            checkpoint.restore()
+            if checkpoint is not None:
+                checkpoint.restore()
             raise
         batch, preempted = self._run(batch, sample, stop, is_prefill=True)
         return OpResult(batch=_uids(batch), refused=rejected, preempted=self._preempted_result(preempted))
@@ -331,7 +332,7 @@ class CacheScheduler:
         (`sample`, in batch order, cycled); those that reached max_tokens or are in `stop` (EOS)
         finish, in one lazy-free region; a prefill hands its prompt KV to the prefix cache."""
         self._check_stop(self._sampling(batch), stop)
-        stop = set(stop)
+        stopping = set(stop)
         if self.provenance is not None:  # the forward pass filled positions [cached_len, device_len)
             for req in batch:
                 locations = tolist(self.page_table[req.table_idx][req.cached_len : req.device_len])
@@ -346,7 +347,7 @@ class CacheScheduler:
                 if self.is_chunked(req):
                     continue
                 req.append_host(int(sample[i % len(sample)]) if sample else 0)
-                if not req.can_decode or req.uid in stop:
+                if not req.can_decode or req.uid in stopping:
                     self.dm.remove_req(req)
                     self._release(req)
                 elif is_prefill:
@@ -361,8 +362,8 @@ class CacheScheduler:
         self._arrival.pop(req.uid, None)
         self._admitted_at.pop(req.uid, None)
         prompt_len = self._prompt_len.pop(req.uid, None)
-        if prompt_len is not None and not self.is_chunked(req):
-            self._observe_output(len(req.input_ids) - prompt_len, req.max_device_len - prompt_len)
+        if prompt_len is not None and self.observed_ratio is not None and not self.is_chunked(req):
+            self._observe_output(self.observed_ratio, len(req.input_ids) - prompt_len, req.max_device_len - prompt_len)
 
     def forget_observed_outputs(self) -> None:
         """Adaptive admission starts over from the configured ratio (after a benchmark's warm-up)."""
@@ -371,15 +372,15 @@ class CacheScheduler:
             self.observed_ratio = ObservedOutputRatio(initial)
             self.policy = self.dm.policy = self.policy.with_ratio(initial)
 
-    def _observe_output(self, generated: int, max_tokens: int) -> None:
-        ratio = self.observed_ratio.observe(generated, max_tokens)
+    def _observe_output(self, observed: ObservedOutputRatio, generated: int, max_tokens: int) -> None:
+        ratio = observed.observe(generated, max_tokens)
         if ratio != self.policy.reserve_ratio:
             note("adaptive: the reserve ratio changed")
             self.policy = self.policy.with_ratio(ratio)
             self.dm.policy = self.policy
 
     # -- observation --------------------------------------------------------------------------
-    def _admission_state(self) -> tuple:
+    def _admission_state(self) -> Tuple[List[int], List[Tuple[int, int]], List[int], Tuple[int, ...]]:
         # per cached page, not per node: a match may split a node, which moves no page and no lock
         ps = self.page_size
         locks = sorted(
@@ -387,7 +388,7 @@ class CacheScheduler:
         )
         return (tolist(self.cm.free_slots), locks, self.tm.free_slots(), tuple(self.cm.prefix_cache.size_info))
 
-    def snapshot(self) -> Dict:
+    def snapshot(self) -> Dict[str, Any]:
         ps = self.page_size
         live = list(self.live.values())
         return {

@@ -9,7 +9,7 @@ from its free memory, the EOS ids from rank 0's tokenizer), rank 0's or the smal
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterable, Optional
 
 import torch
 
@@ -34,6 +34,12 @@ class RankEngine:
     engine: Engine
     coordination: Optional[RankCoordination]  # None without tensor parallelism
 
+    def rank_coordination(self) -> RankCoordination:
+        """The coordination of a tensor-parallel rank."""
+        if self.coordination is None:
+            raise RuntimeError("not a rank of a tensor-parallel engine")
+        return self.coordination
+
 
 def rank_device(device: str, local_rank: int, tp_size: int) -> str:
     """Rank r of a tensor-parallel engine on CUDA runs on cuda:r (cuda:LOCAL_RANK under torchrun)."""
@@ -46,7 +52,7 @@ def build_rank(
     o: EngineConfig,
     tp: TensorParallelGroup,
     device: str,
-    eos: Optional[Sequence[int]] = None,
+    eos: Optional[Iterable[int]] = None,
     hook: Optional[RankHook] = None,
 ) -> RankEngine:
     """`eos`: rank 0's EOS ids (from its tokenizer; None: the model config's); the other ranks
@@ -71,7 +77,7 @@ def build_rank(
         kv_tokens = (
             32768
             if o.verify
-            else _auto_kv_tokens(config, dtype, kv_dtype, device, o.max_running_reqs, o.max_prefill_tokens, kv_heads)
+            else _auto_kv_tokens(config, dtype, kv_dtype, device, o.max_running_req, o.max_prefill_tokens, kv_heads)
         )
         if tp.distributed:  # every rank must hold the same pages: the smallest pool wins
             kv_tokens = min(tp.all_gather(kv_tokens))
@@ -89,12 +95,12 @@ def build_rank(
         num_pages, min(config.max_position_embeddings, 4096) if o.max_seq_len is None else o.max_seq_len
     )
     coordination = RankCoordination(tp, o.verify, hook) if tp.distributed else None
-    args = (model, resolved, eos, device)
-    kwargs = dict(overlap=o.overlap, cuda_graphs=o.cuda_graphs)
     if coordination is not None and tp.rank == 0:
-        engine: Engine = ReplicatedEngine(*args, coordination=coordination, **kwargs)
+        engine: Engine = ReplicatedEngine(
+            model, resolved, eos, device, overlap=o.overlap, cuda_graphs=o.cuda_graphs, coordination=coordination
+        )
     else:
-        engine = Engine(*args, **kwargs)
+        engine = Engine(model, resolved, eos, device, overlap=o.overlap, cuda_graphs=o.cuda_graphs)
     engine.capture_graphs()
     return RankEngine(config, model, engine, coordination)
 
@@ -104,7 +110,7 @@ def _auto_kv_tokens(
     dtype: torch.dtype,
     kv_dtype: torch.dtype,
     device: str,
-    max_running_reqs: int,
+    max_running_req: int,
     max_prefill_tokens: int,
     kv_heads: int,
 ) -> int:
@@ -113,7 +119,7 @@ def _auto_kv_tokens(
     free, _ = torch.cuda.mem_get_info(torch.device(device))
     # logits in float32 (and the model dtype) for a full decode batch or a prefill's last tokens,
     # a prefill's activations, and the CUDA graphs' pool
-    batch = max(max_running_reqs, 256)
+    batch = max(max_running_req, 256)
     logits = batch * config.vocab_size * (4 + dtype.itemsize) * 2
     activations = max_prefill_tokens * (config.hidden_size * 8 + config.intermediate_size * 6) * 4
     reserve = logits + activations + (2 << 30)

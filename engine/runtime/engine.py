@@ -18,7 +18,7 @@ step N+1. Each collaborator keeps its own state; none calls back into the engine
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 
@@ -46,7 +46,7 @@ class Engine:
         self,
         model: CausalLM,
         config: ResolvedConfig,
-        eos_token_ids: Sequence[int] = (),
+        eos_token_ids: Iterable[int] = (),
         device: str | torch.device = "cpu",
         overlap: Optional[bool] = None,
         cuda_graphs: bool = True,
@@ -68,7 +68,7 @@ class Engine:
         self.ops = OpStream(self.cache_scheduler)
         self.scheduler = Scheduler(self.cache_scheduler, self.ops, config.max_prefill_tokens)
         self.runner = ModelRunner(
-            model, self.cache_scheduler.page_table, config.max_running_reqs, self.device, cuda_graphs
+            model, self.cache_scheduler.page_table, config.max_running_req, self.device, cuda_graphs
         )
         self.sampler = Sampler(config.seed)
         self.post = Postprocessor(self.cache_scheduler, self.ops, self.sampler, self.runner, config.max_prefill_tokens)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union, cast
 
 from kvledger.engine.distributed.group import TensorParallelGroup
 from kvledger.engine.distributed.ranks import RankProcesses
@@ -80,7 +80,7 @@ class LLM:
         self.model_config = built.model_config  # the model's hyper-parameters (engine_config: the engine's)
         self.model = built.model
         self.engine = built.engine
-        if self.ranks is not None:
+        if self.ranks is not None and built.coordination is not None:
             built.coordination.explain = self.ranks.explain
         self.shadow = ShadowVerifier(self.engine.header) if o.verify else None
         if self.shadow:
@@ -126,18 +126,17 @@ class LLM:
     ) -> List[RequestOutput]:
         """Generate for every prompt together (continuous batching). A request that can never
         run comes back with `finish_reason == "error"` and `error` set; the others still run."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        prompts = _prompt_list(prompts)
         params = _per_request(sampling_params, len(prompts))
         outputs: List[RequestOutput] = []
         by_uid: Dict[int, RequestOutput] = {}
         bar = _progress(len(prompts), use_tqdm)
         todo = iter(zip(prompts, params))
         # Submitting a 2k-token prompt costs about a millisecond of host time. Requests are
-        # submitted only while fewer than max_running_reqs + 1 wait, the most that one admission
+        # submitted only while fewer than max_running_req + 1 wait, the most that one admission
         # can look at, so steps are scheduled exactly as with everything submitted up front.
         # The rest are submitted between steps, while the GPU runs the one in flight.
-        enough = self.engine_config.max_running_reqs + 1
+        enough = self.engine_config.max_running_req + 1
 
         def submit_more() -> None:
             while len(outputs) < len(prompts) and self.engine.waiting_requests < enough:
@@ -195,10 +194,12 @@ class LLM:
             self.recorder.close()
         ranks, self.ranks = self.ranks, None
         if ranks is not None:
-            clean = isinstance(self.engine, ReplicatedEngine) and self.engine.stopped is None
-            if clean:
+            engine = self.engine
+            clean = False
+            if isinstance(engine, ReplicatedEngine) and engine.stopped is None:
                 try:
-                    self.engine.shutdown()
+                    engine.shutdown()
+                    clean = True
                 except Exception:  # a rank died since the last step: terminate them all
                     clean = False
             ranks.close(clean)
@@ -208,6 +209,15 @@ class LLM:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _prompt_list(prompts: Union[Prompt, Sequence[Prompt]]) -> List[Prompt]:
+    """One prompt (a text or its token ids) or several, as a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and isinstance(prompts[0], int):
+        return [cast(Sequence[int], prompts)]
+    return list(cast(Sequence[Prompt], prompts))
 
 
 def _per_request(params, n: int) -> List[SamplingParams]:

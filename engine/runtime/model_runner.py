@@ -25,7 +25,7 @@ class ModelRunner:
         self,
         model: CausalLM,
         page_table: torch.Tensor,
-        max_running_reqs: int,
+        max_running_req: int,
         device: torch.device,
         cuda_graphs: bool = True,
     ) -> None:
@@ -33,10 +33,10 @@ class ModelRunner:
         self.page_table = page_table
         self.device = device
         # per table row, the token its request feeds to the next decode step (last entry: scratch)
-        self.next_tokens = torch.zeros(max_running_reqs + 1, dtype=torch.long, device=device)
+        self.next_tokens = torch.zeros(max_running_req + 1, dtype=torch.long, device=device)
         self.graphs: Optional[DecodeGraphs] = None
         if cuda_graphs and device.type == "cuda" and model.uses_fused_path():
-            self.graphs = DecodeGraphs(model, page_table, self.next_tokens, min(max_running_reqs, MAX_GRAPH_BATCH))
+            self.graphs = DecodeGraphs(model, page_table, self.next_tokens, min(max_running_req, MAX_GRAPH_BATCH))
 
     def capture_graphs(self) -> None:
         """Capture the decode CUDA graphs (needs model.kv_pool); a no-op without graphs."""
@@ -55,8 +55,10 @@ class ModelRunner:
             self.page_table, rows, [r.cached_len for r in reqs], [r.device_len for r in reqs]
         )
         attn.may_share = may_share
+        table_rows = attn.rows
+        assert table_rows is not None  # from_page_table sets them
         if batch.phase == "decode":
-            ids = self.next_tokens[attn.rows]  # the previous step's tokens, still on the device
+            ids = self.next_tokens[table_rows]  # the previous step's tokens, still on the device
         else:
             ids = torch.cat([r.input_ids[r.cached_len : r.device_len] for r in reqs])
             ids = ids.pin_memory() if self.device.type == "cuda" else ids
@@ -65,9 +67,9 @@ class ModelRunner:
         if len(batch.sampled) != len(reqs):
             keep = torch.tensor(batch.sampled, dtype=torch.long, device=self.device)
             logits = logits[keep]
-            sampled_rows = attn.rows[keep]
+            sampled_rows = table_rows[keep]
         else:
-            sampled_rows = attn.rows
+            sampled_rows = table_rows
         tokens = logits.argmax(-1)
         self.next_tokens[sampled_rows] = tokens
         return logits, tokens

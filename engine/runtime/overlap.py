@@ -53,6 +53,18 @@ class LaunchedStep:
         reqs = self.batch.requests
         return [reqs[i].uid for i in self.batch.sampled]
 
+    def tokens(self) -> List[int]:
+        """The sampled tokens, which are known once the step completed (or landed, with overlap)."""
+        if self.values is None:
+            raise RuntimeError("the step's tokens are not known yet")
+        return self.values
+
+    def operation(self) -> PendingOp:
+        """Its operation in the observers' queue, which postprocessing records."""
+        if self.entry is None:
+            raise RuntimeError("the step's operation was not recorded")
+        return self.entry
+
     def wait(self) -> None:
         """Block until its tokens are on the host (off CUDA they are there already)."""
         with host_range("kvledger.wait"):
@@ -96,7 +108,7 @@ class Overlap:
     def patch_tokens(self, step: LaunchedStep) -> None:
         """The step's tokens arrived: write them where its bookkeeping left placeholders."""
         reqs, resumed_by_uid = step.requests, self._resumed
-        for i, at, t in zip(step.sampled, step.patch_at, step.values):
+        for i, at, t in zip(step.sampled, step.patch_at, step.tokens()):
             reqs[i].set_host_token(at, t)
             if resumed_by_uid:
                 resumed = resumed_by_uid.pop(reqs[i].uid, None)

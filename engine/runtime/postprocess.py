@@ -13,6 +13,7 @@ from typing import List, Sequence
 
 from kvledger import fast
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler
+from kvledger.engine.ledger.ops import Decode, Prefill
 from kvledger.engine.runtime.model_runner import ModelRunner
 from kvledger.engine.runtime.op_stream import OpStream, step_record
 from kvledger.engine.runtime.overlap import LaunchedStep
@@ -71,8 +72,11 @@ class Postprocessor:
     def release(self, step: LaunchedStep) -> None:
         """The tokens of a step completed on placeholders are known: its operation gets them, and
         the observers hear of it (and of any waiting behind it)."""
-        sample = list(step.entry.record.op.sample)
-        for i, t in zip(step.sampled, step.values):
+        entry = step.operation()
+        op = entry.record.op
+        assert isinstance(op, (Prefill, Decode))  # a step's operation (step_record)
+        sample = list(op.sample)
+        for i, t in zip(step.sampled, step.tokens()):
             sample[i] = t
-        step.entry.fill_sample(sample)
+        entry.fill_sample(sample)
         self.ops.flush()

@@ -12,7 +12,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Union, overload
 
 Prompt = Union[str, List[int]]
 MAX_STOP_STRINGS = 8
@@ -315,6 +315,10 @@ def _content(value: Any, where: str) -> str:
     raise APIError(f"{where} must be a string or an array of text parts, got {_kind(value)}", param=where)
 
 
+@overload
+def _number(body: Dict[str, Any], name: str, default: float) -> float: ...
+@overload
+def _number(body: Dict[str, Any], name: str, default: Optional[float]) -> Optional[float]: ...
 def _number(body: Dict[str, Any], name: str, default: Optional[float]) -> Optional[float]:
     value = body.get(name)
     if value is None:
@@ -334,6 +338,10 @@ def _shown(value: Any) -> str:
     return repr(value)
 
 
+@overload
+def _integer(body: Dict[str, Any], name: str, default: int) -> int: ...
+@overload
+def _integer(body: Dict[str, Any], name: str, default: Optional[int]) -> Optional[int]: ...
 def _integer(body: Dict[str, Any], name: str, default: Optional[int]) -> Optional[int]:
     value = body.get(name)
     if value is None:

@@ -239,7 +239,7 @@ class EngineWorker:
     def _check_drained(self) -> None:
         # the drain window is the one place wall-clock time decides: it only chooses when the
         # remaining requests are aborted at shutdown, never what a running request computes
-        if self._open and time.monotonic() < self._drain_until:
+        if self._open and self._drain_until is not None and time.monotonic() < self._drain_until:
             return
         if self._open:
             log.warning("drain window over: aborting %d open request(s)", len(self._open))

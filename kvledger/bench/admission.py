@@ -17,7 +17,7 @@ it (an abort releases the request's KV to the prefix cache, like a finish). A re
 max_tokens ends by length.
 
 The KV pool is the same for every run and limits concurrency: by default it holds
-ceil(min(max_running_reqs, requests) / 8) worst cases (the longest prompt plus max_tokens, whole
+ceil(min(max_running_req, requests) / 8) worst cases (the longest prompt plus max_tokens, whole
 pages), so reserve admission, which reserves each request's worst case, runs about an eighth of
 the requests it otherwise could. On CUDA that is 32 x 3072 = 98,304 tokens (11.3 GB for the
 Qwen3-0.6B shape in bf16); on the CPU 3 x 384 = 1,152 tokens.
@@ -53,6 +53,7 @@ from kvledger.bench.runner import (
     write_report,
 )
 from kvledger.bench.workloads import EARLY_STOP, EARLY_STOP_RATIOS, Workload, early_stop, pages, warmup
+from kvledger.engine.model.config import ModelConfig
 from kvledger.engine.options import ADMISSION_POLICIES
 
 # defaults on CUDA, and on the CPU (where the three runs take a few minutes)
@@ -71,10 +72,10 @@ def worst_case_tokens(workload: Workload, page_size: int) -> int:
     return pages(max(len(p) for p in workload.prompts) + workload.uniform_max_tokens, page_size) * page_size
 
 
-def default_kv_cache_tokens(workload: Workload, max_running_reqs: int, page_size: int) -> int:
-    """Room for ceil(min(max_running_reqs, requests) / 8) worst cases: reserve runs about an eighth of
+def default_kv_cache_tokens(workload: Workload, max_running_req: int, page_size: int) -> int:
+    """Room for ceil(min(max_running_req, requests) / 8) worst cases: reserve runs about an eighth of
     the requests that could run at once."""
-    cases = max(1, -(-min(max_running_reqs, len(workload)) // POOL_DIVISOR))
+    cases = max(1, -(-min(max_running_req, len(workload)) // POOL_DIVISOR))
     return cases * worst_case_tokens(workload, page_size)
 
 
@@ -178,15 +179,23 @@ class EarlyStopOptions(BenchOptions):
 
     def resolve(self) -> EarlyStopOptions:
         self.resolve_device()
-        for name, value in (CUDA_DEFAULTS if self.cuda else CPU_DEFAULTS).items():
-            if getattr(self, name) is None:
-                setattr(self, name, value)
+        defaults = CUDA_DEFAULTS if self.cuda else CPU_DEFAULTS
+        self.num_requests = defaults["num_requests"] if self.num_requests is None else self.num_requests
+        self.max_input_len = defaults["max_input_len"] if self.max_input_len is None else self.max_input_len
+        max_tokens = self.max_tokens = defaults["max_tokens"] if self.max_tokens is None else self.max_tokens
         if self.output_median is None:
-            self.output_median = self.max_tokens * MEDIAN_PER_MAX_TOKENS
+            self.output_median = max_tokens * MEDIAN_PER_MAX_TOKENS
         if self.model is None and self.model_config is None and self.cuda:
             self.model_config = "qwen3-0.6b"
         self.run_list()  # check them now
         return self
+
+    def sizes(self) -> Tuple[int, int, int, float]:
+        """(num_requests, max_input_len, max_tokens, output_median), once `resolve` has filled them in."""
+        n, input_len, max_tokens, median = self.num_requests, self.max_input_len, self.max_tokens, self.output_median
+        if n is None or input_len is None or max_tokens is None or median is None:
+            raise RuntimeError("EarlyStopOptions.resolve() has not run")
+        return n, input_len, max_tokens, median
 
     def run_list(self) -> List[Tuple[str, Optional[float]]]:
         """(policy, reserve ratio) per run: reserve first, then each other policy at each ratio."""
@@ -271,13 +280,13 @@ def format_table(runs: Sequence[PolicyRun]) -> List[str]:
 
 def run_early_stop_bench(opts: EarlyStopOptions, print_fn: PrintFn = print) -> Dict[str, Any]:
     opts.resolve()
+    device, dtype = opts.resolved()
+    num_requests, max_input_len, max_tokens, output_median = opts.sizes()
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    workload = early_stop(
-        opts.num_requests, opts.max_input_len, opts.max_tokens, opts.output_median, opts.output_sigma, opts.seed
-    )
+    workload = early_stop(num_requests, max_input_len, max_tokens, output_median, opts.output_sigma, opts.seed)
     n_warm, warm_tokens = WARMUP["cuda" if opts.cuda else "cpu"]
-    warm = warmup(opts.max_input_len, n_warm, opts.seed, warm_tokens)
+    warm = warmup(max_input_len, n_warm, opts.seed, warm_tokens)
     d = workload.describe()
     print_lines(format_workload(d), print_fn)
 
@@ -285,11 +294,11 @@ def run_early_stop_bench(opts: EarlyStopOptions, print_fn: PrintFn = print) -> D
     worst = worst_case_tokens(workload, page)
     kv_tokens = opts.kv_cache_tokens
     if kv_tokens is None:
-        kv_tokens = default_kv_cache_tokens(workload, opts.max_running_reqs, page)
+        kv_tokens = default_kv_cache_tokens(workload, opts.max_running_req, page)
     kv_tokens = kv_tokens // page * page
     if kv_tokens < worst:
         raise ValueError(f"kv_cache_tokens {kv_tokens} is under one request's worst case ({worst} tokens)")
-    longest = max(len(p) for p in workload.prompts + warm.prompts) + max(opts.max_tokens, warm_tokens)
+    longest = max(len(p) for p in workload.prompts + warm.prompts) + max(max_tokens, warm_tokens)
     source, dummy, model_desc = model_source(opts.model, opts.model_config)
     kwargs = engine_kwargs(
         opts, dummy_weights=dummy, kv_cache_tokens=kv_tokens, max_seq_len=pages(longest + 1, page) * page
@@ -301,42 +310,44 @@ def run_early_stop_bench(opts: EarlyStopOptions, print_fn: PrintFn = print) -> D
         "reserve_fits_worst_cases": kv_tokens // worst,
         "rule": "given"
         if opts.kv_cache_tokens is not None
-        else f"ceil(min(max_running_reqs, requests) / {POOL_DIVISOR}) worst cases (longest prompt + max_tokens)",
+        else f"ceil(min(max_running_req, requests) / {POOL_DIVISOR}) worst cases (longest prompt + max_tokens)",
     }
     print_fn(
         f"KV pool {kv_tokens:,} tokens ({pool['rule']}): {kv_tokens // worst} worst cases of {worst:,} tokens; "
-        f"reserve admits about {kv_tokens / (mean_prompt + opts.max_tokens):.1f} requests of a mean "
-        f"prompt at once; max_running_reqs {opts.max_running_reqs}, same pool for every run"
+        f"reserve admits about {kv_tokens / (mean_prompt + max_tokens):.1f} requests of a mean "
+        f"prompt at once; max_running_req {opts.max_running_req}, same pool for every run"
     )
 
     runs: List[PolicyRun] = []
-    config = None
+    config: Optional[ModelConfig] = None
     for policy, ratio in opts.run_list():
         per_run = {} if ratio is None else {"reserve_ratio": ratio}
         llm = build_llm(source, kwargs, admission=policy, **per_run)
         if config is None:
             config = llm.model_config
             print_fn(
-                f"model {model_desc}: {param_count(config):,} params, {opts.dtype} on {opts.device} "
-                f"({device_name(opts.device)}); torch {torch.__version__}"
+                f"model {model_desc}: {param_count(config):,} params, {dtype} on {device} "
+                f"({device_name(device)}); torch {torch.__version__}"
             )
         try:
-            run = run_policy(llm, workload, policy, ratio, warm, opts.device)
+            run = run_policy(llm, workload, policy, ratio, warm, device)
         finally:
             del llm
-            free_memory(opts.device)
+            free_memory(device)
         runs.append(run)
         print_fn(f"  ran {run.label}: {run.seconds:.2f} s")
 
+    if config is None:
+        raise ValueError("early-stop: --policies lists no run")
     print_lines(format_table(runs), print_fn)
     base = runs[0]
     report = {
         "workload": d,
         "options": asdict(opts),
         "model": {"source": model_desc, "config": asdict(config), "params": param_count(config)},
-        "dtype": opts.dtype,
-        "device": opts.device,
-        "device_name": device_name(opts.device),
+        "dtype": dtype,
+        "device": device,
+        "device_name": device_name(device),
         "versions": versions(),
         "engine_kwargs": kwargs,
         "kv_pool": pool,

@@ -253,12 +253,14 @@ def sweep_blocks(seed: int) -> None:
             k, v = (kf / ks).to(dtype), (vf / vs).to(dtype)
             nbytes = int(lens.sum()) * kv_heads * head_dim * 2 * k.element_size()
             engine = decode_launch_config(batch, kv_heads, dtype, head_dim)
-            others = [(64, 2), (64, 4)] if head_dim > 64 else [(64, 4), (128, 4, 3)]
+            others = (
+                [DecodeLaunch(64, 2), DecodeLaunch(64, 4)]
+                if head_dim > 64
+                else [DecodeLaunch(64, 4), DecodeLaunch(128, 4, 3)]
+            )
             print(f"{batch} x U({low},{high}), heads {heads}/{kv_heads}, dim {head_dim}, {dtype} KV, {splits} splits")
             first = None
-            for shape, masks in itertools.product(
-                [engine] + [DecodeLaunch(*o) for o in others], ((0, 0), (1, 0), (1, 1))
-            ):
+            for shape, masks in itertools.product([engine] + others, ((0, 0), (1, 0), (1, 1))):
                 launch = DecodeLaunch(
                     shape.block_n, shape.num_warps, shape.num_stages, shape.max_registers, *map(bool, masks)
                 )

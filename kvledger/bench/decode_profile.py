@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -132,24 +132,27 @@ def profile_decode(llm, prompts: List[List[int]], max_tokens: List[int], device:
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m) for m in max_tokens]
     prof = profile(activities=activities)
     state: Dict[str, Any] = {"seen": set(), "started": False, "steps": 0, "t0": 0.0}
-    engine = getattr(llm, "engine", None)
-    step = getattr(engine, "step", None)
+    engine: Any = getattr(llm, "engine", None)
+    step: Optional[Callable[[], List[Any]]] = getattr(engine, "step", None)
 
-    def profiled_step():
-        if not state["started"] and len(state["seen"]) >= len(prompts):
-            sync(device)
-            prof.start()
-            state["started"], state["t0"] = True, time.perf_counter()
-        events = step()
-        if state["started"]:
-            state["steps"] += 1
-        else:
-            state["seen"].update(ev.uid for ev in events)
-        return events
+    def profiled(step: Callable[[], List[Any]]) -> Callable[[], List[Any]]:
+        def profiled_step() -> List[Any]:
+            if not state["started"] and len(state["seen"]) >= len(prompts):
+                sync(device)
+                prof.start()
+                state["started"], state["t0"] = True, time.perf_counter()
+            events = step()
+            if state["started"]:
+                state["steps"] += 1
+            else:
+                state["seen"].update(ev.uid for ev in events)
+            return events
+
+        return profiled_step
 
     scope = "decode steps only"
     if step is not None:
-        engine.step = profiled_step
+        engine.step = profiled(step)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:

@@ -46,7 +46,7 @@ def run_engine(workload: Workload, dtype: str, model_path: Optional[str] = None)
             dtype=dtype,
             page_size=page,
             kv_cache_tokens=max(workload.kv_tokens(page, spare=0), 4 * page),
-            max_running_reqs=max(64, len(workload)),
+            max_running_req=max(64, len(workload)),
             max_prefill_tokens=ENGINE_PREFILL_TOKENS,
             # a multiple of the page size: the scheduler's page table is max_seq_len wide
             max_seq_len=pages(max(len(p) for p in workload.prompts) + n + 1, page) * page,

@@ -32,7 +32,7 @@ from kvledger.bench.workloads import NANO_MAX_LEN, NANO_NUM_REQUESTS, NANO_VOCAB
 from kvledger.engine.model.config import ModelConfig
 
 PAGE_SIZE = 16
-MAX_RUNNING_REQS = 256
+MAX_RUNNING_REQ = 256
 MAX_PREFILL_TOKENS = 16384  # the nano-vllm bench's engine settings (kvledger/bench/runner.py)
 MODEL_ON = {"cpu": "model stubbed out", "cuda": "one tiny bf16 layer, CUDA graphs"}
 
@@ -56,7 +56,7 @@ class HostCost:
         status = "OK" if self.tokens == self.expected_tokens else "MISMATCH"
         return [
             f"host cost on {self.device} ({MODEL_ON[self.device]}): {self.requests} requests of the nano-vllm "
-            f"workload, page size {PAGE_SIZE}, at most {MAX_RUNNING_REQS} running",
+            f"workload, page size {PAGE_SIZE}, at most {MAX_RUNNING_REQ} running",
             f"  {self.steps:,} steps in {self.seconds:.2f} s: {self.ms_per_step:.3f} ms per step; host ms per step: "
             f"{parts}",
             f"  token counts: {status} ({self.tokens:,} of {self.expected_tokens:,})",
@@ -104,7 +104,7 @@ def measure(
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here")
     workload = nano_vllm(num_requests, seed=seed)
-    kv_tokens = sum(len(p) + m for p, m in zip(workload.prompts, workload.max_tokens)) + MAX_RUNNING_REQS * PAGE_SIZE
+    kv_tokens = sum(len(p) + m for p, m in zip(workload.prompts, workload.max_tokens)) + MAX_RUNNING_REQ * PAGE_SIZE
     llm = LLM(
         stub_config(),
         dummy_weights=True,
@@ -112,7 +112,7 @@ def measure(
         dtype="float32" if device == "cpu" else "bfloat16",
         page_size=PAGE_SIZE,
         kv_cache_tokens=kv_tokens,
-        max_running_reqs=MAX_RUNNING_REQS,
+        max_running_req=MAX_RUNNING_REQ,
         max_prefill_tokens=MAX_PREFILL_TOKENS,
         max_seq_len=2 * NANO_MAX_LEN + PAGE_SIZE,
         overlap=True,  # as on CUDA: step N's bookkeeping runs on placeholders, its tokens land a step later
@@ -120,7 +120,7 @@ def measure(
     try:
         engine = llm.engine
         if device == "cpu":
-            engine.runner.forward = _stub_forward
+            setattr(engine.runner, "forward", _stub_forward)  # noqa: B010 (an instance's method, stubbed)
         else:
             llm.generate(workload.prompts[:8], warmup_params(), use_tqdm=False)  # Triton kernels, graphs
         before = dict(engine.host_seconds)

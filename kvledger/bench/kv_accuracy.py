@@ -43,10 +43,12 @@ def compare(
     texts: Sequence[str], model=None, chunk: int = 512, min_positions: int = 10_000, threads: int | None = None
 ) -> dict:
     llm = LLM(model, kv_cache_tokens=chunk, kv_cache_dtype="fp8_e4m3", threads=threads)  # calibrates its scales
-    fp8 = llm.model.kv_pool
+    fp8, tokenizer = llm.model.kv_pool, llm.tokenizer
+    if fp8 is None or tokenizer is None:
+        raise ValueError(f"{model}: the FP8 comparison needs the model's KV pool and its tokenizer")
     bf16 = KVPool.for_model(llm.model_config, fp8.num_tokens, torch.float32, kv_dtype=torch.bfloat16)
     f32 = KVPool.for_model(llm.model_config, fp8.num_tokens, torch.float32)  # what bf16 itself loses, for scale
-    ids = [t for text in texts for t in llm.tokenizer.encode(text)]
+    ids = [t for text in texts for t in tokenizer.encode(text)]
     agree, agree_bf16, kls = 0, 0, []
     for part in chunks(ids, chunk):
         a, b = chunk_logits(llm.model, bf16, part), chunk_logits(llm.model, fp8, part)

@@ -76,14 +76,19 @@ class NanoOptions(BenchOptions):
 
     def resolve(self) -> NanoOptions:
         self.resolve_device()
-        if self.bandwidth_bytes is None:
-            self.bandwidth_bytes = (2 << 30) if self.cuda else (64 << 20)
+        self.bandwidth_bytes = self.bandwidth_nbytes()
         sizes = self.tp_sizes()
         if not sizes or any(n < 1 for n in sizes):
             raise ValueError(f"--tp must list sizes >= 1, comma-separated, got {self.tensor_parallel_sizes!r}")
         if self.compare not in ("none", "transformers"):
             raise ValueError(f"compare must be 'none' or 'transformers', got {self.compare!r}")
         return self
+
+    def bandwidth_nbytes(self) -> int:
+        """The bytes the bandwidth measurement copies: as given, else 2 GiB on CUDA, 64 MiB on CPU."""
+        if self.bandwidth_bytes is not None:
+            return self.bandwidth_bytes
+        return (2 << 30) if self.cuda else (64 << 20)
 
     def tp_sizes(self) -> List[int]:
         try:
@@ -121,6 +126,7 @@ def format_table(runs: Sequence[SystemRun]) -> List[str]:
 def run_nano_bench(opts: NanoOptions, print_fn: PrintFn = print) -> Dict[str, Any]:
     """Run the workload (and transformers with --compare), print everything; returns the raw numbers."""
     opts.resolve()
+    device, dtype = opts.resolved()
     if opts.threads:
         torch.set_num_threads(opts.threads)
     workload = nano_vllm(opts.num_requests, opts.max_input_len, opts.max_output_len, opts.seed)
@@ -128,7 +134,7 @@ def run_nano_bench(opts: NanoOptions, print_fn: PrintFn = print) -> Dict[str, An
     k = min(opts.profile_requests, len(workload))
     profiled = Workload("profile", workload.prompts[:k], [opts.profile_output_len] * k)
 
-    if opts.model is None:
+    if opts.model is None and opts.model_config is not None:
         _, opts.hf_config, opts.model_config_path = resolve_model_config(opts.model_config)
     source, dummy, model_desc = model_source(opts.model, opts.model_config)
     d = workload.describe()
@@ -139,10 +145,11 @@ def run_nano_bench(opts: NanoOptions, print_fn: PrintFn = print) -> Dict[str, An
     )
 
     # bandwidth first, while the device memory is free
+    bandwidth: Dict[str, Any]
     if opts.bandwidth_gbs:
         bandwidth = {"source": "given", "method": "--bandwidth-gbs", "bytes_per_s": opts.bandwidth_gbs * 1e9}
     else:
-        bandwidth = measure_bandwidth(opts.device, opts.bandwidth_bytes)
+        bandwidth = measure_bandwidth(device, opts.bandwidth_nbytes())
 
     page = opts.page_size
     everything = (workload, warm, profiled)
@@ -163,11 +170,11 @@ def run_nano_bench(opts: NanoOptions, print_fn: PrintFn = print) -> Dict[str, An
             config = llm.model_config
             if not runs:
                 print_fn(
-                    f"model {model_desc}: {param_count(config):,} params, {opts.dtype} on {opts.device} "
-                    f"({device_name(opts.device)}); torch {torch.__version__}, transformers "
+                    f"model {model_desc}: {param_count(config):,} params, {dtype} on {device} "
+                    f"({device_name(device)}); torch {torch.__version__}, transformers "
                     f"{versions()['transformers']}"
                 )
-            run = run_workload(llm, workload, warm, opts.device)
+            run = run_workload(llm, workload, warm, device)
             name = f"{ENGINE_ROW} tp={size}" if len(sizes) > 1 else ENGINE_ROW
             # the scheduler's own counters: host seconds per part of a step, steps per phase
             pool = llm.engine.config.pool_tokens
@@ -183,22 +190,22 @@ def run_nano_bench(opts: NanoOptions, print_fn: PrintFn = print) -> Dict[str, An
                 )
             )
             if k and opts.profile_output_len > 1:  # rank 0's GPU: its kernels and its all-reduces
-                breakdowns[size] = profile_decode(llm, profiled.prompts, profiled.max_tokens, opts.device)
+                breakdowns[size] = profile_decode(llm, profiled.prompts, profiled.max_tokens, device)
         finally:
             llm.close()
             del llm
-            free_memory(opts.device)
+            free_memory(device)
     breakdown = breakdowns.get(sizes[0])
 
     if opts.compare == "transformers":
-        hf = build_hf_model(opts.dtype, opts.device, opts.hf_attn, opts.model, opts.hf_config)
+        hf = build_hf_model(dtype, device, opts.hf_attn, opts.model, opts.hf_config)
         try:
-            runs.append(run_continuous_batching(hf, workload, warm, opts.device, opts.hf_max_batch_tokens))
+            runs.append(run_continuous_batching(hf, workload, warm, device, opts.hf_max_batch_tokens))
         finally:
             del hf
-            free_memory(opts.device)
+            free_memory(device)
 
-    itemsize = DTYPES[opts.dtype].itemsize
+    itemsize = DTYPES[dtype].itemsize
     prompt_lens = [len(p) for p in workload.prompts]
     floor = decode_floor(config, itemsize, prompt_lens, workload.max_tokens, bandwidth["bytes_per_s"])
     print_lines(format_table(runs), print_fn)
@@ -220,9 +227,9 @@ def run_nano_bench(opts: NanoOptions, print_fn: PrintFn = print) -> Dict[str, An
         "workload": d,
         "options": opts_dict,
         "model": {"source": model_desc, "config": asdict(config), "params": param_count(config)},
-        "dtype": opts.dtype,
-        "device": opts.device,
-        "device_name": device_name(opts.device),
+        "dtype": dtype,
+        "device": device,
+        "device_name": device_name(device),
         "versions": versions(),
         "engine_kwargs": kw,
         "systems": [r.as_dict() for r in runs],
@@ -239,5 +246,5 @@ def run_nano_bench(opts: NanoOptions, print_fn: PrintFn = print) -> Dict[str, An
     }
     write_report(report, opts.output, print_fn)
     if opts.cuda:
-        free_memory(opts.device)
+        free_memory(device)
     return report

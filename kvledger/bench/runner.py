@@ -36,7 +36,7 @@ ENGINE_OPTIONS = (
     "page_size",
     "kv_cache_dtype",
     "kv_cache_tokens",
-    "max_running_reqs",
+    "max_running_req",
     "max_prefill_tokens",
     "seed",
     "cuda_graphs",
@@ -60,7 +60,7 @@ class BenchOptions:
     seed: int = 0
     page_size: int = EngineConfig.page_size
     kv_cache_tokens: Optional[int] = None
-    max_running_reqs: int = 256
+    max_running_req: int = 256
     max_prefill_tokens: int = 16384
     cuda_graphs: Optional[bool] = None  # default: on CUDA only
     overlap: Optional[bool] = None
@@ -77,6 +77,12 @@ class BenchOptions:
         self.device, self.dtype = default_device_and_dtype(self.device, self.dtype)
         if self.cuda_graphs is None:
             self.cuda_graphs = self.cuda
+
+    def resolved(self) -> Tuple[str, str]:
+        """(device, dtype), once `resolve_device` has filled them in."""
+        if self.device is None or self.dtype is None:
+            raise RuntimeError("BenchOptions.resolve_device() has not run")
+        return self.device, self.dtype
 
 
 def default_device_and_dtype(device: Optional[str], dtype: Optional[str]) -> Tuple[str, str]:

@@ -152,6 +152,7 @@ def run_shared_prefix_bench(opts: SharedPrefixOptions, print_fn: PrintFn = print
     from kvledger.engine.model.weights import model_config
 
     opts.resolve()
+    device, dtype = opts.resolved()
     source, dummy, desc = model_source(opts.model, opts.model_config)
     vocab = model_config(source).vocab_size
     w = shared_prefix(
@@ -169,26 +170,21 @@ def run_shared_prefix_bench(opts: SharedPrefixOptions, print_fn: PrintFn = print
     kw = engine_kwargs(opts, dummy_weights=dummy, max_seq_len=pages(longest, page) * page)
     if kw["kv_cache_tokens"] is None and not opts.cuda:
         # the CPU has no free-memory rule: room for every request at once, without sharing
-        kw["kv_cache_tokens"] = pages(longest, page) * page * min(opts.max_running_reqs, len(w))
+        kw["kv_cache_tokens"] = pages(longest, page) * page * min(opts.max_running_req, len(w))
     runs: List[CacheRun] = []
     profiles: Dict[str, Dict[str, Any]] = {}
-    print_fn(
-        f"model {desc}, {opts.dtype} on {opts.device} ({device_name(opts.device)}); "
-        f"{opts.max_running_reqs} running at most"
-    )
+    print_fn(f"model {desc}, {dtype} on {device} ({device_name(device)}); {opts.max_running_req} running at most")
     for cache in opts.cache_list():
         cascade = cache != "radix-flat"
         with build_llm(source, kw, cache_type=cache.split("-")[0], cascade_attention=cascade) as llm:
             runs.append(
-                CacheRun.of(
-                    cache, run_workload(llm, w, warm, opts.device), w, kv_pool_tokens=llm.engine.config.pool_tokens
-                )
+                CacheRun.of(cache, run_workload(llm, w, warm, device), w, kv_pool_tokens=llm.engine.config.pool_tokens)
             )
             k = min(opts.profile_requests, len(w))
             if k > 0:  # the first requests again, their prefixes as cached as in the run
-                profiles[cache] = profile_decode(llm, w.prompts[:k], [opts.profile_output_len] * k, opts.device)
+                profiles[cache] = profile_decode(llm, w.prompts[:k], [opts.profile_output_len] * k, device)
         del llm  # before sizing the next engine's pool from free memory
-        free_memory(opts.device)
+        free_memory(device)
     print_lines(format_table(runs), print_fn)
     for cache, breakdown in profiles.items():
         print_fn(f"[{cache}]")
@@ -196,7 +192,7 @@ def run_shared_prefix_bench(opts: SharedPrefixOptions, print_fn: PrintFn = print
     report = {
         "workload": w.describe(),
         "model": desc,
-        "device_name": device_name(opts.device),
+        "device_name": device_name(device),
         "versions": versions(),
         "engine_kwargs": kw,
         "runs": [r.as_dict() for r in runs],

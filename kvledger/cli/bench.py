@@ -32,7 +32,7 @@ NANO_ENGINE_OPTIONS = (
     "page_size",
     "kv_cache_dtype",
     "kv_cache_tokens",
-    "max_running_reqs",
+    "max_running_req",
     "max_prefill_tokens",
     "cuda_graphs",
     "overlap",
@@ -240,14 +240,14 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     # the engine's own options, from its one config (with this workload's defaults)
     kv_help = (
         "KV pool size in tokens (default: from free GPU memory where the engine can, else the "
-        "workload's need; early-stop: ceil(min(max_running_reqs, requests) / 8) worst cases, the "
+        "workload's need; early-stop: ceil(min(max_running_req, requests) / 8) worst cases, the "
         "longest prompt plus max_tokens each)"
     )
     EngineConfig.add_arguments(
         p,
         only=NANO_ENGINE_OPTIONS,
         title="--workload nano-vllm: engine options",
-        defaults={"max_running_reqs": 256, "max_prefill_tokens": 16384, "cuda_graphs": None},
+        defaults={"max_running_req": 256, "max_prefill_tokens": 16384, "cuda_graphs": None},
         helps={"kv_cache_tokens": kv_help},
     )
     g = p.add_argument_group(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from kvledger.engine.options import EngineOptionError
@@ -45,8 +45,9 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
-    def __init__(self, *args, formatter_class=DefaultsHelpFormatter, **kwargs) -> None:
-        super().__init__(*args, formatter_class=formatter_class, **kwargs)  # subparsers get it too
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)  # subparsers get it too
+        super().__init__(**kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")

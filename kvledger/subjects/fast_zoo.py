@@ -73,7 +73,7 @@ class Bug:
             src = src.replace(old, new)
         return src
 
-    def patches(self) -> List[Tuple[type, str, object]]:
+    def patches(self) -> List[Tuple[type | ModuleType, str, object]]:
         """(class, attribute, buggy value): the edited source compiled in the live module."""
         live = self.live_function()
         src = self.source()
@@ -84,7 +84,7 @@ class Bug:
         exec(compile(src, filename, "exec", flags=flags, dont_inherit=True), live.__globals__, namespace)
         value = namespace[live.__name__]  # a decorated source (@property) yields the decorated value
         fn = _function(value)
-        fn.__zoo_live__ = live
+        setattr(fn, "__zoo_live__", live)  # noqa: B010 (a function's own attribute, which FunctionType does not declare)
         # lets inspect.getsource and tracebacks show the buggy lines
         linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
         return [(self.target, self.method, value)]
@@ -93,9 +93,11 @@ class Bug:
 def _function(value: object) -> FunctionType:
     """The function behind a class attribute: a property's getter, a static or class method's function."""
     if isinstance(value, property):
-        return value.fget
-    if isinstance(value, (staticmethod, classmethod)):
-        return value.__func__
+        value = value.fget
+    elif isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    if not isinstance(value, FunctionType):
+        raise ZooEditError(f"not a function, a property or a static or class method: {value!r:.80}")
     return value
 
 

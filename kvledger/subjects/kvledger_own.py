@@ -48,9 +48,9 @@ def _modules(impl: ModuleType) -> MinisglApiModules:
     def managers(config: SubjectConfig):
         ps = config.page_size
         # CacheScheduler.__init__: rows of whole pages, no dummy row, no reserved page
-        page_table = impl.make_page_table(config.max_running, div_ceil(config.max_seq_len, ps) * ps)
+        page_table = impl.make_page_table(config.max_running_req, div_ceil(config.max_seq_len, ps) * ps)
         cm = impl.CacheManager(config.num_pages, ps, page_table, "radix")
-        return cm, impl.TableManager(config.max_running, page_table), impl.DecodeManager(ps, policy=RESERVE)
+        return cm, impl.TableManager(config.max_running_req, page_table), impl.DecodeManager(ps, policy=RESERVE)
 
     def adder(budget: int, reserved: int, cm: Any, tm: Any) -> Any:
         return impl.PrefillAdder(budget, reserved, cm, tm, policy=RESERVE)

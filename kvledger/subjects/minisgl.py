@@ -123,7 +123,7 @@ def _set_page_size(core: Any, page_size: int) -> None:
 
 def _modules(m: SimpleNamespace) -> MinisglApiModules:
     def managers(config: SubjectConfig):
-        ps, max_running = config.page_size, config.max_running
+        ps, max_running = config.page_size, config.max_running_req
         # Engine.__init__: one more row for the dummy request, rows aligned to 32 entries (here also
         # to whole pages, which the engine's power-of-two page sizes always are)
         width = -(-(-(-config.max_seq_len // 32) * 32) // ps) * ps

@@ -100,7 +100,7 @@ class SglangSubject:
         # ModelRunner sizes rows at the model's context length + 4 (kv_cache_configurator,
         # extra_max_context_len); here max_seq_len is that context length
         self.req_to_token_pool = s.ReqToTokenPool(
-            size=config.max_running, max_context_len=config.max_seq_len + 4, device="cpu", enable_memory_saver=False
+            size=config.max_running_req, max_context_len=config.max_seq_len + 4, device="cpu", enable_memory_saver=False
         )
         # dtype and kvcache size KV tensors the allocator never touches here; need_sort is for
         # disaggregation only (kv_cache_configurator)

@@ -44,9 +44,9 @@ BAD = [
     ("kv_cache_tokens", -4096),
     ("kv_cache_tokens", 15),
     ("kv_cache_tokens", 4096.0),
-    ("max_running_reqs", 0),
-    ("max_running_reqs", False),
-    ("max_running_reqs", 1.5),
+    ("max_running_req", 0),
+    ("max_running_req", False),
+    ("max_running_req", 1.5),
     ("max_seq_len", 0),
     ("max_seq_len", 1),
     ("max_seq_len", 512.0),
@@ -146,6 +146,17 @@ def test_every_engine_option_is_a_cli_flag_with_help_and_its_default():
     assert EngineConfig.flag("cache_type") == "--cache" and EngineConfig.flag("page_size") == "--page-size"
 
 
+def test_the_former_name_max_running_reqs_still_works_with_a_warning():
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_arguments(parser)
+    with pytest.warns(FutureWarning, match="--max-running-reqs is deprecated: use --max-running-req"):
+        args = parser.parse_args(["--max-running-reqs", "7"])
+    assert EngineConfig.from_args(args).max_running_req == 7
+    assert parser.parse_args([]).max_running_req == 64
+    with pytest.warns(FutureWarning, match="max_running_reqs is deprecated: use max_running_req"):
+        assert EngineConfig.create(max_running_reqs=5).max_running_req == 5
+
+
 def test_an_unknown_option_is_named():
     with pytest.raises(EngineOptionError, match="pages_size is not an engine option"):
         LLM(pages_size=16)
@@ -154,7 +165,7 @@ def test_an_unknown_option_is_named():
 @pytest.mark.parametrize(
     "flag,value",
     [
-        ("--max-running-reqs", "0"),
+        ("--max-running-req", "0"),
         ("--max-prefill-tokens", "0"),
         ("--kv-cache-tokens", "0"),
         ("--max-seq-len", "0"),

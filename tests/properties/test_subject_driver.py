@@ -15,7 +15,7 @@ from kvledger.properties.target import SubjectTarget, header_of, replay
 from tests.support.paths import SUPPORT
 from tests.support.toy_block_subject import ToyBlockCache
 
-CONFIG = SubjectConfig(num_pages=8, page_size=2, max_seq_len=16, max_running=4)
+CONFIG = SubjectConfig(num_pages=8, page_size=2, max_seq_len=16, max_running_req=4)
 
 
 def replay_on(factory, config, ops):

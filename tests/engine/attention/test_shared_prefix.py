@@ -189,7 +189,7 @@ def test_the_scheduler_knows_when_running_requests_may_share_pages():
 
     seen = []
     llm = LLM(
-        tiny_qwen3(), dummy_weights=True, page_size=4, kv_cache_tokens=4096, max_running_reqs=8, max_prefill_tokens=256
+        tiny_qwen3(), dummy_weights=True, page_size=4, kv_cache_tokens=4096, max_running_req=8, max_prefill_tokens=256
     )
     llm.engine.observers.append(lambda step, op, state: seen.append(llm.engine.sharing_possible))
     prompts, params = _prefix_prompts(2, 8)
@@ -247,7 +247,7 @@ def test_engine_with_cascade_attention_gives_the_tokens_of_flat_decode(monkeypat
         dtype="float32",
         page_size=16,
         kv_cache_tokens=20000,
-        max_running_reqs=32,
+        max_running_req=32,
         max_seq_len=512,
         max_prefill_tokens=256,
     )

@@ -43,7 +43,7 @@ def test_two_gpus_generate_the_tokens_of_one_with_graphs_and_overlap(verify):
         dtype="float32",
         page_size=16,
         kv_cache_tokens=20000,
-        max_running_reqs=40,
+        max_running_req=40,
         max_seq_len=512,
         max_prefill_tokens=512,
         cuda_graphs=True,

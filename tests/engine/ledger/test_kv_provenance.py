@@ -100,7 +100,7 @@ def test_a_shared_wrong_reuse_stops_the_engine_under_verify():
         dummy_weights=True,
         page_size=1,
         kv_cache_tokens=64,
-        max_running_reqs=2,
+        max_running_req=2,
         max_seq_len=32,
         max_prefill_tokens=64,
         seed=0,

@@ -161,7 +161,7 @@ def test_fp8_engine_with_graphs_and_overlap_matches_its_eager_serial_self(dtype)
         kv_cache_dtype="fp8_e4m3",
         page_size=16,
         kv_cache_tokens=20000,
-        max_running_reqs=40,
+        max_running_req=40,
         max_seq_len=512,
         max_prefill_tokens=512,
     )

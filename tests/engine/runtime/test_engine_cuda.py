@@ -84,7 +84,7 @@ def test_cuda_graphs_and_overlap_match_the_eager_serial_engine(dtype, tmp_path):
         dtype=dtype,
         page_size=16,
         kv_cache_tokens=20000,
-        max_running_reqs=40,
+        max_running_req=40,
         max_seq_len=512,
         max_prefill_tokens=512,
     )
@@ -116,7 +116,7 @@ def test_overlap_with_graphs_under_shadow_verification():
         dtype="bfloat16",
         page_size=4,
         kv_cache_tokens=3000,
-        max_running_reqs=12,
+        max_running_req=12,
         max_seq_len=512,
         max_prefill_tokens=256,
         verify=True,
@@ -139,7 +139,7 @@ def test_a_graph_decode_launch_never_waits_for_the_gpu():
         dtype="bfloat16",
         page_size=16,
         kv_cache_tokens=20000,
-        max_running_reqs=16,
+        max_running_req=16,
         max_seq_len=512,
         max_prefill_tokens=4096,
     )
@@ -182,7 +182,7 @@ def test_heavy_preemption_on_cuda_changes_no_greedy_token(dtype):
         device="cuda",
         dtype=dtype,
         page_size=16,
-        max_running_reqs=24,
+        max_running_req=24,
         max_seq_len=512,
         max_prefill_tokens=256,
     )

@@ -145,7 +145,7 @@ def alone(prompt: Tuple[int, ...]) -> List[int]:
                     page_size=4,
                     kv_cache_tokens=1024,
                     max_prefill_tokens=1024,
-                    max_running_reqs=2,
+                    max_running_req=2,
                     overlap=False,
                     verify=False,
                 )
@@ -218,7 +218,7 @@ def engines(draw, lengths: List[int]):
         cache_type=cache_type,
         max_prefill_tokens=draw(st.sampled_from([1, 3, 5, 8, 13, 24, 512])),
         kv_cache_tokens=(pool_pages + extra) * page_size,
-        max_running_reqs=rows,
+        max_running_req=rows,
         admission=admission,
         reserve_ratio=0.5 if admission == "reserve" else draw(st.sampled_from([0.0, 0.1, 0.25])),
         overlap=draw(st.booleans()),
@@ -322,7 +322,7 @@ def run_case(data) -> None:
     cm = d.cm
     assert cm.available_size == cm.num_pages * cm.page_size
     assert cm.prefix_cache.size_info.protected_size == 0
-    assert len(d.tm.free_slots()) == options["max_running_reqs"]
+    assert len(d.tm.free_slots()) == options["max_running_req"]
     assert not s.ops._queue and llm.shadow.steps == s.operations > 0
     assert not llm.shadow.model.live and not llm.shadow.model.waiting
     assert llm.shadow.model.snapshot() == d.snapshot()
@@ -411,7 +411,7 @@ def test_a_turned_away_admission_is_an_operation_of_its_own():
     request is turned away for pages. The step was recorded as a plain `decode`, so the shadow never
     split the node, and a later eviction freed different pages on the two sides (a false
     ShadowDivergence under --verify). The attempt is now recorded as an empty `prefill`."""
-    llm = make_engine(page_size=1, kv_cache_tokens=5, max_running_reqs=2, max_prefill_tokens=1, cache_type="radix")
+    llm = make_engine(page_size=1, kv_cache_tokens=5, max_running_req=2, max_prefill_tokens=1, cache_type="radix")
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in (1, 5, 1)]
     outs = llm.generate([[0, 0, 0, 0], [0], [0, 0, 0, 0]], params, use_tqdm=False)
     assert [len(o.token_ids) for o in outs] == [1, 5, 1]

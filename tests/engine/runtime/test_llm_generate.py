@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from kvledger.engine.ledger.ops import Prefill
 from kvledger.engine.ledger.trace import read
 from kvledger.engine.model.default_model import default_model_path
 from kvledger.engine.runtime.llm import LLM
@@ -38,7 +39,7 @@ NEW_TOKENS = 10
 @pytest.fixture(scope="module")
 def small_llm():
     torch.set_num_threads(1)  # xdist runs one worker per core
-    return LLM(page_size=16, kv_cache_tokens=4096, max_running_reqs=16, max_seq_len=512)
+    return LLM(page_size=16, kv_cache_tokens=4096, max_running_req=16, max_seq_len=512)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def test_greedy_matches_transformers(transformers_greedy, page_size, cache_type,
         page_size=page_size,
         cache_type=cache_type,
         kv_cache_tokens=4096,
-        max_running_reqs=16,
+        max_running_req=16,
         max_seq_len=512,
         max_prefill_tokens=budget,
         verify=True,
@@ -98,7 +99,7 @@ def test_duplicate_prompts_and_prefix_cache_hit(small_llm):
 def test_pool_too_small_gives_the_same_tokens(small_llm):
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     big = small_llm.generate(PROMPTS, params)
-    tiny = LLM(page_size=4, kv_cache_tokens=160, max_running_reqs=16, max_seq_len=128, verify=True)
+    tiny = LLM(page_size=4, kv_cache_tokens=160, max_running_req=16, max_seq_len=128, verify=True)
     waits = []
     tiny.engine.cache_scheduler.after_forward = lambda phase, batch: waits.append(
         len(tiny.engine.cache_scheduler.waiting)
@@ -112,7 +113,7 @@ def test_pool_too_small_gives_the_same_tokens(small_llm):
 
 
 def test_the_seeds_64_page_example_with_the_real_model(capsys):
-    llm = LLM(page_size=1, kv_cache_tokens=64, cache_type="naive", max_running_reqs=8, max_seq_len=128)
+    llm = LLM(page_size=1, kv_cache_tokens=64, cache_type="naive", max_running_req=8, max_seq_len=128)
     prompts = [
         "The capital of France is",
         "List three prime numbers:",
@@ -178,7 +179,7 @@ def test_verify_and_trace_on_a_mixed_workload(tmp_path):
     llm = LLM(
         page_size=4,
         kv_cache_tokens=512,
-        max_running_reqs=4,
+        max_running_req=4,
         max_seq_len=256,
         max_prefill_tokens=32,
         verify=True,
@@ -190,6 +191,6 @@ def test_verify_and_trace_on_a_mixed_workload(tmp_path):
     assert all(o.error is None for o in outs)
     assert llm.shadow.steps > 15
     header, ops = read(path)
-    assert header.producer == "engine" and any(op["op"] == "prefill" for op in ops)
+    assert header.producer == "engine" and any(isinstance(record.op, Prefill) for record in ops)
     lock = replay(header, ops)  # the engine's trace replays on reference and fast in lockstep
     assert not lock.ref.live and lock.fast.cm.available_size == 512

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from kvledger.engine.ledger.ops import Decode, Finish
 from kvledger.engine.ledger.trace import read
 from kvledger.engine.runtime.llm import LLM
 from kvledger.fast import SamplingParams
@@ -22,7 +23,7 @@ def _llm(overlap, **kw):
         dummy_weights=True,
         page_size=4,
         kv_cache_tokens=512,
-        max_running_reqs=6,
+        max_running_req=6,
         max_seq_len=128,
         max_prefill_tokens=48,
         seed=3,
@@ -86,7 +87,7 @@ def test_trace_with_overlap_is_the_serial_trace_and_replays(tmp_path):
     header_s, ops_s = read(str(traces[False]))
     header_o, ops_o = read(str(traces[True]))
     assert ops_o == ops_s
-    assert any(op["op"] == "decode" for op in ops_o)
+    assert any(isinstance(record.op, Decode) for record in ops_o)
     replay(header_o, ops_o)  # reference and fast in lockstep: raises on any divergence
 
 
@@ -182,12 +183,12 @@ def test_a_late_stop_next_to_a_prefill_is_a_finish_operation(tmp_path):
     request is released by a `finish` operation right after that prefill's bookkeeping."""
     prompts, params = _stop_workload(seed=7)
     path = tmp_path / "finish.jsonl"
-    llm = _llm(True, trace=str(path), verify=True, max_running_reqs=3)
+    llm = _llm(True, trace=str(path), verify=True, max_running_req=3)
     got = _run(llm, prompts, params)
     llm.close()
     header, ops = read(str(path))
-    assert any(op["op"] == "finish" for op in ops)
-    assert got == _run(_llm(False, max_running_reqs=3), prompts, params)
+    assert any(isinstance(record.op, Finish) for record in ops)
+    assert got == _run(_llm(False, max_running_req=3), prompts, params)
     replay(header, ops)
 
 

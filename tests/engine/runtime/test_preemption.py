@@ -26,7 +26,7 @@ PROMPTS = [
     "Write a haiku about autumn leaves falling gently on a quiet river at dusk.",
 ]
 NEW_TOKENS = 30
-ENGINE = dict(page_size=4, max_running_reqs=8, max_seq_len=256)
+ENGINE = dict(page_size=4, max_running_req=8, max_seq_len=256)
 
 
 def _params(kind):
@@ -69,7 +69,7 @@ def test_heavy_preemption_changes_no_token(unconstrained, kind, overlap, tmp_pat
     assert llm.shadow.steps > 100  # every operation was mirrored and compared
     header, ops = read(path)
     assert (header.admission, header.reserve_ratio) == ("optimistic", 0.0)
-    assert sum(len(op.get("expect", {}).get("preempted", [])) for op in ops) == driver.preemptions
+    assert sum(len(rec.to_json().get("expect", {}).get("preempted", [])) for rec in ops) == driver.preemptions
     lock = replay(header, ops)
     assert (lock.ref.preemptions, lock.ref.recomputed_tokens) == (driver.preemptions, driver.recomputed_tokens)
 

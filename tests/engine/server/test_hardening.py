@@ -384,7 +384,7 @@ def _serve(*args: str) -> subprocess.CompletedProcess:
     "args,flag",
     [
         (["--page-size", "0"], "--page-size"),
-        (["--max-running-reqs", "0"], "--max-running-reqs"),
+        (["--max-running-req", "0"], "--max-running-req"),
         (["--max-prefill-tokens", "0"], "--max-prefill-tokens"),
         (["--kv-cache-tokens", "0"], "--kv-cache-tokens"),
         (["--max-seq-len", "0"], "--max-seq-len"),
