@@ -49,7 +49,7 @@ def fuzz_shard(
     `bug`, else reference against fast with fast's zoo bug `bug`); stops at the first finding."""
     import torch
 
-    from kvledger.checker.fuzz import TargetRecipe, play_case, workload_for
+    from kvledger.checker.fuzz import TargetRecipe, as_json, play_case, workload_for
     from kvledger.reference import events
 
     torch.set_num_threads(1)
@@ -79,7 +79,7 @@ def fuzz_shard(
                         "case": number,
                         "case_seed": outcome.seed,
                         "header": asdict(outcome.header),
-                        "ops": outcome.ops,
+                        "ops": [as_json(line) for line in outcome.ops],
                     }
                     break
                 out["cases"] += 1

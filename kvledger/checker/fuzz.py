@@ -50,6 +50,7 @@ class Workload(Protocol):
     producer: str  # what the traces it writes name as their producer
     stops_at_first: bool  # the first finding ends the run (else: the first of each kind is kept)
     zoo_cases: int  # the zoo's default budget of fuzz cases per bug
+    zoo_minimize: Tuple[float, int]  # the zoo's budget to minimize a catch: seconds, replays
 
     def prepare(self) -> None:
         """Anything to build or check once before the workers start (fails early, in one line)."""
@@ -193,6 +194,11 @@ def play_case(
 def _op_name(line: Any) -> str:
     """The operation's name, for a trace line as a dict or typed (`ops.OpRecord`)."""
     return str(line.get("op") if isinstance(line, dict) else line.name)
+
+
+def as_json(line: Any) -> Op:
+    """A trace line as its JSON object (a campaign's outcome is stored as JSON)."""
+    return line if isinstance(line, dict) else dict(line.to_json())
 
 
 # -- the target a worker process rebuilds -------------------------------------------------------------
@@ -384,13 +390,6 @@ class FuzzResult:
         if not self.failures:
             return 0
         return 2 if self.failures[0].kind == "crash" else 1  # a hang is a bug in the code under test
-
-
-def expected_events() -> Set[str]:
-    """The rare events a lockstep fuzz run should reach."""
-    from kvledger.checker.lockstep_walk import expected_events as lockstep_expected
-
-    return lockstep_expected()
 
 
 def _progress_line(elapsed: float, seconds: float, ops: int, cases: int, reached: Set[str], expected: Set[str]) -> str:

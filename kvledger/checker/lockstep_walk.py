@@ -365,6 +365,7 @@ class LockstepWorkload:
     producer = "fuzz"
     stops_at_first = True
     zoo_cases = 100  # the zoo's fuzz budget per bug (its CI-profile sequences decide too)
+    zoo_minimize = (60.0, 2000)  # replays of microseconds: the replays bound it in practice
 
     def __init__(self, target: LockstepTarget, admission: Optional[str] = None) -> None:
         if admission is not None and admission not in ADMISSIONS:

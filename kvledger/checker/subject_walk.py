@@ -60,6 +60,7 @@ class SubjectWorkload:
     producer = "kvledger fuzz --subject"
     stops_at_first = False
     zoo_cases = 2000
+    zoo_minimize = (15.0, 400)  # a subject's replays cost milliseconds
 
     def __init__(self, target: SubjectTarget, max_ops: int = MAX_OPS) -> None:
         self.target = target

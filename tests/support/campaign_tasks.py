@@ -56,7 +56,7 @@ def run_until_interrupted(directory: str, marker: str) -> int:
     a terminal, Ctrl-C reaches the campaign, and that is what the test models."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     from kvledger.campaign import CampaignDir, LocalExecutor, Task
-    from kvledger.tools import campaigns
+    from kvledger.checker import campaigns
 
     f = "tests.support.campaign_tasks"
     tasks = [

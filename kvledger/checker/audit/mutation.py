@@ -599,7 +599,7 @@ class _Worker:
         env.pop("HYPOTHESIS_PROFILE", None)
         self.stderr = open(tree / ".worker.log", "w")
         self.proc = subprocess.Popen(
-            [sys.executable, str(tree / "kvledger" / "tools" / "mutation.py"), "worker", str(spec_path)],
+            [sys.executable, str(tree / "kvledger" / "checker" / "audit" / "mutation.py"), "worker", str(spec_path)],
             cwd=tree,
             env=env,
             stdin=subprocess.PIPE,

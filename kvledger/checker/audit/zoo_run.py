@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from kvledger.checker.minimize import MinimizeError, minimize
+from kvledger.checker.targets import SpecTarget, lockstep_target, subject_target
 from kvledger.engine.ledger import trace
 from kvledger.properties.target import LockstepTarget
 from kvledger.subjects.fast_zoo import BUGS, patched
@@ -197,46 +198,31 @@ def run_hypothesis(
 
 
 # -- the zoo's targets, the fuzzer and the minimizer ---------------------------------------------
-class _FastWithBug:
+class _FastWithBug(SpecTarget):
     """`--subject fast` with one of fast's planted bugs: the subject target, the bug patched into
     fast's classes while it is active (fast's zoo is patches, not source edits)."""
-
-    def __init__(self, target: Any, bug: str) -> None:
-        self._target, self.bug = target, bug
 
     def active(self) -> Any:
         return patched(self.bug)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._target, name)
-
 
 def zoo_targets(target: Any) -> List[Tuple[str, str, Any]]:
     """(bug, where it comes from, a target with it) for each bug of `target`'s zoo."""
-    from kvledger.checker.targets import SpecTarget, lockstep_target, subject_target
-
     if isinstance(target, LockstepTarget):
         return [(name, bug.origin, lockstep_target(name, target.device)) for name, bug in BUGS.items()]
     if not isinstance(target, SpecTarget):
         raise ValueError(f"{target.name} names no zoo (build the target from a subject spec)")
     spec = target.spec
     if spec.name == "fast":
-        plain = subject_target(spec.text, edits=())
-        return [(name, BUGS[name].description, _FastWithBug(plain, name)) for name in sorted(BUGS)]
+        return [(name, BUGS[name].description, _FastWithBug(spec, (), None, name)) for name in sorted(BUGS)]
     base = spec.zoo_base()
     return [(e.name, e.why, subject_target(spec.text, bug=e.name, edits=base + (e,))) for e in spec.zoo()]
 
 
-def run_fuzz(
-    target: Any,
-    cases: int,
-    work: Path,
-    cap_s: float = FUZZ_CAP_S,
-    minimize_budget: float = MINIMIZE_BUDGET_S,
-    minimize_replays: int = MINIMIZE_REPLAYS,
-) -> Dict[str, Any]:
+def run_fuzz(target: Any, cases: int, work: Path, cap_s: float = FUZZ_CAP_S) -> Dict[str, Any]:
     """The fuzzer's first `cases` cases on `target` (seed 0, worker 0 of 1, in this process;
-    `cap_s`: a safety net); the first finding is written and minimized under `work`."""
+    `cap_s`: a safety net); the first finding is written and minimized under `work` (within the
+    workload's `zoo_minimize` budget)."""
     from kvledger.checker.fuzz import WorkerFailure, handle_failure, play_case, workload_for
     from kvledger.reference import events
 
@@ -253,7 +239,8 @@ def run_fuzz(
                     failure = WorkerFailure(
                         0, k, outcome.seed, asdict(outcome.header), outcome.ops, f.kind, f.message, f.step
                     )
-                    found = handle_failure(failure, target, workload, work, 0, minimize_budget, False, minimize_replays)
+                    budget, replays = workload.zoo_minimize
+                    found = handle_failure(failure, target, workload, work, 0, budget, False, replays)
                     return {
                         "caught": True,
                         "cases": k + 1,
