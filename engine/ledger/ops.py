@@ -199,6 +199,14 @@ class OpRecord:
         return line
 
 
+def written(op: CacheOp, expect: Optional[Expect] = None) -> OpRecord:
+    """`op` as the checker's generators (fuzzers, explorer) write it: a `stop` that stops nothing is
+    left out (the engine's recorder writes every field: `OpRecord(op)`)."""
+    stops = isinstance(op, (Prefill, Decode)) and not op.stop
+    return OpRecord(op, expect, _NO_STOP if stops else frozenset())
+
+
+_NO_STOP = frozenset({"stop"})
 TraceLine = Union[OpRecord, CacheOp, Dict[str, Any]]  # what a driver's apply accepts (dicts: until callers are typed)
 
 

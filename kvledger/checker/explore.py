@@ -40,17 +40,29 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 from kvledger.checker.explore_scope import Scope
-from kvledger.checker.explore_state import lockstep_key, subject_key
+from kvledger.checker.explore_state import StateKey, lockstep_key, subject_key
 from kvledger.engine.ledger import trace
 from kvledger.engine.ledger.finding import Finding
-from kvledger.engine.ledger.ops import InvalidOp, OpResult
+from kvledger.engine.ledger.ops import (
+    Abort,
+    Decode,
+    Evict,
+    Finish,
+    InvalidOp,
+    OpRecord,
+    OpResult,
+    Prefill,
+    Probe,
+    Submit,
+    written,
+)
 from kvledger.engine.ledger.trace import Header
 from kvledger.properties.lockstep import Lockstep
 from kvledger.properties.target import LockstepTarget, SubjectRun, SubjectTarget
 
 log = logging.getLogger(__name__)
 PATHS = ("copy", "replay")
-Op = Dict[str, Any]
+Op = OpRecord  # a successor's operation, as the counterexample's trace writes it
 
 
 Outcome = Union[Any, Finding]  # a successor state, or what went wrong
@@ -108,7 +120,7 @@ class ExploreResult:
 # -- the operations enabled at a state ------------------------------------------------------------
 def _submits(scope: Scope, next_uid: int) -> List[Op]:
     return [
-        {"op": "submit", "uid": next_uid, "tokens": list(p), "max_tokens": m}
+        written(Submit(next_uid, tuple(p), m))
         for p in scope.prompts
         for m in scope.max_tokens
         if len(p) + m <= scope.max_seq_len
@@ -120,14 +132,14 @@ def _steps(scope: Scope, waiting: bool, running: bool) -> List[Op]:
     idle = "idle" in scope.ops
     if "prefill" in scope.ops:
         if waiting:
-            ops += [{"op": "prefill", "budget": b, "sample": list(s)} for b in scope.budgets for s in scope.samples]
+            ops += [written(Prefill(b, tuple(s))) for b in scope.budgets for s in scope.samples]
         elif idle:
-            ops.append({"op": "prefill", "budget": scope.budgets[0], "sample": []})
+            ops.append(written(Prefill(scope.budgets[0])))
     if "decode" in scope.ops:
         if running:
-            ops += [{"op": "decode", "sample": list(s)} for s in scope.samples]
+            ops += [written(Decode(tuple(s))) for s in scope.samples]
         elif idle:
-            ops.append({"op": "decode", "sample": []})
+            ops.append(written(Decode()))
     return ops
 
 
@@ -135,7 +147,7 @@ def _evicts(scope: Scope, evictable: int) -> List[Op]:
     if "evict" not in scope.ops or evictable <= 0:
         return []
     sizes = {min(n, evictable) for n in scope.evicts} | ({evictable} if scope.evict_all else set())
-    return [{"op": "evict", "tokens": n} for n in sorted(sizes) if n > 0]
+    return [written(Evict(n)) for n in sorted(sizes) if n > 0]
 
 
 def lockstep_ops(scope: Scope, lock: Lockstep) -> List[Op]:
@@ -149,12 +161,12 @@ def lockstep_ops(scope: Scope, lock: Lockstep) -> List[Op]:
         ops += _submits(scope, ref.next_uid())
     ops += _steps(scope, bool(waiting), bool(running))
     if "finish" in scope.ops:
-        ops += [{"op": "finish", "uid": u} for u in running]
+        ops += [written(Finish(u)) for u in running]
     if "abort" in scope.ops:
-        ops += [{"op": "abort", "uid": u} for u in waiting + [u for u in running if u not in waiting]]
+        ops += [written(Abort(u)) for u in waiting + [u for u in running if u not in waiting]]
     ops += _evicts(scope, ref.cm.prefix_cache.size_info.evictable_size)
     if "probe" in scope.ops:
-        ops += [{"op": "probe", "tokens": list(p)} for p in scope.probe_prompts]
+        ops += [written(Probe(tuple(p))) for p in scope.probe_prompts]
     return ops
 
 
@@ -182,7 +194,7 @@ class LockstepBackend:
             lock.apply(op)
         return lock
 
-    def key(self, lock: Lockstep) -> bytes:
+    def key(self, lock: Lockstep) -> StateKey:
         return lockstep_key(lock, self.canonical)
 
     def ops(self, lock: Lockstep) -> List[Op]:
@@ -249,7 +261,7 @@ class SubjectBackend:
             run.apply(op)
         return run
 
-    def key(self, run: SubjectRun) -> bytes:
+    def key(self, run: SubjectRun) -> StateKey:
         return subject_key(run.driver, self.canonical)
 
     def ops(self, run: SubjectRun) -> List[Op]:
@@ -261,9 +273,9 @@ class SubjectBackend:
         running = list(driver.running)
         ops += _steps(scope, bool(driver.waiting), bool(running))
         if "finish" in scope.ops:
-            ops += [{"op": "finish", "uid": u} for u in running]
+            ops += [written(Finish(u)) for u in running]
         if "abort" in scope.ops:
-            ops += [{"op": "abort", "uid": u} for u in list(driver.waiting) + [u for u in running]]
+            ops += [written(Abort(u)) for u in list(driver.waiting) + [u for u in running]]
         if driver.caps.explicit_evict:
             view = driver.view()
             ops += _evicts(scope, view.counters.get("evictable_tokens", max(scope.evicts, default=0)))
@@ -319,13 +331,12 @@ class _Tree:
         self.parent = array("l", [-1])
         self.op = array("l", [-1])
         self.ops: List[Op] = []
-        self._op_ids: Dict[str, int] = {}
+        self._op_ids: Dict[Op, int] = {}
 
     def add(self, parent: int, op: Op) -> int:
-        text = repr(sorted(op.items()))
-        oid = self._op_ids.get(text)
+        oid = self._op_ids.get(op)
         if oid is None:
-            oid = self._op_ids[text] = len(self.ops)
+            oid = self._op_ids[op] = len(self.ops)
             self.ops.append(op)
         self.parent.append(parent)
         self.op.append(oid)
@@ -357,7 +368,7 @@ def search(
     `max_kept`: states kept as objects on the frontier (copy path); the rest are rebuilt by replay."""
     start = time.perf_counter()
     result.start_rss_mb = _rss_mb()
-    seen: Set[bytes] = set()
+    seen: Set[StateKey] = set()
     tree = _Tree()
     found: Dict[str, Counterexample] = {}
     bar = _bar(progress, f"explore {scope.name}")
@@ -518,7 +529,7 @@ def format_result(result: ExploreResult) -> str:
     for f in r.findings:
         lines.append(f"DIVERGENCE {f.kind}: shortest counterexample {f.depth} operations: {f.message[:300]}")
         for op in f.ops:
-            lines.append(f"    {op}")
+            lines.append(f"    {op.to_json()}")
         if f.trace_path is not None:
             extra = f" --bug {r.bug}" if r.bug and r.mode == "lockstep" else ""
             lines.append(f"  trace: {f.trace_path}\n  replay it: kvledger replay {f.trace_path}{extra}")
@@ -575,11 +586,11 @@ def observe(scope: Scope, lock: Lockstep, lookahead: int) -> Tuple[Any, ...]:
             out.append(("diverged", e.kind))
             continue
         uids = dict(names.uid)
-        if op["op"] == "submit":
-            uids[op["uid"]] = len(uids)
+        if isinstance(op.op, Submit):
+            uids[op.op.uid] = len(uids)
         after = _Names(child.ref, True)
         rest = observe(scope, child, lookahead - 1) if lookahead > 1 else ()
-        out.append(("ok", op["op"], _renamed(result, uids, after.locs), rest))
+        out.append(("ok", op.name, _renamed(result, uids, after.locs), rest))
     return tuple(out)
 
 
@@ -600,7 +611,7 @@ def audit_merges(scope: Scope, *, bug: Optional[str] = None, lookahead: int = 2,
     backend = LockstepBackend(scope, "copy", canonical=True, target=lockstep_target(bug))
     with backend.target.active():
         root = backend.root()
-        kept: Dict[bytes, Tuple[Lockstep, List[Op]]] = {backend.key(root): (root, [])}
+        kept: Dict[StateKey, Tuple[Lockstep, List[Op]]] = {backend.key(root): (root, [])}
         frontier: List[Tuple[Lockstep, List[Op]]] = [(root, [])]
         depth = 0
         while frontier and audit.merges < max_merges and (scope.max_depth is None or depth < scope.max_depth):

@@ -60,21 +60,25 @@ merging, the baseline the tests compare against.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NewType, Optional, Sequence, Tuple
 
+from kvledger.engine.ledger.cache_scheduler import CacheScheduler
 from kvledger.engine.ledger.invariants import tolist
+from kvledger.properties.lockstep import Lockstep
+from kvledger.properties.subject_driver import SubjectDriver
 
 DIGEST = 16  # bytes of blake2b per stored key
+StateKey = NewType("StateKey", bytes)  # a state's normal form, hashed: equal keys, equal futures
 
 
-def digest(parts: Any) -> bytes:
-    return hashlib.blake2b(repr(parts).encode(), digest_size=DIGEST).digest()
+def digest(parts: Any) -> StateKey:
+    return StateKey(hashlib.blake2b(repr(parts).encode(), digest_size=DIGEST).digest())
 
 
 class _Names:
     """The uid and page renamings of one state (identity maps in plain mode)."""
 
-    def __init__(self, ref: Any, canonical: bool) -> None:
+    def __init__(self, ref: CacheScheduler, canonical: bool) -> None:
         self.canonical = canonical
         self.ps = ref.page_size
         self.uid: Dict[int, int] = {}
@@ -124,7 +128,7 @@ def _ranks(values: Sequence[int]) -> Dict[int, int]:
     return {v: i for i, v in enumerate(sorted(set(values)))}
 
 
-def _tree(sched: Any, names: _Names, fast_side: bool) -> Tuple[Tuple[Any, ...], Dict[int, Any]]:
+def _tree(sched: CacheScheduler, names: _Names, fast_side: bool) -> Tuple[Tuple[Any, ...], Dict[int, Any]]:
     """The prefix cache's structure, and id(node) -> the node's name (its index in nodes())."""
     cache = sched.cm.prefix_cache
     if not hasattr(cache, "root"):  # the naive cache holds nothing
@@ -183,7 +187,7 @@ def _handle(handle: Any, index: Dict[int, Any], names: _Names) -> Tuple[Any, ...
     return (handle.cached_len, where)
 
 
-def side_key(sched: Any, names: _Names, fast_side: bool) -> Tuple[Any, ...]:
+def side_key(sched: CacheScheduler, names: _Names, fast_side: bool) -> Tuple[Any, ...]:
     """One CacheScheduler's state, renamed (see the module docstring)."""
     ps = sched.page_size
     u = names.u
@@ -265,7 +269,7 @@ def side_key(sched: Any, names: _Names, fast_side: bool) -> Tuple[Any, ...]:
     )
 
 
-def lockstep_key(lock: Any, canonical: bool = True) -> bytes:
+def lockstep_key(lock: Lockstep, canonical: bool = True) -> StateKey:
     """The key of a Lockstep's state (reference and fast): a blake2b digest of its normal form."""
     ref, fst = lock.ref, lock.fast
     names = _Names(ref, canonical)
@@ -273,7 +277,7 @@ def lockstep_key(lock: Any, canonical: bool = True) -> bytes:
     return digest((side_key(ref, names, False), side_key(fst, names, True), deltas))
 
 
-def subject_key(driver: Any, canonical: bool = True) -> bytes:
+def subject_key(driver: SubjectDriver, canonical: bool = True) -> StateKey:
     """The key of a subject in judge mode: the driver's bookkeeping and the subject's View, uids
     renamed by submission order. A subject's hidden state (what its View does not show, e.g. an
     LRU order) is not in it: see docs/exploration.md."""
