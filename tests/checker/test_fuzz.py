@@ -8,6 +8,7 @@ import pytest
 from kvledger.checker.fuzz import format_summary, fuzz
 from kvledger.checker.lockstep_walk import PAGE_SIZES, RESERVE_RATIOS, case_seed, case_trace, make_case, walk
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler
+from kvledger.engine.ledger.ops import Submit
 from kvledger.engine.ledger.trace import read
 from kvledger.properties.lockstep import Finding, Lockstep, replay
 from kvledger.reference.pages import tokens_to_finish
@@ -98,9 +99,9 @@ def test_optimistic_cases_submit_only_what_fits_the_pool_and_replay():
         header, ops = case_trace(0, 0, c, admission="optimistic")
         assert header.admission == "optimistic"
         pool = header.num_pages * header.page_size
-        submits = [op for op in ops if op["op"] == "submit"]
+        submits = [op.op for op in ops if isinstance(op.op, Submit)]
         assert submits and all(
-            tokens_to_finish(0, len(op["tokens"]) + op["max_tokens"], header.page_size) <= pool for op in submits
+            tokens_to_finish(0, len(op.tokens) + op.max_tokens, header.page_size) <= pool for op in submits
         )
         assert replay(header, ops).step == len(ops)
 
@@ -127,7 +128,7 @@ def test_a_case_trace_replays_identically():
     header, ops = case_trace(0, 0, 0)
     length = make_case(header.seed).length
     assert header.policy.preempts and len(ops) > length
-    assert {op["op"] for op in ops[length:]} <= {"prefill", "decode"}
+    assert {op.name for op in ops[length:]} <= {"prefill", "decode"}
     lock = replay(header, ops)
     assert lock.step == len(ops)
     assert not lock.ref.waiting and not lock.ref.live

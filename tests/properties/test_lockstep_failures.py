@@ -58,4 +58,4 @@ def test_an_invalid_operation_is_not_kept():
     lock.apply({"op": "submit", "uid": 0, "tokens": [1], "max_tokens": 1})
     with pytest.raises(Exception, match="not running"):
         lock.apply({"op": "finish", "uid": 7})
-    assert [op["op"] for op in lock.ops] == ["submit"]
+    assert [op.name for op in lock.ops] == ["submit"]
