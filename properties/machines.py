@@ -70,12 +70,15 @@ class MachineRun:
     settings: settings
     title: str
     target: Target
+    pinned_seed: Optional[int] = None  # a derandomized run's seed, when the machine pins one
 
     def run(self, seed: Optional[int] = None, shrink: bool = True) -> None:
         """One run under the settings and `seed` (else the settings': derandomized under ci);
         `shrink=False` stops at the first failing sequence. Raises the failure, if any. Call it
         inside `target.active()`."""
         chosen = self.settings
+        if seed is None and chosen.derandomize:
+            seed = self.pinned_seed
         if not shrink:
             chosen = settings(chosen, phases=[p for p in chosen.phases if p is not Phase.shrink])
         run_bound(self.machine, chosen, seed)
@@ -105,7 +108,7 @@ def machine_run(target: Target, progress: Progress, profile: str, examples: Opti
         return MachineRun(LockstepMachine.bind(progress), progress, EXPECTED_EVENTS, chosen, target.name, target)
     if isinstance(target, SubjectTarget):
         from kvledger.properties.subject_driver import expected_events
-        from kvledger.properties.subject_machine import SUBJECT_EXAMPLES, SUBJECT_STEPS, machine_for
+        from kvledger.properties.subject_machine import SUBJECT_CI_SEED, SUBJECT_EXAMPLES, SUBJECT_STEPS, machine_for
 
         sample = target.subject(SubjectConfig(num_pages=8, page_size=target.page_sizes[0], max_seq_len=16))
         chosen = settings(
@@ -121,5 +124,5 @@ def machine_run(target: Target, progress: Progress, profile: str, examples: Opti
         machine = machine_for(target.factory, progress, target.page_sizes)
         title = f"{target.name} ({target.version})"
         expected = frozenset(expected_events(sample.capabilities))
-        return MachineRun(machine, progress, expected, chosen, title, target)
+        return MachineRun(machine, progress, expected, chosen, title, target, SUBJECT_CI_SEED)
     raise TypeError(f"no Hypothesis machine checks a {type(target).__name__}")

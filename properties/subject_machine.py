@@ -29,10 +29,16 @@ from kvledger.properties.subject import Subject, SubjectConfig
 from kvledger.properties.subject_driver import SubjectDriver
 from kvledger.properties.subject_workload import ALPHABET, drain
 
-__all__ = ["SUBJECT_EXAMPLES", "SUBJECT_STEPS", "Progress", "SubjectMachine", "machine_for"]
+__all__ = ["SUBJECT_CI_SEED", "SUBJECT_EXAMPLES", "SUBJECT_STEPS", "Progress", "SubjectMachine", "machine_for"]
 
 SUBJECT_EXAMPLES = {"ci": 300, "deep": 3000, "dev": 30}  # examples per profile in judge mode
 SUBJECT_STEPS = {"ci": 40, "deep": 80, "dev": 30}
+# The derandomized (ci) run's seed, pinned. Hypothesis derives it from the text of `SubjectMachine`
+# (see machine_base.py), so renaming a field in the class moved every subject's CI run; this is
+# the seed of the text the CI run's counts were measured with (`SubjectConfig(max_running=...)`).
+SUBJECT_CI_SEED = (
+    3760064082303738551691135845877023276974918286749700560611728596329227695523193187472625215854963163759622154280336
+)
 TOKENS = st.integers(0, ALPHABET - 1)
 
 
@@ -67,7 +73,7 @@ class SubjectMachine(DriverMachine):
             num_pages=pages,
             page_size=ps,
             max_seq_len=min(pages * ps, 48),
-            max_running=data.draw(st.integers(2, 6), label="max_running"),
+            max_running_req=data.draw(st.integers(2, 6), label="max_running_req"),
         )
         self.driver = SubjectDriver(type(self).factory(self.config), self.config, on_event=self.note)
 
