@@ -18,7 +18,9 @@ subclass that carries it, and each instance reports to it. An unbound machine (r
 
 A machine's class source is part of the run: Hypothesis derives a derandomized run's seed from it
 (`function_digest` of the class, found by name in its module), so the text of `LockstepMachine`
-and `SubjectMachine` stays as it is unless a run is meant to change; their bases are free.
+stays as it is unless a run is meant to change (its bases are free); the judge-mode run pins its
+seed instead (`subject_machine.SUBJECT_CI_SEED`). Hypothesis also draws some values from the
+literals of every local module loaded, so a run imports only its own machine (`machines.py`).
 """
 
 from __future__ import annotations
