@@ -32,12 +32,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Set,
 
 from kvledger.engine.ledger import trace
 from kvledger.engine.ledger.finding import Finding
+from kvledger.engine.ledger.ops import OpRecord
 from kvledger.engine.ledger.trace import Header
 from kvledger.properties.subject import SubjectConfig
 from kvledger.properties.target import Run, Target, config_of
 
 log = logging.getLogger(__name__)
-Op = Dict[str, Any]
+Op = OpRecord
 
 REPORT_EVERY = 0.25  # seconds between a worker's progress messages
 PROGRESS_EVERY = 5.0  # seconds between the progress lines logged (INFO)
@@ -196,7 +197,7 @@ def _op_name(line: Any) -> str:
     return str(line.get("op") if isinstance(line, dict) else line.name)
 
 
-def as_json(line: Any) -> Op:
+def as_json(line: Any) -> Dict[str, Any]:
     """A trace line as its JSON object (a campaign's outcome is stored as JSON)."""
     return line if isinstance(line, dict) else dict(line.to_json())
 

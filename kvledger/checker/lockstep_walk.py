@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler
 from kvledger.engine.ledger.finding import Finding
-from kvledger.engine.ledger.ops import InvalidOp, OpResult
+from kvledger.engine.ledger.ops import InvalidOp, OpRecord, OpResult
 from kvledger.engine.ledger.trace import Header
 from kvledger.properties.lockstep import Lockstep
 from kvledger.properties.machine import invalid_ops
@@ -333,7 +333,7 @@ def drain(lock: Any, budget: int, sample: List[int], note: Callable[[str], None]
 
 def case_trace(
     seed: int, worker: int, case: int, max_ops: Optional[int] = None, admission: Optional[str] = None
-) -> Tuple[Header, List[Dict[str, Any]]]:
+) -> Tuple[Header, List[OpRecord]]:
     """Case `case` of worker `worker` under `seed` (and `admission`, if forced), run here (apply a
     bug with zoo.patched around it): the trace up to its end, `max_ops` (which may also lengthen
     the case), or its divergence (included)."""
@@ -415,8 +415,8 @@ class LockstepWorkload:
         return kind not in ("crash", "hang") and not kind.startswith(RUN_PROPERTY_KINDS)
 
     def minimize(
-        self, header: Header, ops: List[Dict[str, Any]], kind: str, budget: float, replays: Optional[int], log: Any
-    ) -> Tuple[Header, List[Dict[str, Any]], str]:
+        self, header: Header, ops: List[OpRecord], kind: str, budget: float, replays: Optional[int], log: Any
+    ) -> Tuple[Header, List[OpRecord], str]:
         """The structure-aware minimizer (MinimizeError if the failure does not reproduce)."""
         from kvledger.checker.minimize import minimize
 

@@ -15,7 +15,7 @@ import random
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
-from kvledger.engine.ledger.ops import InvalidOp, OpResult
+from kvledger.engine.ledger.ops import InvalidOp, OpRecord, OpResult
 from kvledger.engine.ledger.trace import Header
 from kvledger.properties.subject import Subject, SubjectConfig
 from kvledger.properties.subject_workload import DRAIN_LIMIT, drain_steps, draw_shape, next_op, stalled_after
@@ -110,8 +110,8 @@ class SubjectWorkload:
         return kind not in ("crash", "hang")
 
     def minimize(
-        self, header: Header, ops: List[Op], kind: str, budget: float, replays: Optional[int], log: Any
-    ) -> Tuple[Header, List[Op], str]:
+        self, header: Header, ops: List[OpRecord], kind: str, budget: float, replays: Optional[int], log: Any
+    ) -> Tuple[Header, List[OpRecord], str]:
         """Delta debugging over the operations (half the budget), then short cases of the same kind."""
         from kvledger.checker.minimize import minimize_ops, shortest_failure
 
