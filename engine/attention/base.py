@@ -99,6 +99,10 @@ class AttentionBackend(ABC):
     @abstractmethod
     def plan(self, batch: AttentionBatch) -> None: ...
 
+    def forward_stored(self, q: torch.Tensor, layer: int, pool: KVPool) -> torch.Tensor:
+        """Attention once this step's K/V are in the pool (a backend that `reads_stored_kv`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not read stored KV")
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, pool: KVPool) -> torch.Tensor:
         """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] for the new tokens.

@@ -85,12 +85,12 @@ class TorchNativeBackend(AttentionBackend):
         for i, n in enumerate(batch.q_lens):
             if n == 1:
                 continue
-            cached, seq = batch.cached_lens[i], batch.seq_lens[i]
+            cached, seq_len = batch.cached_lens[i], batch.seq_lens[i]
             mask = None
             if cached:
-                q_pos = torch.arange(cached, seq, device=device)[:, None]
-                mask = torch.arange(seq, device=device)[None, :] <= q_pos
-            self._extends.append(_Extend(starts[i], n, cached, batch.locs[i, :seq], mask))
+                q_pos = torch.arange(cached, seq_len, device=device)[:, None]
+                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos
+            self._extends.append(_Extend(starts[i], n, cached, batch.locs[i, :seq_len], mask))
         self._plan_workspace(all_decode)
 
     def _plan_workspace(self, all_decode: bool) -> None:
@@ -133,6 +133,7 @@ class TorchNativeBackend(AttentionBackend):
 
     # -- per layer ----------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, pool: KVPool) -> torch.Tensor:
+        assert self._out_loc is not None, "plan() first"
         pool.store(layer, self._out_loc, k, v)
         if pool.quantized:  # attend over what the pool holds, as the GPU kernels do
             k, v = pool.round_trip(layer, k, v)
@@ -182,9 +183,10 @@ class TorchNativeBackend(AttentionBackend):
             if ws_k.shape[2] != cap:  # grown: carry the kept KV over
                 ws_k = self._ws_k[layer] = _grown(ws_k, shape)
                 ws_v = self._ws_v[layer] = _grown(ws_v, shape)
-            flat = (kv_heads, d.batch * cap, dim)
-            ws_k.view(flat).index_copy_(1, self._ws_append_idx, k.transpose(0, 1).to(ws_k.dtype))
-            ws_v.view(flat).index_copy_(1, self._ws_append_idx, v.transpose(0, 1).to(ws_v.dtype))
+            flat, append_idx = (kv_heads, d.batch * cap, dim), self._ws_append_idx
+            assert append_idx is not None  # planned with the workspace (d.append)
+            ws_k.view(flat).index_copy_(1, append_idx, k.transpose(0, 1).to(ws_k.dtype))
+            ws_v.view(flat).index_copy_(1, append_idx, v.transpose(0, 1).to(ws_v.dtype))
         else:
             if ws_k is None or ws_k.shape != shape:
                 ws_k = self._ws_k[layer] = pool.k[layer].new_empty(shape, dtype=pool.compute_dtype)

@@ -187,10 +187,11 @@ class TritonPagedBackend(AttentionBackend):
         self._out_loc = batch.out_loc
         self._decode = None
         self._groups = None
-        if batch.is_decode and batch.table is not None and batch.batch_size <= self.max_batch:
+        table, rows = batch.table, batch.rows  # from_page_table sets both
+        if batch.is_decode and table is not None and rows is not None and batch.batch_size <= self.max_batch:
             seq = torch.tensor(batch.seq_lens, dtype=torch.int32).to(device)
             splits = num_splits_for(batch.batch_size, self._configured()[1], max_splits=self.max_splits)
-            self.plan_decode(batch.table, batch.rows, seq, splits, cascade=batch.may_share)
+            self.plan_decode(table, rows, seq, splits, cascade=batch.may_share)
             return
         q_lens = torch.tensor(batch.q_lens, dtype=torch.int32)
         self._q_len = q_lens.to(device)
@@ -240,6 +241,7 @@ class TritonPagedBackend(AttentionBackend):
         k_scale, v_scale = pool.k_scale[layer], pool.v_scale[layer]
         plan = self._decode
         if plan is not None:
+            assert self._workspace is not None  # plan_decode sized it
             head_dim = q.shape[2]
             kv_heads = kp.shape[1 - pool.token_dim]
             launch = triton_decode.decode_launch_config(q.shape[0], kv_heads, kp.dtype, head_dim)

@@ -38,9 +38,11 @@ class EagerKernels:
         q = q.view(t, attn.num_heads, attn.head_dim)
         k = k.view(t, attn.num_kv_heads, attn.head_dim)
         v = v.view(t, attn.num_kv_heads, attn.head_dim)
-        if attn.q_norm is not None:
+        if attn.q_norm is not None and attn.k_norm is not None:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, step.cos, step.sin), RotaryEmbedding.apply(k, step.cos, step.sin)
+        cos, sin = step.cos, step.sin
+        assert cos is not None and sin is not None  # an eager step carries the rotary tables
+        q, k = RotaryEmbedding.rotate(q, cos, sin), RotaryEmbedding.rotate(k, cos, sin)
         return step.backend.forward(q, k, v, attn.layer, step.pool)
 
     @staticmethod
@@ -56,11 +58,12 @@ class FusedKernels:
 
     @staticmethod
     def attention(attn: Attention, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        pool = step.pool
+        pool, inv_freq = step.pool, step.inv_freq
+        assert inv_freq is not None  # a fused step carries the rotary frequencies
         q = fused_ops.qk_norm_rope_store(
             attn.qkv_proj(x),
             step.positions,
-            step.inv_freq,
+            inv_freq,
             attn.q_norm.weight if attn.q_norm is not None else None,
             attn.k_norm.weight if attn.k_norm is not None else None,
             attn.q_norm.eps if attn.q_norm is not None else 0.0,
@@ -83,7 +86,7 @@ class StepInputs:
     """What every layer of one step reads besides its input: the kernel set and the step's
     positions, KV locations, rotary tables, attention backend and KV pool."""
 
-    kernels: type
+    kernels: type[EagerKernels] | type[FusedKernels]
     positions: torch.Tensor
     out_loc: torch.Tensor
     backend: AttentionBackend
@@ -95,6 +98,8 @@ class StepInputs:
     @classmethod
     def build(cls, model: CausalLM, positions: torch.Tensor, out_loc: torch.Tensor, dtype: torch.dtype) -> StepInputs:
         backend, pool = model.attn_backend, model.kv_pool
+        if pool is None:
+            raise RuntimeError("assign model.kv_pool before calling forward")
         if model.uses_fused_path():
             rotary = model.rotary
             if rotary.inv_freq.device != positions.device:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -29,6 +31,8 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm: RMSNorm | None
+        self.k_norm: RMSNorm | None
         if config.qk_norm:  # Qwen3 normalizes each head of q and k before rope
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -47,6 +51,7 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(config, layer, tp)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, len(tp.shard.intermediate(config)), tp)
+        self.tp = tp
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, step: StepInputs
@@ -56,7 +61,7 @@ class DecoderLayer(nn.Module):
         kernels = step.kernels
         h, residual = kernels.add_norm(x, residual, self.input_norm)
         h, residual = kernels.add_norm(self.attn(h, step), residual, self.post_attn_norm)
-        return self.mlp.tp.all_reduce(self.mlp.down_proj(kernels.silu_mul(self.mlp.gate_up_proj(h)))), residual
+        return self.tp.all_reduce(self.mlp.down_proj(kernels.silu_mul(self.mlp.gate_up_proj(h)))), residual
 
 
 class CausalLM(nn.Module):
@@ -92,7 +97,7 @@ class CausalLM(nn.Module):
 
     @attn_backend.setter
     def attn_backend(self, backend: AttentionBackend) -> None:
-        attn = self.layers[0].attn if len(self.layers) else None
+        attn = cast(DecoderLayer, self.layers[0]).attn if len(self.layers) else None
         if attn is not None:
             backend.configure(attn.num_heads, attn.num_kv_heads, attn.head_dim)
         self._attn_backend = backend
@@ -147,11 +152,12 @@ class CausalLM(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         step = StepInputs.build(self, positions, out_loc, x.dtype)
-        residual = None
+        residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(x, residual, step)
         if last_token_idx is not None:
-            x, residual = x[last_token_idx], residual[last_token_idx]
+            x = x[last_token_idx]
+            residual = None if residual is None else residual[last_token_idx]
         x, _ = step.kernels.add_norm(x, residual, self.norm)
         logits = self.lm_head(x)
         return logits.float() if float_logits else logits

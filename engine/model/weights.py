@@ -21,7 +21,9 @@ import os
 import re
 import shutil
 import tempfile
+from functools import partial
 from pathlib import Path
+from typing import Any, Callable, Dict, List
 
 import numpy as np
 import torch
@@ -351,6 +353,8 @@ def load_weights(
         if shard is not None:
             shard.check(config)
         return config, random_state_dict(config, seed=seed, shard=shard, device=device)
+    if isinstance(source, ModelConfig):
+        raise TypeError("a ModelConfig gives random weights only: pass dummy=True")
     p = Path(source)
     if p.is_dir():
         return load_hf_dir(p) if shard is None else _load_hf_dir_shard(p, shard)
@@ -373,7 +377,11 @@ def _load_gguf_shard(path: str, shard: TensorParallelShard) -> tuple[ModelConfig
     config = ModelConfig.from_json(cache / "config.json")
     shard.check(config)
     with safe_open(cache / _CACHE_WEIGHTS, framework="pt") as f:
-        return config, {name: shard.take(name, config, lambda n=name: f.get_slice(n)) for name in f.keys()}
+        return config, {name: shard.take(name, config, partial(f.get_slice, name)) for name in f.keys()}
+
+
+def _fused_rows(lazy: Callable[[str], Any], rows: Callable[[str], int], names: List[str]) -> FusedRows:
+    return FusedRows([(lazy(n), rows(n)) for n in names])
 
 
 def _load_hf_dir_shard(path: Path, shard: TensorParallelShard) -> tuple[ModelConfig, StateDict]:
@@ -392,20 +400,20 @@ def _load_hf_dir_shard(path: Path, shard: TensorParallelShard) -> tuple[ModelCon
         return where[hf_name].get_slice(hf_name).get_shape()[0]
 
     # the names we would get from convert_hf_state_dict, each with how to read it lazily
-    sources = {
-        "embed_tokens.weight": lambda: lazy("model.embed_tokens.weight"),
-        "norm.weight": lambda: lazy("model.norm.weight"),
+    sources: Dict[str, Callable[[], Any]] = {
+        "embed_tokens.weight": partial(lazy, "model.embed_tokens.weight"),
+        "norm.weight": partial(lazy, "model.norm.weight"),
     }
     if not config.tie_word_embeddings:
-        sources["lm_head.weight"] = lambda: lazy("lm_head.weight")
+        sources["lm_head.weight"] = partial(lazy, "lm_head.weight")
     for i in range(config.num_layers):
         hf = f"model.layers.{i}."
         for hf_name, ours in _HF_RENAME.items():
             if hf + hf_name in where:
-                sources[f"layers.{i}.{ours}"] = lambda n=hf + hf_name: lazy(n)
+                sources[f"layers.{i}.{ours}"] = partial(lazy, hf + hf_name)
         for ours, parts in _HF_FUSED.items():
             names = [hf + x for x in parts]
-            sources[f"layers.{i}.{ours}"] = lambda ns=names: FusedRows([(lazy(n), rows(n)) for n in ns])
+            sources[f"layers.{i}.{ours}"] = partial(_fused_rows, lazy, rows, names)
     return config, {name: shard.take(name, config, get).float() for name, get in sources.items()}
 
 

@@ -19,7 +19,7 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim]."""
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin

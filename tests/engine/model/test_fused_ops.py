@@ -71,7 +71,7 @@ def test_qk_norm_rope_store(dtype, qk_norm, heads, kv_heads):
     if qk_norm:
         q_ref, k_ref = qn(q_ref), kn(k_ref)
     cos, sin = rotary.cos_sin(positions, dtype)
-    q_ref, k_ref = RotaryEmbedding.apply(q_ref, cos, sin), RotaryEmbedding.apply(k_ref, cos, sin)
+    q_ref, k_ref = RotaryEmbedding.rotate(q_ref, cos, sin), RotaryEmbedding.rotate(k_ref, cos, sin)
     _close(q, q_ref, dtype)
     k_got, v_got = pool.gather(0, out_loc)
     _close(k_got.transpose(0, 1), k_ref, dtype)
