@@ -34,7 +34,8 @@ def draw_shape(rng: random.Random, page_sizes: Sequence[int] = (1, 2, 4)) -> Sha
     max_seq_len = min(num_pages * ps, 48)
     stems = tuple(tuple(rng.randrange(ALPHABET) for _ in range(4 * ps + 2)) for _ in range(rng.randint(1, 3)))
     return Shape(
-        SubjectConfig(num_pages=num_pages, page_size=ps, max_seq_len=max_seq_len, max_running=rng.randint(3, 8)), stems
+        SubjectConfig(num_pages=num_pages, page_size=ps, max_seq_len=max_seq_len, max_running_req=rng.randint(3, 8)),
+        stems,
     )
 
 

@@ -16,7 +16,7 @@ from kvledger.properties.subject_workload import draw_shape, next_op
 from kvledger.subjects import kvledger_own, parse_spec
 from kvledger.subjects.edits import EditError, SourceEdit
 
-CFG = SubjectConfig(num_pages=16, page_size=2, max_seq_len=32, max_running=4)
+CFG = SubjectConfig(num_pages=16, page_size=2, max_seq_len=32, max_running_req=4)
 NAMES = kvledger_own.NAMES
 
 

@@ -22,7 +22,7 @@ from kvledger.subjects import kvledger_own, minisgl
 from kvledger.subjects.edits import EditError, SourceEdit, edited_function
 from kvledger.subjects.peers import peer_path
 
-CFG = SubjectConfig(num_pages=16, page_size=2, max_seq_len=32, max_running=4)
+CFG = SubjectConfig(num_pages=16, page_size=2, max_seq_len=32, max_running_req=4)
 FIX = minisgl.FIXES["pr142"]
 
 
