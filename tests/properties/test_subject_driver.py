@@ -125,7 +125,7 @@ def test_fuzz_and_minimize_a_users_subject(tmp_path, monkeypatch, capsys):
         ]
     )
     out = capsys.readouterr().out
-    assert code == 1 and "FOUND [1-2-partition]" in out and "a leak" in out
+    assert code == 1 and "FOUND 1-2-partition at step" in out and "a leak" in out
     small = sorted(tmp_path.glob("*.min.jsonl"))
     assert small
     from kvledger.engine.ledger import trace
