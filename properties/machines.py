@@ -9,7 +9,7 @@ target is said here, once, as a `MachineRun`:
   machine    the LockstepMachine (the target's zoo bug is patched into fast while the target is
              `active()`), or the SubjectMachine over the target's factory and page sizes
   expected   the rare events a run should reach: `machine.EXPECTED_EVENTS`, or those the
-             subject's capabilities make reachable (`subject_driver.expected_events`)
+             subject's capabilities make reachable (`subject_events.expected_events`)
   settings   lockstep: the profile's; judge mode: its own counts per profile (`SUBJECT_EXAMPLES`,
              `SUBJECT_STEPS`) with Hypothesis' shrinking off, as over a real subject it took
              minutes where kvledger's minimizer takes seconds
@@ -107,7 +107,7 @@ def machine_run(target: Target, progress: Progress, profile: str, examples: Opti
         chosen = settings(base, max_examples=examples) if examples else base
         return MachineRun(LockstepMachine.bind(progress), progress, EXPECTED_EVENTS, chosen, target.name, target)
     if isinstance(target, SubjectTarget):
-        from kvledger.properties.subject_driver import expected_events
+        from kvledger.properties.subject_events import expected_events
         from kvledger.properties.subject_machine import SUBJECT_CI_SEED, SUBJECT_EXAMPLES, SUBJECT_STEPS, machine_for
 
         sample = target.subject(SubjectConfig(num_pages=8, page_size=target.page_sizes[0], max_seq_len=16))

@@ -22,73 +22,19 @@ out of the subject, with its traceback.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import threading
 import traceback
-from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Set, Tuple
 
 from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.invariants import InvariantViolation, check_queue_order
 from kvledger.engine.ledger.ops import InvalidOp, OpResult, TraceLine, as_record, dispatch
-from kvledger.properties.subject import CachedEntry, Capabilities, Subject, SubjectConfig, View
+from kvledger.properties.subject import Subject, SubjectConfig, View
+from kvledger.properties.subject_calls import call_subject
+from kvledger.properties.subject_events import expected_events, full_with_locks, hit_events
 from kvledger.properties.subject_judge import Witness, judge
 from kvledger.reference.pages import div_ceil
 
-__all__ = ["Finding", "SubjectDriver", "InvalidOp"]
-
-
-# the rare states every subject's generator must reach (kvledger check reports the first sequence)
-SUBJECT_EVENTS = frozenset(
-    {
-        "hit: prefix hit",
-        "hit: diverges inside a cached page",
-        "hit: diverges after the first page of a cached entry",
-        "hit: re-hit of cached pages no request holds",
-        "hit: on a request still mid-prefill",
-        "admission: refused",
-        "prefill: chunked",
-        "allocate: full pool with locked entries",
-        "preempt: a running request preempted",
-        "abort: mid-prefill",
-        "driver: idle after work",
-    }
-)
-
-
-# A call into the subject takes microseconds; one still running after this long never returns (a
-# zoo edit of a radix walk that loops, growing memory, was seen). The limit is a safety net, not a
-# decision: no sound run comes within four orders of magnitude of it.
-CALL_LIMIT_S = 30.0
-
-
-class _Hung(BaseException):
-    pass
-
-
-@contextlib.contextmanager
-def _watchdog(seconds: float) -> Iterator[None]:
-    """Raise _Hung in this thread after `seconds` (the main thread only, where signals arrive)."""
-    if threading.current_thread() is not threading.main_thread() or signal.getitimer(signal.ITIMER_REAL)[0]:
-        yield
-        return
-
-    def hung(signum: int, frame: Any) -> None:
-        raise _Hung()
-
-    previous = signal.signal(signal.SIGALRM, hung)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def expected_events(caps: Capabilities) -> FrozenSet[str]:
-    """The rare states a subject with these capabilities can reach."""
-    return frozenset(e for e in SUBJECT_EVENTS if caps.preempts or not e.startswith("preempt"))
+__all__ = ["Finding", "InvalidOp", "SubjectDriver", "expected_events"]
 
 
 class SubjectDriver:
@@ -119,26 +65,8 @@ class SubjectDriver:
         self.on_event = on_event or (lambda name: None)
         self.ops = 0
 
-    # -- calling the subject ---------------------------------------------------------------------
-    def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-        try:
-            with _watchdog(CALL_LIMIT_S):
-                return fn(*args)
-        except (Finding, InvalidOp):
-            raise
-        except _Hung:
-            raise Finding(
-                "subject-hung",
-                f"{what}{args!r:.120} did not return within {CALL_LIMIT_S:.0f} s (a loop that never ends)",
-                traceback.format_exc(),
-            ) from None
-        except Exception as e:  # the subject failed inside its own code: a finding, not our crash
-            raise Finding(
-                f"subject-raised:{type(e).__name__}", f"{what}{args!r:.120}: {e}", traceback.format_exc()
-            ) from e
-
     def view(self) -> View:
-        view: View = self._call("view", self.subject.view)
+        view: View = call_subject("view", self.subject.view)
         return view
 
     # -- operations ------------------------------------------------------------------------------
@@ -177,7 +105,7 @@ class SubjectDriver:
             )
         if div_ceil(len(tokens) + max_tokens - 1, self.caps.page_size) > self.config.num_pages:
             raise InvalidOp(f"submit: uid {uid} can never fit the pool of {self.config.num_pages} pages")
-        self._call("submit", self.subject.submit, uid, list(tokens), max_tokens)
+        call_subject("submit", self.subject.submit, uid, list(tokens), max_tokens)
         self.known.add(uid)
         self.arrival[uid] = len(self.arrival)
         self.witness.tokens[uid] = list(tokens)
@@ -248,7 +176,7 @@ class SubjectDriver:
             raise InvalidOp(f"abort: uid {uid} is neither waiting nor running")
         if uid in self.waiting and uid in self.live:
             self.on_event("abort: mid-prefill")
-        self._call("abort", self.subject.abort, uid)
+        call_subject("abort", self.subject.abort, uid)
         self._forget(uid)
         return OpResult()
 
@@ -260,7 +188,7 @@ class SubjectDriver:
         evictable = sum(len(e.locations) for e in self.view().cached if not e.lock)
         if tokens > evictable:
             raise InvalidOp(f"evict: {tokens} tokens asked, {evictable} evictable")
-        return OpResult(evicted_tokens=self._call("evict", self.subject.evict, tokens))
+        return OpResult(evicted_tokens=call_subject("evict", self.subject.evict, tokens))
 
     def probe(self, tokens: Sequence[int]) -> OpResult:
         raise InvalidOp("probe: not an operation a subject is driven with")
@@ -271,7 +199,7 @@ class SubjectDriver:
 
     def _admit(self, uid: int, budget: int) -> int | None:
         before = self.view() if self.check else None
-        hit = self._call("admit", self.subject.admit, uid, budget)
+        hit = call_subject("admit", self.subject.admit, uid, budget)
         if hit is None:
             self.on_event("admission: refused")
             if before is not None and _state(self.view()) != _state(before):
@@ -287,50 +215,22 @@ class SubjectDriver:
                 f"has {len(tokens)}: a hit must leave the last prompt token to compute",
             )
         if hit and before is not None:
-            self._note_hit(uid, hit, before)
+            mid_prefill = {u for u in self.live if u in self.waiting and u != uid}
+            for event in hit_events(uid, hit, before, self.view(), self.witness, mid_prefill, self.caps.page_size):
+                self.on_event(event)
         self.live.add(uid)
         self.admitted[uid] = self.admissions  # the newest admission is the first victim, as running[-1] is
         self.admissions += 1
         self.witness.computed[uid] = hit
         return hit
 
-    def _note_hit(self, uid: int, hit: int, before: View) -> None:
-        ps = self.caps.page_size
-        self.on_event("hit: prefix hit")
-        tokens = self.witness.tokens[uid]
-        hit_pages = {int(loc) // ps for loc in self.view().requests.get(uid, [])[:hit]}
-        held_before = {int(loc) // ps for row in before.requests.values() for loc in row}
-        if hit_pages - held_before:
-            self.on_event("hit: re-hit of cached pages no request holds")
-        mid_prefill = {u for u in self.live if u in self.waiting and u != uid}
-        if any(hit_pages & {int(loc) // ps for loc in before.requests.get(u, [])} for u in mid_prefill):
-            self.on_event("hit: on a request still mid-prefill")
-        for entry in before.cached:
-            prefix = self._claimed(entry)
-            common = _shared(prefix, tokens)
-            start = len(prefix) - len(entry.locations)
-            if common >= len(tokens) or common >= len(prefix):
-                continue
-            if start < common and common % ps:
-                self.on_event("hit: diverges inside a cached page")
-            # a radix edge whose first page matched; a block chain whose first blocks matched
-            elif common >= start + ps if entry.tokens is not None else common == start >= ps:
-                self.on_event("hit: diverges after the first page of a cached entry")
-
-    def _claimed(self, entry: CachedEntry) -> Sequence[int]:
-        """The token prefix a cache entry stands for: its path (radix) or what its KV was written for."""
-        if entry.tokens is not None:
-            return entry.tokens
-        found = self.witness.written.get(int(entry.locations[-1])) if entry.locations else None
-        return self.witness.prefixes.get(found[0], ()) if found else ()
-
     def _allocate(self, uid: int, start: int, end: int) -> bool:
         """Locations for [start, end) of `uid`, preempting the newest live request while the
         subject preempts and finds no room. False: nothing allocated (the request does not run)."""
         while True:
             before = self.view() if self.check else None
-            if self._call("allocate", self.subject.allocate, uid, start, end):
-                if before is not None and _full_with_locks(before, self.caps.page_size):
+            if call_subject("allocate", self.subject.allocate, uid, start, end):
+                if before is not None and full_with_locks(before, self.caps.page_size):
                     self.on_event("allocate: full pool with locked entries")
                 return True
             if self.caps.worst_case_admission:
@@ -352,7 +252,7 @@ class SubjectDriver:
     def _preempt(self, uid: int) -> None:
         self.on_event("preempt: a running request preempted")
         self.victims.append(uid)
-        self._call("preempt", self.subject.preempt, uid)
+        call_subject("preempt", self.subject.preempt, uid)
         self.live.discard(uid)
         self.witness.computed.pop(uid, None)
         if uid in self.running:
@@ -390,7 +290,7 @@ class SubjectDriver:
             if end == len(tokens):
                 token = int(sample[sampled % len(sample)]) if sample else 0
                 sampled += 1
-            self._call("computed", self.subject.computed, uid, start, end, token)
+            call_subject("computed", self.subject.computed, uid, start, end, token)
             self.witness.wrote(row[start:end], tokens, start)
             self.witness.computed[uid] = end
             if token is None:
@@ -406,7 +306,7 @@ class SubjectDriver:
             self._end(uid)
 
     def _end(self, uid: int) -> None:
-        self._call("finish", self.subject.finish, uid)
+        call_subject("finish", self.subject.finish, uid)
         self._forget(uid)
 
     def _forget(self, uid: int) -> None:
@@ -416,10 +316,6 @@ class SubjectDriver:
         self.live.discard(uid)
         self.witness.computed.pop(uid, None)
         self.preempted.discard(uid)
-
-
-def _shared(a: Sequence[int], b: Sequence[int]) -> int:
-    return len(os.path.commonprefix([list(a), list(b)]))
 
 
 def _state(view: View) -> Tuple[Any, ...]:
@@ -435,15 +331,6 @@ def _state(view: View) -> Tuple[Any, ...]:
         sorted((view.page_refs or {}).items()),
         sorted(view.counters.items()),
     )
-
-
-def _full_with_locks(view: View, page_size: int) -> bool:
-    """No page is free and uncached (the allocation must evict), while some cached entry is in use."""
-    cached = {int(loc) // page_size for e in view.cached for loc in e.locations}
-    if set(map(int, view.free)) - cached:
-        return False
-    held = {int(loc) // page_size for row in view.requests.values() for loc in row}
-    return any(e.lock for e in view.cached) or bool(cached & held)
 
 
 def drive(subject: Subject, config: SubjectConfig, ops: Sequence[TraceLine]) -> tuple[Finding | None, SubjectDriver]:

@@ -49,7 +49,9 @@ def fuzz_shard(
     `bug`, else reference against fast with fast's zoo bug `bug`); stops at the first finding."""
     import torch
 
-    from kvledger.checker.fuzz import TargetRecipe, as_json, play_case, workload_for
+    from kvledger.checker.fuzz import TargetRecipe
+    from kvledger.checker.fuzz_case import as_json, play_case
+    from kvledger.checker.workloads import workload_for
     from kvledger.reference import events
 
     torch.set_num_threads(1)
@@ -222,7 +224,8 @@ def merge_fuzz(
     minimize_replays: Optional[int],
 ) -> Tuple[str, int]:
     """The merged result and the exit status (1: a finding, 2: a task that did not finish)."""
-    from kvledger.checker.fuzz import TargetRecipe, WorkerFailure, handle_failure, workload_for
+    from kvledger.checker.fuzz import TargetRecipe, WorkerFailure, handle_failure
+    from kvledger.checker.workloads import workload_for
 
     totals = {"ops": 0, "cases": 0, "preemptions": 0, "optimistic_cases": 0}
     reached: Set[str] = set()

@@ -136,7 +136,7 @@ def run_case(
 ) -> Any:
     """Case `seed` on a subject built by `factory` (the fuzzer's case, for tests and the
     minimizer's search of short cases): a `CaseOutcome` with its config, operations and finding."""
-    from kvledger.checker.fuzz import play_case
+    from kvledger.checker.fuzz_case import play_case
 
     workload = SubjectWorkload(SubjectTarget(factory, "subject", page_sizes=page_sizes), max_ops)
     return play_case(workload, 0, seed)

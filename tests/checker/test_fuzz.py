@@ -7,6 +7,7 @@ import pytest
 
 from kvledger.checker.fuzz import format_summary, fuzz
 from kvledger.checker.lockstep_walk import PAGE_SIZES, RESERVE_RATIOS, case_seed, case_trace, make_case, walk
+from kvledger.checker.workloads import workload_for
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler
 from kvledger.engine.ledger.ops import Submit
 from kvledger.engine.ledger.trace import read
@@ -146,7 +147,7 @@ def test_an_operation_past_its_time_limit_is_a_hang():
     method looping forever) instead of hanging the worker."""
     import time
 
-    from kvledger.checker.fuzz import OpTimeout, limited_steps
+    from kvledger.checker.fuzz_case import OpTimeout, limited_steps
 
     def steps():
         yield
@@ -201,7 +202,7 @@ def test_fuzz_reports_a_hang_with_its_trace(tmp_path, monkeypatch):
     hang = [m for m in inbox.items if isinstance(m, fz.WorkerFailure) and m.kind == "hang"]
     assert len(hang) == 1 and "ran past 0.5 s" in hang[0].detail
     target = lockstep_target()
-    failure = fz.handle_failure(hang[0], target, fz.workload_for(target), tmp_path, 0, 1.0, progress=False)
+    failure = fz.handle_failure(hang[0], target, workload_for(target), tmp_path, 0, 1.0, progress=False)
     assert failure.kind == "hang" and failure.trace_path.exists()
     result = fz.FuzzResult(10, 0, 1.0, 1, 0, failures=[failure])
     assert result.exit_code == 1 and "HANG" in fz.format_summary(result)

@@ -223,7 +223,9 @@ def run_fuzz(target: Any, cases: int, work: Path, cap_s: float = FUZZ_CAP_S) -> 
     """The fuzzer's first `cases` cases on `target` (seed 0, worker 0 of 1, in this process;
     `cap_s`: a safety net); the first finding is written and minimized under `work` (within the
     workload's `zoo_minimize` budget)."""
-    from kvledger.checker.fuzz import WorkerFailure, handle_failure, play_case, workload_for
+    from kvledger.checker.fuzz import WorkerFailure, handle_failure
+    from kvledger.checker.fuzz_case import play_case
+    from kvledger.checker.workloads import workload_for
     from kvledger.reference import events
 
     workload = workload_for(target)
@@ -291,7 +293,7 @@ def run_zoo(
     """A row for each bug of `target`'s zoo (those of `names`, if given); `cases` (default: the
     workload's zoo budget) fuzz cases each, 0 to skip the fuzzer; the CI profile's first
     `sequences` sequences for a lockstep target."""
-    from kvledger.checker.fuzz import workload_for
+    from kvledger.checker.workloads import workload_for
 
     log = log or _log.info
     cases = workload_for(target).zoo_cases if cases is None else cases
@@ -373,7 +375,7 @@ def main_zoo(
 ) -> int:
     """`fuzz_seconds` and `hypothesis_seconds` are safety caps (a fuzz_seconds of 0 skips the
     fuzzer, as before); `sequences` and `cases` are the budgets that decide."""
-    from kvledger.checker.fuzz import workload_for
+    from kvledger.checker.workloads import workload_for
 
     known = [name for name, _, _ in zoo_targets(target)]
     names = known if not bugs else [b.strip() for b in bugs.split(",") if b.strip()]

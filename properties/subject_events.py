@@ -1,0 +1,85 @@
+"""The rare states judge mode must reach, and how an operation's View shows one was reached.
+
+`kvledger check` and the fuzzer report the first sequence (or case) that reached each; a state a
+subject's capabilities rule out is not expected of it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import FrozenSet, List, Sequence, Set
+
+from kvledger.properties.subject import CachedEntry, Capabilities, View
+from kvledger.properties.subject_judge import Witness
+
+# the rare states every subject's generator must reach (kvledger check reports the first sequence)
+SUBJECT_EVENTS = frozenset(
+    {
+        "hit: prefix hit",
+        "hit: diverges inside a cached page",
+        "hit: diverges after the first page of a cached entry",
+        "hit: re-hit of cached pages no request holds",
+        "hit: on a request still mid-prefill",
+        "admission: refused",
+        "prefill: chunked",
+        "allocate: full pool with locked entries",
+        "preempt: a running request preempted",
+        "abort: mid-prefill",
+        "driver: idle after work",
+    }
+)
+
+
+def expected_events(caps: Capabilities) -> FrozenSet[str]:
+    """The rare states a subject with these capabilities can reach."""
+    return frozenset(e for e in SUBJECT_EVENTS if caps.preempts or not e.startswith("preempt"))
+
+
+def hit_events(
+    uid: int, hit: int, before: View, after: View, witness: Witness, mid_prefill: Set[int], page_size: int
+) -> List[str]:
+    """The rare states an admission with a prefix hit of `hit` tokens reached: `before` and `after`
+    are the subject's View around the admission, `mid_prefill` the other requests admitted but
+    still prefilling."""
+    ps = page_size
+    events = ["hit: prefix hit"]
+    tokens = witness.tokens[uid]
+    hit_pages = {int(loc) // ps for loc in after.requests.get(uid, [])[:hit]}
+    held_before = {int(loc) // ps for row in before.requests.values() for loc in row}
+    if hit_pages - held_before:
+        events.append("hit: re-hit of cached pages no request holds")
+    if any(hit_pages & {int(loc) // ps for loc in before.requests.get(u, [])} for u in mid_prefill):
+        events.append("hit: on a request still mid-prefill")
+    for entry in before.cached:
+        prefix = _claimed(entry, witness)
+        common = _shared(prefix, tokens)
+        start = len(prefix) - len(entry.locations)
+        if common >= len(tokens) or common >= len(prefix):
+            continue
+        if start < common and common % ps:
+            events.append("hit: diverges inside a cached page")
+        # a radix edge whose first page matched; a block chain whose first blocks matched
+        elif common >= start + ps if entry.tokens is not None else common == start >= ps:
+            events.append("hit: diverges after the first page of a cached entry")
+    return events
+
+
+def _claimed(entry: CachedEntry, witness: Witness) -> Sequence[int]:
+    """The token prefix a cache entry stands for: its path (radix) or what its KV was written for."""
+    if entry.tokens is not None:
+        return entry.tokens
+    found = witness.written.get(int(entry.locations[-1])) if entry.locations else None
+    return witness.prefixes.get(found[0], ()) if found else ()
+
+
+def full_with_locks(view: View, page_size: int) -> bool:
+    """No page is free and uncached (the allocation must evict), while some cached entry is in use."""
+    cached = {int(loc) // page_size for e in view.cached for loc in e.locations}
+    if set(map(int, view.free)) - cached:
+        return False
+    held = {int(loc) // page_size for row in view.requests.values() for loc in row}
+    return any(e.lock for e in view.cached) or bool(cached & held)
+
+
+def _shared(a: Sequence[int], b: Sequence[int]) -> int:
+    return len(os.path.commonprefix([list(a), list(b)]))
