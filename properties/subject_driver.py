@@ -202,9 +202,13 @@ class SubjectDriver:
         hit = call_subject("admit", self.subject.admit, uid, budget)
         if hit is None:
             self.on_event("admission: refused")
-            if before is not None and _state(self.view()) != _state(before):
+            after = self.view() if before is not None else None
+            if before is not None and after is not None and _state(after) != _state(before):
+                from kvledger.properties.subject_state_diff import describe_change  # only on this failure path
+
                 raise Finding(
-                    "4-failed-admission", f"refusing uid {uid} changed the subject's free list, rows, cache or counts"
+                    "4-failed-admission",
+                    f"refusing uid {uid} changed the subject's state: {describe_change(before, after)}",
                 )
             return None
         tokens = self.witness.tokens[uid]
