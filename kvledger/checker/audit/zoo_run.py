@@ -378,6 +378,16 @@ def main_zoo(
     from kvledger.checker.workloads import workload_for
 
     known = [name for name, _, _ in zoo_targets(target)]
+    if not known:
+        print(
+            f"kvledger zoo: {target.name} has no planted bugs, so there is nothing to catch. A builtin "
+            "adapter declares its zoo as ZOO, a tuple of SourceEdit (kvledger/subjects/*_zoo.py); for your "
+            "own subject, put each planted bug behind a factory of its own (package.module:with_bug) and run "
+            "`kvledger check --subject package.module:with_bug` and `kvledger fuzz` on it, which must fail: "
+            "see 'Planting bugs in your subject' in docs/checking-your-cache-manager.md",
+            file=sys.stderr,
+        )
+        return 2
     names = known if not bugs else [b.strip() for b in bugs.split(",") if b.strip()]
     unknown = [n for n in names if n not in known]
     if unknown:
