@@ -24,8 +24,12 @@ judge mode (the judge after every operation); their key is the driver's bookkeep
 subject's View, see `explore_state.subject_key`. A subject's crash is a finding with a trace.
 
 The search stops when the frontier is empty (the scope is *exhausted*), at `max_depth` or
-`max_states` (cut), at the first finding (unless all kinds are collected), or on Ctrl-C (the
-result so far is reported). Decisions never read the clock: the clock only feeds states/s.
+`max_states` (cut), at the first finding (unless all kinds are collected), on Ctrl-C or SIGTERM
+(the command turns it into Ctrl-C), or past a `seconds` safety cap: a cut run's report is marked
+partial, with the states explored and the depth reached. Apart from that cap, decisions never read
+the clock: it feeds states/s and, without a progress bar, a progress line on stderr every
+PROGRESS_EVERY_S seconds. A scope in which no request can be admitted is explored (and exhausted)
+all the same, with a warning in the report.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from kvledger.properties.target import LockstepTarget, SubjectRun, SubjectTarget
 
 log = logging.getLogger(__name__)
 PATHS = ("copy", "replay")
+PROGRESS_EVERY_S = 10.0
 Op = OpRecord  # a successor's operation, as the counterexample's trace writes it
 
 
@@ -91,13 +96,19 @@ class ExploreResult:
     transitions: int = 0  # operations applied that the model accepted
     depth: int = 0  # the deepest state stored
     exhausted: bool = False  # the frontier ran empty: every reachable state was visited
-    cut: Optional[str] = None  # why it stopped early: "depth", "states", "finding", "interrupted"
+    cut: Optional[str] = None  # why it stopped early: "depth", "states", "finding", "interrupted", "seconds"
     seconds: float = 0.0
     peak_rss_mb: float = 0.0
     start_rss_mb: float = 0.0
     keys: int = 0
     per_depth: List[int] = field(default_factory=list)  # new states at each depth
     findings: List[Counterexample] = field(default_factory=list)
+    warnings: List[str] = field(default_factory=list)  # what makes the result mean less than it says
+
+    @property
+    def partial(self) -> bool:
+        """Cut short of the scope by a limit or a signal (a finding's cut is the search's answer)."""
+        return self.cut is not None and self.cut != "finding"
 
     @property
     def states_per_s(self) -> float:
@@ -324,6 +335,24 @@ def _bar(enabled: Optional[bool], desc: str) -> Any:
     return tqdm(desc=desc, unit="state", file=sys.stderr)
 
 
+class _Lines:
+    """Progress without a terminal (a CI log, a file): a line on stderr every PROGRESS_EVERY_S seconds."""
+
+    def __init__(self, desc: str) -> None:
+        self.desc, self.start = desc, time.perf_counter()
+        self.last = self.start
+
+    def tick(self, depth: int, states: int, frontier: int) -> None:
+        now = time.perf_counter()
+        if now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            print(
+                f"{self.desc}: {states:,} states, depth {depth}, frontier {frontier:,}, {now - self.start:.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
 class _Tree:
     """Every stored state as (parent, operation): a state's path is read back by walking up."""
 
@@ -362,16 +391,20 @@ def search(
     all_kinds: bool = False,
     progress: Optional[bool] = None,
     max_kept: int = 200_000,
+    seconds: Optional[float] = None,
 ) -> ExploreResult:
     """Breadth-first search with `backend` (LockstepBackend or SubjectBackend), filling `result`.
     `all_kinds`: go on after a finding, collecting the shortest counterexample of every kind.
-    `max_kept`: states kept as objects on the frontier (copy path); the rest are rebuilt by replay."""
+    `max_kept`: states kept as objects on the frontier (copy path); the rest are rebuilt by replay.
+    `progress`: a tqdm bar (None: when stderr is a terminal, else progress lines; False: neither).
+    `seconds`: a safety cap on wall time (a cut "seconds": the report is partial)."""
     start = time.perf_counter()
     result.start_rss_mb = _rss_mb()
     seen: Set[StateKey] = set()
     tree = _Tree()
     found: Dict[str, Counterexample] = {}
     bar = _bar(progress, f"explore {scope.name}")
+    lines = _Lines(f"explore {scope.name}") if bar is None and progress is None else None
     stop: Optional[str] = None
     frontier: List[Tuple[int, Any]] = []
     depth = 0
@@ -433,6 +466,10 @@ def search(
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(depth=depth, states=len(tree), frontier=len(nxt), refresh=False)
+                elif lines is not None:
+                    lines.tick(depth, len(tree), len(nxt))
+                if stop is None and seconds is not None and time.perf_counter() - start >= seconds:
+                    stop = "seconds"
                 if stop is not None:
                     break
             if nxt:
@@ -471,10 +508,11 @@ def explore(
     all_kinds: bool = False,
     out_dir: Optional[Union[str, Path]] = None,
     progress: Optional[bool] = None,
+    seconds: Optional[float] = None,
 ) -> ExploreResult:
     """Explore `scope` (see the module docstring) on `target`, or on the one `bug` (a zoo bug of
     fast) or `subject` (a spec, with `edits`) names. Counterexamples are written under `out_dir`
-    when it is given."""
+    when it is given, named after the bug (`clean` without one)."""
     from kvledger.checker.targets import lockstep_target, subject_target
 
     if target is None:
@@ -486,14 +524,16 @@ def explore(
     else:
         backend = LockstepBackend(scope, path, canonical, target)
         mode = "lockstep"
-    # a subject's bug is in its edits: counterexamples are named as a clean run's, and replayed as such
-    result = ExploreResult(scope, mode, path, canonical, merge, target.bug if mode == "lockstep" else None)
+    result = ExploreResult(scope, mode, path, canonical, merge, target.bug)
+    never = scope.never_admits()
+    if never is not None:
+        result.warnings.append(never)
+        log.warning("scope %s: %s", scope.name, never)
     with target.active():
-        search(backend, scope, result, merge=merge, all_kinds=all_kinds, progress=progress)
+        search(backend, scope, result, merge=merge, all_kinds=all_kinds, progress=progress, seconds=seconds)
     result.path = backend.path
     if out_dir is not None:
         write_findings(result, backend.header_for_trace(), Path(out_dir))
-    result.bug = target.bug
     return result
 
 
@@ -512,6 +552,8 @@ def format_result(result: ExploreResult) -> str:
     """The report `kvledger explore` prints on stdout."""
     r = result
     status = "exhausted" if r.exhausted else f"cut ({r.cut})"
+    if r.partial:
+        status += f": PARTIAL, not exhausted ({r.states:,} states explored, depth {r.depth} reached)"
     lines = [
         f"scope {r.scope.name}: {r.mode}, {r.path} path, "
         + ("canonical keys" if r.canonical else "plain keys")
@@ -524,6 +566,7 @@ def format_result(result: ExploreResult) -> str:
         f"({r.keys * 16 / 2**20:.1f} MiB of digests)",
         "new states per depth: " + " ".join(map(str, r.per_depth)),
     ]
+    lines.extend(f"WARNING: {w}" for w in r.warnings)
     if not r.findings:
         lines.append("no divergence" + (" in the whole scope" if r.exhausted else " up to the cut"))
     for f in r.findings:
@@ -531,7 +574,7 @@ def format_result(result: ExploreResult) -> str:
         for op in f.ops:
             lines.append(f"    {op.to_json()}")
         if f.trace_path is not None:
-            extra = f" --bug {r.bug}" if r.bug and r.mode == "lockstep" else ""
+            extra = f" --bug {r.bug}" if r.bug else ""
             lines.append(f"  trace: {f.trace_path}\n  replay it: kvledger replay {f.trace_path}{extra}")
     return "\n".join(lines)
 

@@ -67,6 +67,24 @@ class Scope:
         need = max(map(len, self.prompts)) + max(self.max_tokens)
         return -(-need // self.page_size) * self.page_size
 
+    def never_admits(self) -> Optional[str]:
+        """Why no request of this scope can ever be admitted, or None. A lower bound on what the
+        smallest request needs: its prompt's pages (and, under reserve admission, the KV of every
+        token it may generate but the last), against the whole pool."""
+        reserve = self.admission == "reserve"
+        need, prompt, most = min(
+            (-(-(len(p) + (m - 1 if reserve else 0)) // self.page_size), p, m)
+            for p in self.prompts
+            for m in self.max_tokens
+        )
+        if need <= self.num_pages:
+            return None
+        what = f"prompt {list(prompt)} with max_tokens {most}" if reserve else f"prompt {list(prompt)}"
+        return (
+            f"no request can ever be admitted: the smallest, {what}, needs {need} pages under "
+            f"{self.admission} admission and the pool has {self.num_pages}"
+        )
+
     @property
     def probe_prompts(self) -> Tuple[Prompt, ...]:
         return self.probes or self.prompts

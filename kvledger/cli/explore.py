@@ -3,12 +3,16 @@
 A named scope (`--scope ci|small|large|bug-...`) or its parameters one by one (each flag overrides
 the named scope's value). The report (stdout): the scope, states, transitions, depth, exhausted or
 cut, states/s and memory, and each divergence's shortest counterexample, written as a trace that
-`kvledger replay` and `kvledger show` read. Exit 0: no divergence; 1: a divergence; 2: bad usage."""
+`kvledger replay` and `kvledger show` read. Progress goes to stderr (a bar on a terminal, else a line
+every 10 s). Ctrl-C, SIGTERM or `--seconds` stop the search and print the report so far, marked
+PARTIAL. Exit 0: no divergence; 1: a divergence; 2: bad usage."""
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+from types import FrameType
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -54,6 +58,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-merge", action="store_true", help="no state merging at all (a plain tree search)")
     p.add_argument("--all-kinds", action="store_true", help="go on after a divergence: every kind's shortest one")
     p.add_argument("--out-dir", default=".kvledger/explore", metavar="DIR", help="where counterexamples go")
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help="a safety cap on wall time: stop there and report the states so far as PARTIAL (--max-states decides)",
+    )
     p.set_defaults(func=run)
 
 
@@ -119,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
     except (SpecError, SubjectUnavailable, KeyError) as e:
         print(f"kvledger explore: {e}", file=sys.stderr)
         return 2
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # a timeout's SIGTERM reports as Ctrl-C does
     try:
         result = explore(
             scope,
@@ -128,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
             merge=not args.no_merge,
             all_kinds=args.all_kinds,
             out_dir=args.out_dir,
+            seconds=args.seconds,
         )
     except KeyError as e:  # an unknown zoo bug
         print(f"kvledger explore: {e.args[0]}", file=sys.stderr)
@@ -135,5 +147,13 @@ def run(args: argparse.Namespace) -> int:
     except SubjectUnavailable as e:
         print(f"kvledger explore: {e}", file=sys.stderr)
         return 2
-    print(format_result(result))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    for warning in result.warnings:
+        print(f"kvledger explore: WARNING: {warning}", file=sys.stderr)
+    print(format_result(result), flush=True)
     return result.exit_code
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
