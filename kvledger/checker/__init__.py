@@ -4,6 +4,9 @@ An adapter author imports everything from here:
 
     from kvledger.checker import CachedEntry, Capabilities, Subject, SubjectConfig, View
 
+and a project's tests check it with `check_subject` (failing with a `SubjectFinding`), or with the
+`kvledger_check` fixture of kvledger's pytest plugin (`kvledger.checker.pytest_plugin`).
+
 The protocol and the judge live in the checker's core (`kvledger.properties`); this package holds
 the commands written over it (check, fuzz, minimize, replay, show, explore, zoo, campaigns) and,
 under `audit/`, what measures the checker itself (zoo runs, mutation, coverage, benchmarks).
@@ -15,6 +18,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvledger.checker.testing import SubjectFinding, check_subject
     from kvledger.properties.subject import (
         CachedEntry,
         Capabilities,
@@ -39,6 +43,8 @@ _HOMES = {
     "SubjectUnavailable": "kvledger.properties.subject",
     "View": "kvledger.properties.subject",
     "judge": "kvledger.properties.subject_judge",
+    "check_subject": "kvledger.checker.testing",
+    "SubjectFinding": "kvledger.checker.testing",
 }
 
 
@@ -55,7 +61,9 @@ __all__ = [
     "Subject",
     "SubjectConfig",
     "SubjectFactory",
+    "SubjectFinding",
     "SubjectUnavailable",
     "View",
+    "check_subject",
     "judge",
 ]
