@@ -14,7 +14,10 @@ from typing import Any, Dict
 from hypothesis import settings
 
 PROFILES: Dict[str, Dict[str, Any]] = {
-    # derandomized (Hypothesis then keeps no example database); failures are kept as traces
+    # derandomized (Hypothesis then keeps no example database); failures are kept as traces.
+    # max_examples counts valid sequences: Hypothesis discards one in which no rule is enabled or
+    # whose draws overrun its buffer, and a run's "N sequences" counts those too. Judge mode
+    # (--subject) replaces the count and step count with subject_machine.SUBJECT_EXAMPLES/_STEPS.
     "ci": dict(derandomize=True, max_examples=1500, stateful_step_count=60, deadline=None, print_blob=True),
     "deep": dict(max_examples=5000, stateful_step_count=120, deadline=None),
     "dev": dict(max_examples=40, stateful_step_count=30, deadline=None),
