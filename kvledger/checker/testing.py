@@ -49,8 +49,9 @@ def as_target(subject: SubjectLike) -> SubjectTarget:
         from kvledger.checker.targets import subject_target
 
         return subject_target(subject)
+    # the spec text a module-level factory is replayed by; a lambda's or a local's name only labels the trace
     name = f"{getattr(subject, '__module__', 'subject')}:{getattr(subject, '__qualname__', 'factory')}"
-    return SubjectTarget(subject, name)
+    return SubjectTarget(subject, re.sub(r"[^\w.:]", "_", name))
 
 
 def check_subject(
@@ -63,22 +64,24 @@ def check_subject(
     out_dir: Optional[Union[str, Path]] = None,
     minimize_budget: float = 30.0,
 ) -> str:
-    """Run `profile` (`examples` sequences instead of the profile's) on `subject`, then
-    `fuzz_cases` fuzz cases of seed `seed`; return the run's report, or raise `SubjectFinding`
+    """Run `profile` (`examples` sequences instead of the profile's; 0 skips it) on `subject`,
+    then `fuzz_cases` fuzz cases of seed `seed`; return the run's report, or raise `SubjectFinding`
     with the first failure, minimized and written under `out_dir` (a fresh temporary folder when
     None). Counts decide, never time: the same arguments give the same result on any machine."""
     from kvledger.checker.check import run_check
 
     target = as_target(subject)
     out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="kvledger-check-"))
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        code = run_check(target, profile, examples, out, minimize_budget)
-    report = printed.getvalue()
-    if code == 1:
-        raise _from_check_report(report)
-    if code != 0:
-        raise RuntimeError(f"kvledger check on {target.name} exited {code}:\n{report}")
+    report = ""
+    if examples != 0:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            code = run_check(target, profile, examples, out, minimize_budget)
+        report = printed.getvalue()
+        if code == 1:
+            raise _from_check_report(report)
+        if code != 0:
+            raise RuntimeError(f"kvledger check on {target.name} exited {code}:\n{report}")
     if fuzz_cases > 0:
         report += _fuzz(target, fuzz_cases, seed, out / "fuzz", minimize_budget)
     return report
@@ -115,7 +118,8 @@ def _fuzz(target: SubjectTarget, cases: int, seed: int, out: Path, budget: float
             if f is None:
                 continue
             failure = WorkerFailure(0, k, outcome.seed, asdict(outcome.header), outcome.ops, f.kind, f.message, f.step)
-            found = handle_failure(failure, target, workload, out, seed, budget, False)
+            # the zoo's cap on replays, so a count, not the clock, ends the minimizer's search
+            found = handle_failure(failure, target, workload, out, seed, budget, False, workload.zoo_minimize[1])
             path = found.minimized_path or found.trace_path
             _, ops = trace.read(path)
             lines = [json.dumps(as_record(op).to_json()) for op in ops]

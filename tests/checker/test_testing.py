@@ -32,6 +32,19 @@ def test_a_planted_leak_fails_with_the_minimized_trace(tmp_path):
     assert "[1-2-partition]" in str(finding) and finding.ops[0] in str(finding)
 
 
+def skips_ref(config):
+    return toy_block_subject.ToyBlockCache(config, bug="hit-skips-ref")
+
+
+def test_a_seeded_fuzz_finds_what_the_profile_was_not_asked_to(tmp_path):
+    with pytest.raises(SubjectFinding) as caught:
+        check_subject(skips_ref, examples=0, fuzz_cases=5, seed=0, out_dir=tmp_path, minimize_budget=4.0)
+    finding = caught.value
+    assert finding.kind == "1-2-partition" and 1 <= len(finding.ops) <= 6
+    assert finding.trace_path.parent == tmp_path / "fuzz" and finding.trace_path.name.endswith(".min.jsonl")
+    assert finding.replay == f"kvledger replay {finding.trace_path}"
+
+
 def test_the_fixture_fails_a_maintainers_test_with_the_trace(pytester):
     pytester.makepyfile(
         """
@@ -44,7 +57,9 @@ def test_the_fixture_fails_a_maintainers_test_with_the_trace(pytester):
             kvledger_check(toy_block_subject.leaky, examples=10)
         """
     )
-    result = pytester.runpytest_inprocess("-p", "kvledger.checker.pytest_plugin", "-p", "no:cacheprovider")
+    # the plugin by its module, whether or not this install registered its entry point
+    plugin = ("-p", "no:kvledger", "-p", "kvledger.checker.pytest_plugin")
+    result = pytester.runpytest_inprocess(*plugin, "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*SubjectFinding*[1-2-partition]*", "*minimized trace, * operations:*"])
     result.stdout.fnmatch_lines(["*kvledger replay *leaky-1-2-partition.jsonl*"])
