@@ -41,7 +41,7 @@ def test_a_failure_the_reference_raises_keeps_its_operation_in_the_trace(tmp_pat
     with shared(SHARED_BUG):
         lock, err = _run_until_divergence(header, ops)
         assert err is not None and err.kind == "reference-invariant:4-failed-admission"
-        assert lock.ops[-1] == err.op == ops[err.step - 1] and len(lock.ops) == err.step
+        assert lock.ops[-1] == ops[err.step - 1] and lock.ops[-1].to_json() == err.op and len(lock.ops) == err.step
         saved = tmp_path / "failure.jsonl"
         trace.write(saved, header, lock.ops)
         with pytest.raises(Finding) as replayed:
@@ -49,7 +49,7 @@ def test_a_failure_the_reference_raises_keeps_its_operation_in_the_trace(tmp_pat
         assert replayed.value.kind == err.kind and replayed.value.step == len(lock.ops)
         m_header, m_ops, fingerprint = minimize(header, lock.ops, budget=math.inf, max_replays=300)
     assert fingerprint == err.kind and len(m_ops) <= len(lock.ops)
-    assert m_ops[-1]["op"] == "prefill"
+    assert m_ops[-1].to_json()["op"] == "prefill"
 
 
 def test_an_invalid_operation_is_not_kept():

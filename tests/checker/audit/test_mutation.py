@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvledger.tools import mutation
+from kvledger.checker.audit import mutation
 
 # the first three mutants of align_down (`return a - a % b`), by operator name: - becomes +, &, |
 EQUIVALENTS = """\
