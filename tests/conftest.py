@@ -18,6 +18,7 @@ import pytest  # noqa: E402
 from kvledger.properties.profiles import register_profiles  # noqa: E402
 from kvledger.reference import events  # noqa: E402
 from tests.support.impls import IMPLS  # noqa: E402
+from tests.support.ray_cluster import ray_cluster  # noqa: E402, F401 (one session fixture)
 
 register_profiles()  # ci, deep, dev; loads $HYPOTHESIS_PROFILE (default ci)
 

@@ -1,4 +1,6 @@
-"""A real Ray cluster fixture for the campaign tests (tests/campaign and tests/checker conftests import it)."""
+"""A real Ray cluster fixture for the campaign tests. tests/conftest.py imports it once: a fixture
+defined in two conftests is two session fixtures, and the second would start Ray again in the same
+process."""
 
 import os
 
