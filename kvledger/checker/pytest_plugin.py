@@ -1,10 +1,13 @@
-"""kvledger's pytest plugin (entry point `pytest11`): the `kvledger_check` fixture, which runs
+"""kvledger's pytest plugin: the `kvledger_check` fixture, which runs
 `kvledger.checker.testing.check_subject` with the test's `tmp_path` as the folder of the traces.
 
-pytest loads this module in every session on a machine where kvledger is installed, so it imports
-nothing at load time: the checker (Hypothesis, numpy) loads when a test first asks for the fixture.
+A project opts in with `pytest_plugins = ["kvledger.checker.pytest_plugin"]` in its conftest.py. It
+is deliberately not a `pytest11` entry point: pytest rewrites the asserts of every module of a
+distribution that registers one, which would change the bytecode of kvledger's own cache managers
+(fast's zoo rebuilds their methods from source and compares) in every pytest session on the machine.
+The module imports nothing at load time: the checker (Hypothesis, numpy) loads when a test first asks for the fixture.
 It holds no literal either: a derandomized Hypothesis run draws from the constants of every loaded
-local module, and this one is loaded in kvledger's own test sessions too.
+local module.
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ def test_a_seeded_fuzz_finds_what_the_profile_was_not_asked_to(tmp_path):
 
 
 def test_the_fixture_fails_a_maintainers_test_with_the_trace(pytester):
+    pytester.makeconftest('pytest_plugins = ["kvledger.checker.pytest_plugin"]')  # as the docs say
     pytester.makepyfile(
         """
         from tests.support import toy_block_subject
@@ -57,9 +58,7 @@ def test_the_fixture_fails_a_maintainers_test_with_the_trace(pytester):
             kvledger_check(toy_block_subject.leaky, examples=10)
         """
     )
-    # the plugin by its module, whether or not this install registered its entry point
-    plugin = ("-p", "no:kvledger", "-p", "kvledger.checker.pytest_plugin")
-    result = pytester.runpytest_inprocess(*plugin, "-p", "no:cacheprovider")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*SubjectFinding*[1-2-partition]*", "*minimized trace, * operations:*"])
     result.stdout.fnmatch_lines(["*kvledger replay *leaky-1-2-partition.jsonl*"])

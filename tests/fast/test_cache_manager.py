@@ -60,8 +60,8 @@ def test_a_one_token_prefix_hit_is_copied_into_the_new_row():
 
 
 def test_seeded_fuzz_cases_with_page_sizes_that_are_not_powers_of_two(monkeypatch):
-    from kvledger.properties.lockstep import Lockstep
     from kvledger.checker import lockstep_walk as fuzz
+    from kvledger.properties.lockstep import Lockstep
 
     monkeypatch.setattr(fuzz, "PAGE_SIZES", (3, 5, 6))
     for case in range(4):  # both caches and both policies among them
