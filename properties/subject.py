@@ -26,7 +26,13 @@ The calls, in the order a request sees them:
   preempt(uid)                       (capability `preempts`) release a live request's pages; it
                                      is admitted again later from its prompt plus its output
   evict(tokens) -> int               (capability `explicit_evict`) evict from the prefix cache
+  victim(uid) -> int                 (capability `chooses_victim`) an allocation for `uid` found no
+                                     room: the live request the subject gives up (it may be `uid`);
+                                     the driver then calls preempt on it
   view() -> View                     the subject's raw state, read from its own structures
+
+A subject that schedules itself (vLLM's real `Scheduler`: capability `schedules`) is driven one
+step at a time instead, through `properties/scheduling_subject.py`; its View is the same.
 
 Errors: an exception raised by the subject inside any call is a finding (`subject-raised:X`),
 reported with its traceback by the driver; an adapter raises `SubjectUnavailable` only from its
@@ -81,6 +87,21 @@ class Capabilities:
     chunk_only_first: bool = False  # only the first request of a prefill batch may be chunked (nano-vllm)
     prefill_publishes_to_cache: bool = True  # a request's computed full pages can be hit while it runs
     lockstep: bool = False  # implements the seed's policy deterministically: comparable with `reference`
+    # -- what real managers do beyond the plain path (each judged by clauses of its own) --------------
+    schedules: bool = False  # a SchedulingSubject: its own scheduler decides each step (scheduling_subject.py)
+    in_flight: int = 1  # steps scheduled before the oldest one's outputs arrive (vLLM async scheduling: 2)
+    spec_tokens: int = 0  # draft tokens verified per decode step (speculative decoding); 0: none
+    # positions a live request may hold locations for past the tokens it has (lookahead slots,
+    # drafts, an overlap reserve): over-allocation, owned and not yet written
+    max_ahead: int = 0
+    external_kv: bool = False  # loads KV computed elsewhere (a KV connector, a host tier)
+    # the order requests waiting again (preempted) resume in: "admission" (the one admitted first
+    # resumes first: kvledger's own scheduler, vLLM's FCFS), or "any" (the subject's own, not judged)
+    resume_order: str = "admission"
+    evicts_before_admit: bool = False  # admission may evict cached prefixes, and keeps that when it refuses
+    preempt_keeps_pages: bool = False  # a preempted request keeps its pages until resumed or dropped
+    chooses_victim: bool = False  # the subject names the request to preempt (`victim`), not the newest
+    cache_holds_reference: bool = False  # the prefix cache holds its own reference on each cached page
 
 
 @dataclass(frozen=True)
@@ -100,6 +121,20 @@ class CachedEntry:
     key: Hashable | None = None
     lock: int | None = None
     name: str = ""  # how the subject names it (a node id, a block id), for messages
+    group: int = 0  # the KV group it belongs to (0: `View.requests`; n: `View.groups[n - 1]`)
+
+
+@dataclass
+class GroupView:
+    """A KV group past the first (several groups per request: full attention plus a sliding
+    window, vLLM's hybrid coordinator, SGLang's SWA pool). One pool serves every group; each
+    request holds its own row per group. `window` W: position p attends to positions
+    [p - W + 1, p], so the group may drop (free, or replace by a null block) any position before
+    `computed - W + 1`; such a position is None in the row. `window` None: full attention."""
+
+    name: str
+    window: int | None
+    requests: Dict[int, List[int | None]]  # live uid -> location of each position (None: dropped)
 
 
 @dataclass
@@ -116,6 +151,9 @@ class View:
     # all tokens of its prefix cache), "available_tokens" (what it says it can still hand out)
     counters: Dict[str, int] = field(default_factory=dict)
     waiting: List[int] | None = None  # its own waiting queue's uids, where it keeps one
+    groups: List[GroupView] = field(default_factory=list)  # KV groups past the first (`GroupView`)
+    # preempted uid -> locations it still holds (capability `preempt_keeps_pages`)
+    preempted: Dict[int, List[int]] = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -134,7 +172,8 @@ class Subject(Protocol):
     def evict(self, tokens: int) -> int: ...
     def view(self) -> View: ...
     # the key a hash-chained cache files the prefix `tokens` under (whole pages), with the
-    # subject's own hash function; radix subjects never need it
+    # subject's own hash function; radix subjects never need it. A subject with KV groups
+    # (`View.groups`) takes the group too: `cache_key(tokens, group)`
     def cache_key(self, tokens: Sequence[int]) -> Hashable: ...
 
 

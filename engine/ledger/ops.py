@@ -18,6 +18,12 @@ or mistyped field is an InvalidOp naming it, never a TypeError from deep inside.
   Evict(tokens)                    evict from the prefix cache directly, freeing the pages
   Probe(tokens)                    match, lock, read available_size, unlock
 
+`accept` (a subject that speculates only) gives, per request verifying drafts in batch order
+(cycled), how many of its drafts the model accepts; empty: none. A line leaves it out when empty.
+For a subject that schedules itself (`properties/scheduling_subject.py`) a prefill and a decode are
+each one step of its own scheduler: a prefill's budget caps the step's tokens, a decode runs with
+the subject's configured budget.
+
 `sample` gives the sampled tokens in batch order (cycled), so a trace replays identically; `stop`
 names requests whose sampled token ends them (EOS or a stop token); one that names a request
 sampling nothing in the step is refused (InvalidOp), and like every refusal it changes nothing.
@@ -48,12 +54,14 @@ class Prefill:
     budget: int
     sample: Tuple[int, ...] = ()
     stop: Tuple[int, ...] = ()
+    accept: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class Decode:
     sample: Tuple[int, ...] = ()
     stop: Tuple[int, ...] = ()
+    accept: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -253,8 +261,12 @@ def parse_line(line: Dict[str, Any]) -> OpRecord:
 
 def to_json(op: CacheOp, absent: Iterable[str] = ()) -> Dict[str, Any]:
     """The operation as a trace line (without `expect`), leaving out the fields named `absent`."""
-    skip = frozenset(absent)
+    skip = frozenset(absent) | _EMPTY_OPTIONAL.intersection(f.name for f in fields(op) if getattr(op, f.name) == ())
     return {"op": NAMES[type(op)], **{f.name: _plain(getattr(op, f.name)) for f in fields(op) if f.name not in skip}}
+
+
+# fields added after traces existed: written only when set, so every older trace reads and writes back the same
+_EMPTY_OPTIONAL = frozenset({"accept"})
 
 
 class OpHandler(Protocol):
@@ -280,9 +292,13 @@ def dispatch(op: CacheOp, handler: OpHandler) -> OpResult:
     match op:
         case Submit(uid, tokens, max_tokens):
             return handler.submit(uid, tokens, max_tokens)
-        case Prefill(budget, sample, stop):
+        case Prefill(budget, sample, stop, accept):
+            if accept:
+                return _speculating(handler, "prefill").prefill(budget, sample, stop, accept=accept)
             return handler.prefill(budget, sample, stop)
-        case Decode(sample, stop):
+        case Decode(sample, stop, accept):
+            if accept:
+                return _speculating(handler, "decode").decode(sample, stop, accept=accept)
             return handler.decode(sample, stop)
         case Finish(uid):
             return handler.finish(uid)
@@ -293,6 +309,12 @@ def dispatch(op: CacheOp, handler: OpHandler) -> OpResult:
         case Probe(tokens):
             return handler.probe(tokens)
     raise InvalidOp(f"not a cache operation: {op!r:.80}")
+
+
+def _speculating(handler: OpHandler, kind: str) -> Any:
+    if not getattr(handler, "speculates", False):
+        raise InvalidOp(f"{kind}: accept is for a subject that speculates (capability spec_tokens)")
+    return handler
 
 
 def _checked(kind: str, name: str, value: Any, many: bool) -> Any:
