@@ -65,7 +65,9 @@ class Plan:
 
     scheduled: Tuple[Scheduled, ...] = ()
     preempted: Tuple[int, ...] = ()  # the uids the step preempted, in order
-    loading: Tuple[int, ...] = ()  # admitted in this step, holding pages, waiting for outside KV (nothing scheduled)
+    # admitted in this step, holding pages, waiting for outside KV: each is also in `scheduled`,
+    # with start == end == its local hit, its `hit` and `external` (nothing is computed for it yet)
+    loading: Tuple[int, ...] = ()
     refused: Optional[int] = None  # the waiting head it could not admit (the walk of its queue ended there)
 
 
