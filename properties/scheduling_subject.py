@@ -113,3 +113,4 @@ class Step:
     plan: Plan
     outputs: Dict[int, Output] = field(default_factory=dict)
     loaded: List[int] = field(default_factory=list)
+    ending: List[int] = field(default_factory=list)  # the requests whose last token this step sampled

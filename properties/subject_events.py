@@ -30,9 +30,72 @@ SUBJECT_EVENTS = frozenset(
 )
 
 
-def expected_events(caps: Capabilities) -> FrozenSet[str]:
-    """The rare states a subject with these capabilities can reach."""
-    return frozenset(e for e in SUBJECT_EVENTS if caps.preempts or not e.startswith("preempt"))
+# the rare states of what real managers do beyond the plain path, each expected of a subject
+# whose capabilities make it reachable
+SPECULATION_EVENTS = frozenset({"spec: a draft rejected", "spec: every draft accepted"})
+AHEAD_EVENTS = frozenset({"ahead: a request holds slots past its tokens"})
+IN_FLIGHT_EVENTS = frozenset({"async: a step scheduled before the previous one's outputs"})
+EXTERNAL_EVENTS = frozenset(
+    {
+        "external: KV loaded from outside",
+        "external: an asynchronous load completed",
+        "external: aborted while its KV loads",
+    }
+)
+WINDOW_EVENTS = frozenset({"window: positions dropped outside the window", "window: a prefix hit in every group"})
+SCHEDULING_EVENTS = frozenset(
+    {
+        "decode: a new page needed on a pool with no free or evictable page",
+        "preempt: two victims waiting to resume",
+    }
+)
+
+
+def expected_events(caps: Capabilities, groups: int = 0) -> FrozenSet[str]:
+    """The rare states a subject with these capabilities (and `groups` KV groups past the first)
+    can reach."""
+    events = set(e for e in SUBJECT_EVENTS if caps.preempts or not e.startswith("preempt"))
+    if caps.schedules:
+        events -= {"allocate: full pool with locked entries"}  # an allocation call of the driver's
+        events |= SCHEDULING_EVENTS
+    if caps.spec_tokens:
+        events |= SPECULATION_EVENTS
+    if caps.max_ahead:
+        events |= AHEAD_EVENTS
+    if caps.in_flight > 1:
+        events |= IN_FLIGHT_EVENTS
+    if caps.external_kv:
+        events |= EXTERNAL_EVENTS
+    if groups:
+        events |= WINDOW_EVENTS
+    return frozenset(events)
+
+
+def pool_exhausted(view: View, page_size: int) -> bool:
+    """No page is free and none can be evicted: every cached page is locked or held by a live request."""
+    if not view.free:
+        held = {int(loc) // page_size for row in view.requests.values() for loc in row}
+        return all(e.lock or {int(loc) // page_size for loc in e.locations} <= held for e in view.cached)
+    return False
+
+
+def ahead_of_tokens(view: View, witness: Witness, page_size: int) -> bool:
+    """Some live request holds locations past the page its last token is on (over-allocation)."""
+    for uid, row in view.requests.items():
+        tokens = witness.tokens.get(uid)
+        if tokens is not None and len(row) > -(-len(tokens) // page_size) * page_size:
+            return True
+    return False
+
+
+def window_events(uid: int, hit: int, view: View) -> List[str]:
+    """What a View with KV groups shows: positions dropped outside a window, a hit held in every group."""
+    events = []
+    if any(None in row for g in view.groups for row in g.requests.values()):
+        events.append("window: positions dropped outside the window")
+    if hit and view.groups and all(uid in g.requests for g in view.groups):
+        events.append("window: a prefix hit in every group")
+    return events
 
 
 def hit_events(

@@ -24,9 +24,9 @@ from hypothesis.stateful import initialize, precondition, rule
 
 from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.ops import InvalidOp, OpResult
+from kvledger.properties.drivers import Driver, driver_for
 from kvledger.properties.machine_base import DriverMachine, Progress
 from kvledger.properties.subject import Subject, SubjectConfig
-from kvledger.properties.subject_driver import SubjectDriver
 from kvledger.properties.subject_workload import ALPHABET, drain
 
 __all__ = ["SUBJECT_CI_SEED", "SUBJECT_EXAMPLES", "SUBJECT_STEPS", "Progress", "SubjectMachine", "machine_for"]
@@ -57,7 +57,7 @@ class SubjectMachine(DriverMachine):
     def __init__(self) -> None:
         super().__init__()
         self.progress.start_sequence()  # counted at construction, as this machine always has
-        self.driver: SubjectDriver | None = None
+        self.driver: Driver | None = None
         self.ops: List[Dict[str, Any]] = []
         self.history: List[List[int]] = []
         self.next_uid = 0
@@ -75,7 +75,7 @@ class SubjectMachine(DriverMachine):
             max_seq_len=min(pages * ps, 48),
             max_running_req=data.draw(st.integers(2, 6), label="max_running_req"),
         )
-        self.driver = SubjectDriver(type(self).factory(self.config), self.config, on_event=self.note)
+        self.driver = driver_for(type(self).factory(self.config), self.config, on_event=self.note)
 
     def waiting_uids(self) -> List[int]:
         return list(self.driver.waiting) if self.driver is not None else []
@@ -148,16 +148,34 @@ class SubjectMachine(DriverMachine):
 
 
 def machine_for(
-    factory: Callable[[SubjectConfig], Subject], progress: Progress, page_sizes: Sequence[int] = (1, 2, 4)
+    factory: Callable[[SubjectConfig], Subject],
+    progress: Progress,
+    page_sizes: Sequence[int] = (1, 2, 4),
+    spec_tokens: int = 0,
 ) -> type[SubjectMachine]:
     """The `SubjectMachine` over `factory`, drawing its page size from `page_sizes` and reporting
     to `progress`. The initialize rule is made here because its strategy depends on `page_sizes`
-    (a rule's strategies are fixed when its class is made)."""
+    (a rule's strategies are fixed when its class is made). A subject that speculates
+    (`spec_tokens` drafts a step) gets a decode rule that also draws how many drafts are accepted;
+    the others' rules, and so their draws, stay as they were."""
 
     class Bound(SubjectMachine.bind(progress)):  # type: ignore[misc]
         @initialize(ps=st.sampled_from(list(page_sizes)), pages=st.integers(4, 16), data=st.data())
         def build(self, ps: int, pages: int, data: st.DataObject) -> None:
             self._build(ps, pages, data)
+
+    if spec_tokens:
+
+        class Speculating(Bound):
+            @precondition(lambda self: bool(self.running_uids()))
+            @rule(
+                sample=st.lists(TOKENS, min_size=1, max_size=spec_tokens + 1),
+                accept=st.lists(st.integers(0, spec_tokens), min_size=1, max_size=spec_tokens),
+            )
+            def decode_speculating(self, sample: List[int], accept: List[int]) -> None:
+                self._do({"op": "decode", "sample": sample, "accept": accept})
+
+        Bound = Speculating  # type: ignore[misc]
 
     Bound.factory = staticmethod(factory)
     Bound.__name__ = Bound.__qualname__ = "SubjectMachine"

@@ -82,7 +82,12 @@ def next_op(
         return {"op": "prefill", "budget": budget, "sample": sample}
     if kind == "decode":
         stop = [u for u in running if rng.random() < 0.1]
-        return {"op": "decode", "sample": sample, "stop": stop}
+        op: Dict[str, Any] = {"op": "decode", "sample": sample, "stop": stop}
+        drafts = driver.caps.spec_tokens
+        if drafts:  # a subject that speculates: how many of each request's drafts the model accepts
+            op["accept"] = [rng.randint(0, drafts) for _ in range(2)]
+            op["sample"] = sample + [rng.randrange(ALPHABET) for _ in range(drafts)]
+        return op
     if kind == "finish":
         return {"op": "finish", "uid": rng.choice(running)}
     if kind == "abort":

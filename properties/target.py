@@ -6,7 +6,8 @@ View names no page owner), and the CLI builds the target once from --subject, --
   LockstepTarget   reference against fast (`lockstep.py`), optionally with a zoo bug of fast
                    patched in; the whole observable state of both sides is compared after every
                    operation
-  SubjectTarget    one subject in judge mode (`subject_driver.py`): the judge after every
+  SubjectTarget    one subject in judge mode (`subject_driver.py`, or `scheduling_driver.py`
+                   for a subject that schedules itself: `drivers.py`): the judge after every
                    operation; built from a factory (the checker builds it from a spec, with the
                    source edits of a --fix or --bug)
 
@@ -33,9 +34,9 @@ from typing import Any, Callable, ContextManager, List, Optional, Protocol, Sequ
 from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.ops import InvalidOp, OpRecord, OpResult, TraceLine, as_record
 from kvledger.engine.ledger.trace import Header
+from kvledger.properties.drivers import Driver, driver_for
 from kvledger.properties.lockstep import Lockstep
 from kvledger.properties.subject import Subject, SubjectConfig, SubjectUnavailable
-from kvledger.properties.subject_driver import SubjectDriver
 
 __all__ = [
     "Finding",
@@ -116,7 +117,7 @@ class LockstepTarget:
 class SubjectRun:
     """A SubjectDriver applying trace lines: a Finding out of it gets the step and the operation."""
 
-    def __init__(self, driver: SubjectDriver) -> None:
+    def __init__(self, driver: Driver) -> None:
         self.driver = driver
         self.ops: List[OpRecord] = []
         self.step = 0
@@ -185,7 +186,7 @@ class SubjectTarget:
         return self.start_config(config_of(header))
 
     def start_config(self, config: SubjectConfig, on_event: Optional[Callable[[str], None]] = None) -> SubjectRun:
-        return SubjectRun(SubjectDriver(self.subject(config), config, on_event=on_event or self.on_event))
+        return SubjectRun(driver_for(self.subject(config), config, on_event=on_event or self.on_event))
 
     def trace_header(self, header: Header, producer: str) -> Header:
         return header_of(config_of(header), header.seed, producer, self.name, self.version)

@@ -294,11 +294,13 @@ def dispatch(op: CacheOp, handler: OpHandler) -> OpResult:
             return handler.submit(uid, tokens, max_tokens)
         case Prefill(budget, sample, stop, accept):
             if accept:
-                return _speculating(handler, "prefill").prefill(budget, sample, stop, accept=accept)
+                result: OpResult = _speculating(handler, "prefill").prefill(budget, sample, stop, accept=accept)
+                return result
             return handler.prefill(budget, sample, stop)
         case Decode(sample, stop, accept):
             if accept:
-                return _speculating(handler, "decode").decode(sample, stop, accept=accept)
+                result = _speculating(handler, "decode").decode(sample, stop, accept=accept)
+                return result
             return handler.decode(sample, stop)
         case Finish(uid):
             return handler.finish(uid)
