@@ -11,9 +11,16 @@ one is admitted (`admit`: its hit, or a refusal that ends the walk); each gets
 `allocate(uid, computed, computed + chunk)`; then `computed` for each in batch order, with its
 sampled token once its prompt is done; then `finish` for those that reached max_tokens or a stop.
 Decode allocates one position per running request (in admission order), then the same.
-When an allocation finds no room, a subject that preempts gives up its newest live request (the
-victim waits again at the head of the queue) and the allocation is retried; for a subject that
-promises worst-case admission it is a finding (3-no-oom).
+When an allocation finds no room, a subject that preempts gives up its newest live request, or
+the one it names (`victim`, capability `chooses_victim`); the victim waits again at the head of
+the queue, behind requests mid-prefill and ordered among the other victims by admission, and the
+allocation is retried; for a subject that promises worst-case admission it is a finding (3-no-oom).
+
+A refused admission must leave the subject as it was (4-failed-admission), except, for a subject
+that `evicts_before_admit`, cached prefixes nobody holds evicted on the way (`subject_state_diff`
+says what else changed). A subject that `preempt_keeps_pages` may hold a victim's pages until it
+is admitted again or dropped: the driver tells the judge which uids are preempted and waiting
+(`Witness.preempted`).
 
 Every finding is a `Finding` (`engine/ledger/finding.py`): an invariant the judge
 (`properties/subject_judge.py`) or the driver found broken, or `subject-raised:X`, an exception
@@ -23,7 +30,7 @@ out of the subject, with its traceback.
 from __future__ import annotations
 
 import traceback
-from typing import Any, Callable, Dict, List, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Set, Tuple, cast
 
 from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.invariants import InvariantViolation, check_queue_order
@@ -176,6 +183,8 @@ class SubjectDriver:
             raise InvalidOp(f"abort: uid {uid} is neither waiting nor running")
         if uid in self.waiting and uid in self.live:
             self.on_event("abort: mid-prefill")
+        if uid in self.preempted and uid not in self.live and self.caps.preempt_keeps_pages:
+            self.on_event("abort: a preempted request keeping pages")
         call_subject("abort", self.subject.abort, uid)
         self._forget(uid)
         return OpResult()
@@ -204,12 +213,12 @@ class SubjectDriver:
             self.on_event("admission: refused")
             after = self.view() if before is not None else None
             if before is not None and after is not None and _state(after) != _state(before):
-                from kvledger.properties.subject_state_diff import describe_change  # only on this failure path
+                from kvledger.properties.subject_state_diff import refusal_finding  # only on this path
 
-                raise Finding(
-                    "4-failed-admission",
-                    f"refusing uid {uid} changed the subject's state: {describe_change(before, after)}",
-                )
+                finding = refusal_finding(uid, before, after, self.caps)
+                if finding is not None:
+                    raise finding
+                self.on_event("admission: evicted, then refused")
             return None
         tokens = self.witness.tokens[uid]
         if not isinstance(hit, int) or not 0 <= hit < len(tokens):
@@ -222,6 +231,8 @@ class SubjectDriver:
             mid_prefill = {u for u in self.live if u in self.waiting and u != uid}
             for event in hit_events(uid, hit, before, self.view(), self.witness, mid_prefill, self.caps.page_size):
                 self.on_event(event)
+            if uid in before.preempted:
+                self.on_event("admission: resumed on the pages it kept")
         self.live.add(uid)
         self.admitted[uid] = self.admissions  # the newest admission is the first victim, as running[-1] is
         self.admissions += 1
@@ -245,10 +256,26 @@ class SubjectDriver:
                 )
             if not self.caps.preempts:
                 return False
-            victim = max(self.live, key=lambda u: self.admitted[u])
+            victim = self._victim(uid) if self.caps.chooses_victim else self._newest()
             self._preempt(victim)
             if victim == uid:
                 return False
+
+    def _newest(self) -> int:
+        return max(self.live, key=lambda u: self.admitted[u])
+
+    def _victim(self, uid: int) -> int:
+        """The live request the subject gives up so that `uid`'s allocation may find room."""
+        victim = call_subject("victim", cast(Any, self.subject).victim, uid)
+        if isinstance(victim, bool) or not isinstance(victim, int) or victim not in self.live:
+            raise Finding(
+                "6-preemption-order",
+                f"an allocation for uid {uid} found no room and {self.subject.name} named uid {victim!r} "
+                f"to preempt, which is not a live request (live: {sorted(self.live)})",
+            )
+        if victim != self._newest():
+            self.on_event("preempt: the subject chose a victim other than the newest")
+        return victim
 
     def _victims(self) -> tuple[int, ...] | None:
         return tuple(self.victims) if self.caps.preempts else None
@@ -263,12 +290,7 @@ class SubjectDriver:
             self.running.remove(uid)
         if uid in self.waiting:
             self.waiting.remove(uid)
-        # at the head, behind requests mid-prefill (running in vLLM's terms, scheduled first there;
-        # kvledger's own scheduler keeps them ahead too)
-        head = 0
-        while head < len(self.waiting) and self.waiting[head] in self.live:
-            head += 1
-        self.waiting.insert(head, uid)
+        self.waiting.insert(_resume_place(self.waiting, self.live, self.admitted, uid), uid)
         self.preempted.add(uid)
         self.preempted_this_step = True
 
@@ -322,6 +344,17 @@ class SubjectDriver:
         self.preempted.discard(uid)
 
 
+def _resume_place(waiting: List[int], live: Set[int], admitted: Dict[int, int], uid: int) -> int:
+    """Where a victim waits again: at the head, behind requests mid-prefill (running in vLLM's
+    terms, scheduled first there; kvledger's own scheduler keeps them ahead too) and behind the
+    victims admitted before it (the one admitted first resumes first: vLLM pops victims newest
+    first and prepends each, `Scheduler._preempt_request`)."""
+    head = 0
+    while head < len(waiting) and (waiting[head] in live or admitted.get(waiting[head], admitted[uid]) < admitted[uid]):
+        head += 1
+    return head
+
+
 def _state(view: View) -> Tuple[Any, ...]:
     """What a refused admission must leave as it was. Cached entries are compared per location:
     a radix match may split a node, which moves no page and no lock."""
@@ -334,6 +367,7 @@ def _state(view: View) -> Tuple[Any, ...]:
         cached,
         sorted((view.page_refs or {}).items()),
         sorted(view.counters.items()),
+        {u: list(map(int, r)) for u, r in view.preempted.items()},
     )
 
 
