@@ -1,0 +1,132 @@
+"""Planted bugs for `vllm:hybrid` (a full-attention group plus a sliding window under vLLM's
+hybrid coordinator) and `vllm:external` (a KV connector's scheduler side): single edits to vllm
+0.33.0, each the kind of mistake vLLM's tracker shows on these paths, bound on one subject's
+objects only (`kvledger/subjects/edits.py`).
+
+A `SlidingWindowManager` classmethod (the prefix-hit finder) is called on the class the
+coordinator keeps in `attention_groups`, not on the manager object, so its edits are bound by
+swapping in a subclass for that one coordinator (`vllm_hybrid.bind_finder_edits`).
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+from kvledger.subjects.edits import SourceEdit
+
+SINGLE_TYPE = "vllm.v1.core.single_type_kv_cache_manager"
+COORDINATOR = "vllm.v1.core.kv_cache_coordinator"
+BLOCK_POOL = "vllm.v1.core.block_pool"
+KV_CACHE_MANAGER = "vllm.v1.core.kv_cache_manager"
+SCHEDULER = "vllm.v1.core.sched.scheduler"
+
+HYBRID_ZOO: Tuple[SourceEdit, ...] = (
+    SourceEdit(
+        "vllm-swa-skipped-tokens-off-by-one",
+        f"{SINGLE_TYPE}:SlidingWindowManager.get_num_skipped_tokens",
+        "num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens",
+        "num_computed_tokens - self.sliding_window + 2 - self.extra_retained_tokens",
+        "counting the window as W - 1 tokens when deciding what falls out of it: the block holding "
+        "the window's first position is freed (and nulled) while the next token still attends to it",
+    ),
+    SourceEdit(
+        "vllm-swa-skipped-blocks-round-up",
+        f"{SINGLE_TYPE}:SingleTypeKVCacheManager.remove_skipped_blocks",
+        "num_skipped_blocks = num_skipped_tokens // self.block_size",
+        "num_skipped_blocks = cdiv(num_skipped_tokens, self.block_size)",
+        "rounding the skipped tokens up to whole blocks: the block that straddles the window's edge "
+        "is freed although its last positions are still inside the window",
+    ),
+    SourceEdit(
+        "vllm-swa-remove-keeps-freed-block",
+        f"{SINGLE_TYPE}:SingleTypeKVCacheManager._remove_blocks_in_range",
+        "blocks[i] = self._null_block",
+        "pass",
+        "freeing the blocks that left the window without replacing them by the null block: the "
+        "block table still names blocks the pool has handed back (and the next call frees them again)",
+    ),
+    SourceEdit(
+        "vllm-swa-hit-window-round-down",
+        f"{SINGLE_TYPE}:SlidingWindowManager._contiguous_blocks_for_hit",
+        "blocks = cdiv(window_size - 1, block_size)",
+        "blocks = (window_size - 1) // block_size",
+        "rounding the contiguous blocks a sliding-window hit needs down: a hit whose window reaches "
+        "into a block the cache no longer holds is accepted, and the window reads the null block",
+    ),
+    SourceEdit(
+        "vllm-swa-hit-not-contiguous",
+        f"{SINGLE_TYPE}:SlidingWindowManager.find_longest_cache_hit",
+        "        else:\n            num_contiguous_blocks = 0\n",
+        "",
+        "not resetting the run of cached blocks at a miss: cached blocks with a hole between them "
+        "count as the window's contiguous blocks, and the hole is read as the null block",
+    ),
+    SourceEdit(
+        "vllm-hybrid-hit-not-reduced",
+        f"{COORDINATOR}:HybridKVCacheCoordinator.find_longest_cache_hit",
+        "            curr_hit_length = _new_hit_length\n",
+        "",
+        "not shortening the candidate hit to what the sliding-window group found: the full-attention "
+        "group's hit is kept while the window group holds fewer blocks, so its table is misaligned",
+    ),
+    SourceEdit(
+        "vllm-free-blocks-frees-null",
+        f"{BLOCK_POOL}:BlockPool.free_blocks",
+        "        if block.is_null:  # never pooled; its ref_cnt is not maintained\n            continue\n",
+        "",
+        "freeing a table's null blocks like any other (the sliding window's table starts with them "
+        "once its head left the window): the null block joins the free queue and is handed out",
+    ),
+)
+
+EXTERNAL_ZOO: Tuple[SourceEdit, ...] = (
+    SourceEdit(
+        "vllm-ext-caches-before-load",
+        f"{KV_CACHE_MANAGER}:KVCacheManager.allocate_slots",
+        "if delay_cache_blocks:",
+        "if delay_cache_blocks and False:",
+        "filing the blocks of an asynchronous load in the prefix cache when they are allocated, "
+        "before the KV arrives: another request hits them and reads KV nobody has written",
+    ),
+    SourceEdit(
+        "vllm-ext-computed-misses-external",
+        f"{SCHEDULER}:Scheduler.schedule",
+        "num_new_local_computed_tokens + num_external_computed_tokens\n                )",
+        "num_new_local_computed_tokens\n                )",
+        "leaving the external tokens out of the request's computed tokens: the blocks for the "
+        "loaded range are allocated, and the same range is scheduled again on top of them",
+    ),
+    SourceEdit(
+        "vllm-ext-aborted-load-leaks",
+        f"{SCHEDULER}:Scheduler._update_from_kv_xfer_finished",
+        "            assert RequestStatus.is_finished(req.status)\n"
+        "            self._free_blocks(self.requests[req_id])\n",
+        "            assert RequestStatus.is_finished(req.status)\n",
+        "dropping the free of a request aborted while its KV loaded when the load reports done: its "
+        "blocks stay referenced by a request that no longer exists",
+    ),
+    SourceEdit(
+        "vllm-ext-abort-frees-under-load",
+        f"{SCHEDULER}:Scheduler.finish_requests",
+        "self.finished_recving_kv_req_ids.discard(request.request_id)\n",
+        "self.finished_recving_kv_req_ids.add(request.request_id)\n",
+        "marking an aborted load as received instead of forgetting it: its blocks are freed at the "
+        "abort, while the transfer still writes them, and freed again when the load reports done",
+    ),
+    SourceEdit(
+        "vllm-ext-room-ignores-external",
+        f"{KV_CACHE_MANAGER}:KVCacheManager.allocate_slots",
+        "total_computed_tokens=num_local_computed_tokens\n        + num_external_computed_tokens,",
+        "total_computed_tokens=num_local_computed_tokens,",
+        "checking room for an admission without the blocks its external tokens need: the check "
+        "passes on a nearly full pool and the allocation of the loaded range finds no block",
+    ),
+    SourceEdit(
+        "vllm-ext-recv-skips-cache",
+        f"{SCHEDULER}:Scheduler._update_waiting_for_remote_kv",
+        "        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)\n\n",
+        "        self.kv_cache_manager.cache_blocks(request, request.num_tokens)\n\n",
+        "filing the prompt's blocks up to its last token when a load completes, not up to the "
+        "loaded KV: blocks the load did not fill are cached with KV not yet computed",
+    ),
+)
