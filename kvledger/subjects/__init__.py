@@ -3,13 +3,18 @@
 A spec is one of:
   fast, reference            kvledger's own cache managers (judge mode, and lockstep against reference)
   vllm, sglang               the installed vLLM 0.33 / SGLang 0.5.23 (`make subjects` installs them)
+  vllm:sched, vllm:spec,     vLLM's real Scheduler driving its cache manager (it schedules itself:
+  vllm:async                 `properties/scheduling_subject.py`): plain, speculative decoding,
+                             async scheduling (`vllm_scheduler.py`)
   minisgl[:PATH]             a mini-sglang checkout or snapshot (default: the shipped peer)
   nanovllm[:PATH]            a nano-vllm checkout or snapshot (nanovllm@f64d821 names a shipped commit)
   package.module:factory     a user's own: `factory(SubjectConfig) -> Subject`
 
 Each adapter is the module BUILTINS names; it exports NAME, probe(path), build(config, path, edits)
 and ZOO (see `docs/checking-your-cache-manager.md`). A large one keeps its parts in modules beside
-it (`sglang.py` with `sglang_import.py`, `sglang_scheduler.py`, `sglang_zoo.py`).
+it (`sglang.py` with `sglang_import.py`, `sglang_scheduler.py`, `sglang_zoo.py`). A module that
+serves several named specs (`vllm_scheduler.py`: vllm:sched, vllm:spec, vllm:async) exports
+build_spec(config, name, edits) and ZOOS (name -> its zoo) instead of build and ZOO.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ BUILTINS: Dict[str, str] = {
     "minisgl": "kvledger.subjects.minisgl",
     "nanovllm": "kvledger.subjects.nanovllm",
     "vllm": "kvledger.subjects.vllm",
+    "vllm:sched": "kvledger.subjects.vllm_scheduler",
+    "vllm:spec": "kvledger.subjects.vllm_scheduler",
+    "vllm:async": "kvledger.subjects.vllm_scheduler",
     "sglang": "kvledger.subjects.sglang",
 }
 
@@ -74,7 +82,12 @@ class SubjectSpec:
         return tuple(ps for ps in wanted if ps >= least) or (least,)
 
     def zoo(self) -> Tuple[SourceEdit, ...]:
-        return tuple(getattr(self.adapter(), "ZOO", ())) if self.builtin else ()
+        if not self.builtin:
+            return ()
+        module = self.adapter()
+        if hasattr(module, "ZOOS"):
+            return tuple(module.ZOOS.get(self.name, ()))
+        return tuple(getattr(module, "ZOO", ()))
 
     def fixes(self) -> Dict[str, Tuple[SourceEdit, ...]]:
         return dict(getattr(self.adapter(), "FIXES", {})) if self.builtin else {}
@@ -92,6 +105,8 @@ class SubjectSpec:
 def _build(module: ModuleType, config: SubjectConfig, spec: SubjectSpec, edits: Sequence[SourceEdit]) -> Subject:
     if spec.name in ("fast", "reference"):
         return module.build(config, spec.name, edits)
+    if hasattr(module, "build_spec"):
+        return module.build_spec(config, spec.name, edits)
     return module.build(config, spec.path, edits)
 
 
@@ -100,6 +115,8 @@ def parse_spec(text: str) -> SubjectSpec:
     text = text.strip()
     if not text:
         raise SpecError("empty subject spec (try `kvledger subjects`)")
+    if ":" in text and text in BUILTINS:  # a named builtin: vllm:sched, vllm:spec, ...
+        return SubjectSpec(text, text)
     head, sep, rest = text.partition(":")
     name, at, commit = head.partition("@")
     if name in BUILTINS:

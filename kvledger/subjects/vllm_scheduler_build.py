@@ -92,7 +92,7 @@ def model_dir() -> Path:
     return path
 
 
-def _import_vllm() -> None:
+def import_vllm() -> None:
     # vLLM infers its platform on first use; without this VllmConfig raises "Failed to infer
     # device type" on a machine with no accelerator. Set before the first vllm import.
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -105,7 +105,7 @@ _CACHE: Dict[Tuple[Any, ...], Any] = {}  # the expensive configs, once per proce
 def _model_config() -> Any:
     """The ModelConfig (architecture inspection, ~11 s), once per process; copied per subject."""
     if "model" not in _CACHE:
-        _import_vllm()
+        import_vllm()
         from vllm.config import ModelConfig
 
         d = str(model_dir())
@@ -180,7 +180,7 @@ def build_scheduler(
     `config.num_pages` usable blocks. `kv_transfer`: KVTransferConfig's keyword arguments
     (e.g. {"kv_connector": "ExampleConnector", "kv_role": "kv_both", "kv_connector_extra_config":
     {...}}); the scheduler builds the connector's scheduler side from it."""
-    _import_vllm()
+    import_vllm()
     from vllm.config import CacheConfig, KVTransferConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
