@@ -6,6 +6,8 @@ A spec is one of:
   vllm:sched, vllm:spec,     vLLM's real Scheduler driving its cache manager (it schedules itself:
   vllm:async                 `properties/scheduling_subject.py`): plain, speculative decoding,
                              async scheduling (`vllm_scheduler.py`)
+  vllm:hybrid, vllm:external the same with a full-attention + sliding-window pair of KV groups
+                             (`vllm_hybrid.py`), with a KV connector loading outside KV (`vllm_external.py`)
   minisgl[:PATH]             a mini-sglang checkout or snapshot (default: the shipped peer)
   nanovllm[:PATH]            a nano-vllm checkout or snapshot (nanovllm@f64d821 names a shipped commit)
   package.module:factory     a user's own: `factory(SubjectConfig) -> Subject`
@@ -36,6 +38,8 @@ BUILTINS: Dict[str, str] = {
     "vllm:sched": "kvledger.subjects.vllm_scheduler",
     "vllm:spec": "kvledger.subjects.vllm_scheduler",
     "vllm:async": "kvledger.subjects.vllm_scheduler",
+    "vllm:hybrid": "kvledger.subjects.vllm_hybrid",
+    "vllm:external": "kvledger.subjects.vllm_external",
     "sglang": "kvledger.subjects.sglang",
 }
 

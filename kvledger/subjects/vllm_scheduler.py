@@ -59,6 +59,7 @@ class Variant:
     speculative: Optional[Speculation] = None
     async_scheduling: bool = False
     groups: Tuple[Group, ...] = (FULL,)
+    kv_transfer: Optional[Dict[str, Any]] = None  # KVTransferConfig's keyword arguments (a connector)
 
 
 VARIANTS: Dict[str, Variant] = {
@@ -115,7 +116,11 @@ class VllmSchedulerSubject:
         self.version = importlib.metadata.version("vllm")
         self.block_size = bs = config.page_size
         self.built = build_scheduler(
-            config, groups=variant.groups, speculative=variant.speculative, async_scheduling=variant.async_scheduling
+            config,
+            groups=variant.groups,
+            speculative=variant.speculative,
+            kv_transfer=variant.kv_transfer,
+            async_scheduling=variant.async_scheduling,
         )
         self.scheduler = self.built.scheduler
         self.capabilities = _capabilities(config, variant, self.built)
