@@ -398,7 +398,8 @@ class SchedulingDriver:
         try:
             judge(view, self.caps, self.witness, self.subject)
             if view.waiting is not None:
-                check_queue_order(view.waiting, self.arrival, self.admitted, self.preempted)
+                order = self.caps.resume_order
+                check_queue_order(view.waiting, self.arrival, self.admitted, self.preempted, self.live, order)
         except InvariantViolation as e:
             raise Finding(e.invariant, str(e).split("] ", 1)[-1]) from e
         except Finding:

@@ -425,7 +425,7 @@ class CacheScheduler:
         """The invariants on this implementation alone: the judge (`invariants.py`), from first
         principles, then the implementation's own integrity check (structure it alone knows)."""
         judge(self)
-        check_queue_order([p.uid for p in self.waiting], self._arrival, self._admitted_at, set(self._preempted))
+        check_queue_order([p.uid for p in self.waiting], self._arrival, self._admitted_at, self._preempted, self.live)
         try:
             self.cm.check_integrity(list(self.live.values()))
         except RuntimeError as e:

@@ -24,7 +24,7 @@ requests) concern one operation, and are checked where it happens (`cache_schedu
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Sequence, Set, Tuple
+from typing import Any, Container, Dict, Iterable, List, Sequence, Tuple
 
 import numpy as np
 
@@ -259,13 +259,28 @@ def _check_provenance(
 
 
 def check_queue_order(
-    waiting: Sequence[int], arrival: Dict[int, int], admitted: Dict[int, int], preempted: Set[int]
+    waiting: Sequence[int],
+    arrival: Dict[int, int],
+    admitted: Dict[int, int],
+    preempted: Container[int],
+    live: Container[int] = frozenset(),
+    resume_order: str = "admission",
 ) -> None:
-    """10-queue-order over a waiting queue (head first): requests never admitted wait in arrival
-    order, and every request that was admitted before (preempted, or mid-prefill) waits ahead of
-    every request never admitted. Among requests waiting again the order is the scheduler's (a
-    stack of victims, the request mid-prefill first), which this leaves alone. `arrival` and
-    `admitted` map uids to submission and admission order numbers; `preempted` is informative."""
+    """10-queue-order over a waiting queue (head first). `arrival` and `admitted` map uids to
+    their submission and latest admission order numbers; `live` holds the queued uids that are
+    admitted now (mid-prefill); `preempted` only names the others in a message.
+
+    Always: requests never admitted wait in arrival order, behind every request admitted before.
+    With `resume_order` "admission" (kvledger's own scheduler, vLLM's FCFS) also: requests mid-prefill
+    wait ahead of those waiting again, and requests waiting again wait in the order they were
+    first admitted, which under first come first served is their arrival order. Both schedulers
+    keep the running requests (in admission order) followed by the waiting queue in arrival order:
+    a victim is the last running request and goes to the queue's head (vLLM's
+    `Scheduler.schedule` pops `running[-1]` and `_preempt_request` prepends it; kvledger's
+    `CacheScheduler._requeue` inserts it behind the request mid-prefill). The latest admission
+    is no order: a request resumed from the head, then preempted again while the one behind it
+    still waits, goes back ahead of it. With "any" the order among requests admitted before is
+    the subject's."""
     fresh = [u for u in waiting if u not in admitted]
     if fresh != sorted(fresh, key=lambda u: arrival[u]):
         raise InvariantViolation(
@@ -280,4 +295,35 @@ def check_queue_order(
             raise InvariantViolation(
                 "10-queue-order",
                 f"uid {uid}, {again} and waiting again, waits behind uid {seen_fresh}, which was never admitted",
+            )
+    if resume_order == "any":
+        return
+    if resume_order != "admission":
+        raise ValueError(f"resume_order is 'admission' or 'any', not {resume_order!r}")
+    _check_resume_order(waiting, arrival, admitted, live)
+
+
+def _check_resume_order(
+    waiting: Sequence[int], arrival: Dict[int, int], admitted: Dict[int, int], live: Container[int]
+) -> None:
+    """The requests admitted before, at the queue's head: those mid-prefill first, then those
+    waiting again in the order of their first admission (their arrival order)."""
+    again = [(place, uid) for place, uid in enumerate(waiting) if uid in admitted and uid not in live]
+    if again:
+        first_place, first = again[0]
+        late = next((p for p, u in enumerate(waiting) if u in live and p > first_place), None)
+        if late is not None:
+            raise InvariantViolation(
+                "10-queue-order",
+                f"uid {waiting[late]}, admitted and mid-prefill, waits at place {late} behind uid {first}, "
+                f"which waits again at place {first_place} (places from 0 at the head)",
+            )
+    for (place, uid), (later_place, later) in zip(again, again[1:]):
+        if arrival[later] < arrival[uid]:
+            raise InvariantViolation(
+                "10-queue-order",
+                f"uid {uid} (arrival #{arrival[uid]}, latest admission #{admitted[uid]}) waits again at place "
+                f"{place}, ahead of uid {later} (arrival #{arrival[later]}, latest admission #{admitted[later]}) "
+                f"at place {later_place}, which was admitted first: requests waiting again resume in the "
+                f"order of their first admission (places from 0 at the head)",
             )
