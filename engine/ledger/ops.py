@@ -186,6 +186,10 @@ class Expect:
         return result.seen(self.names) == self.as_dict()
 
 
+# fields added after traces existed: written only when set, so every older trace reads and writes back the same
+_EMPTY_OPTIONAL = frozenset({"accept"})
+
+
 @dataclass(frozen=True)
 class OpRecord:
     """One trace line, typed: the operation and what its producer saw it do (checked on replay).
@@ -195,6 +199,13 @@ class OpRecord:
     op: CacheOp
     expect: Optional[Expect] = None
     absent: FrozenSet[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        # an optional field added after traces existed is absent whenever it is empty, however
+        # the record was made, so records read back compare equal to those written
+        empty = _EMPTY_OPTIONAL.intersection(f.name for f in fields(self.op) if getattr(self.op, f.name) == ())
+        if not empty <= self.absent:
+            object.__setattr__(self, "absent", self.absent | empty)
 
     @property
     def name(self) -> str:
@@ -263,10 +274,6 @@ def to_json(op: CacheOp, absent: Iterable[str] = ()) -> Dict[str, Any]:
     """The operation as a trace line (without `expect`), leaving out the fields named `absent`."""
     skip = frozenset(absent) | _EMPTY_OPTIONAL.intersection(f.name for f in fields(op) if getattr(op, f.name) == ())
     return {"op": NAMES[type(op)], **{f.name: _plain(getattr(op, f.name)) for f in fields(op) if f.name not in skip}}
-
-
-# fields added after traces existed: written only when set, so every older trace reads and writes back the same
-_EMPTY_OPTIONAL = frozenset({"accept"})
 
 
 class OpHandler(Protocol):

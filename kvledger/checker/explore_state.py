@@ -60,12 +60,12 @@ merging, the baseline the tests compare against.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Dict, List, NewType, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NewType, Optional, Sequence, Tuple
 
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler
 from kvledger.engine.ledger.invariants import tolist
+from kvledger.properties.drivers import Driver
 from kvledger.properties.lockstep import Lockstep
-from kvledger.properties.subject_driver import SubjectDriver
 
 DIGEST = 16  # bytes of blake2b per stored key
 StateKey = NewType("StateKey", bytes)  # a state's normal form, hashed: equal keys, equal futures
@@ -277,7 +277,7 @@ def lockstep_key(lock: Lockstep, canonical: bool = True) -> StateKey:
     return digest((side_key(ref, names, False), side_key(fst, names, True), deltas))
 
 
-def subject_key(driver: SubjectDriver, canonical: bool = True) -> StateKey:
+def subject_key(driver: Driver, canonical: bool = True) -> StateKey:
     """The key of a subject in judge mode: the driver's bookkeeping and the subject's View, uids
     renamed by submission order. A subject's hidden state (what its View does not show, e.g. an
     LRU order) is not in it: see docs/exploration.md."""
@@ -313,6 +313,23 @@ def subject_key(driver: SubjectDriver, canonical: bool = True) -> StateKey:
         None if view.page_refs is None else tuple(sorted(view.page_refs.items())),
         tuple(sorted(view.counters.items())),
         None if view.waiting is None else tuple(u(x) for x in view.waiting),
+        tuple((g.name, tuple(sorted((u(k), tuple(v)) for k, v in g.requests.items()))) for g in view.groups),
+        tuple(sorted((u(k), tuple(v)) for k, v in view.preempted.items())),
+        _driver_extra(driver, u),
         () if canonical else (tuple(sorted(driver.known)), driver.admissions),
     )
     return digest(parts)
+
+
+def _driver_extra(driver: Any, u: Callable[[int], Any]) -> Tuple[Any, ...]:
+    """What a scheduling driver keeps beyond the queues: drafts proposed, requests ending or
+    loading, outputs still in flight (a call-level driver keeps none of it)."""
+    in_flight = getattr(driver, "in_flight", None)
+    if in_flight is None:
+        return ()
+    return (
+        tuple(sorted((u(k), v) for k, v in driver.drafts.items())),
+        tuple(sorted(u(x) for x in driver.ending)),
+        tuple(sorted((u(k), v) for k, v in driver.loading.items())),
+        tuple(tuple(sorted((u(k), repr(o)) for k, o in step.outputs.items())) for step in in_flight),
+    )
