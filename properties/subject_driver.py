@@ -88,9 +88,12 @@ class SubjectDriver:
 
     def judge(self) -> None:
         view = self.view()
+        self.witness.preempted = self.preempted - self.live  # preempted, not admitted again since
         try:
             judge(view, self.caps, self.witness, self.subject)
-            check_queue_order(self.waiting, self.arrival, self.admitted, self.preempted)
+            check_queue_order(
+                self.waiting, self.arrival, self.admitted, self.preempted, self.live, self.caps.resume_order
+            )
         except InvariantViolation as e:
             raise Finding(e.invariant, str(e).split("] ", 1)[-1]) from e
         except Finding:
@@ -194,7 +197,8 @@ class SubjectDriver:
             raise InvalidOp(f"evict: {self.subject.name} has no explicit eviction")
         if tokens < 0:
             raise InvalidOp(f"evict: tokens must be >= 0, got {tokens}")
-        evictable = sum(len(e.locations) for e in self.view().cached if not e.lock)
+        own = 1 if self.caps.cache_holds_reference else 0  # the lock of an entry nobody uses
+        evictable = sum(len(e.locations) for e in self.view().cached if not e.lock or e.lock == own)
         if tokens > evictable:
             raise InvalidOp(f"evict: {tokens} tokens asked, {evictable} evictable")
         return OpResult(evicted_tokens=call_subject("evict", self.subject.evict, tokens))
@@ -267,12 +271,7 @@ class SubjectDriver:
     def _victim(self, uid: int) -> int:
         """The live request the subject gives up so that `uid`'s allocation may find room."""
         victim = call_subject("victim", cast(Any, self.subject).victim, uid)
-        if isinstance(victim, bool) or not isinstance(victim, int) or victim not in self.live:
-            raise Finding(
-                "6-preemption-order",
-                f"an allocation for uid {uid} found no room and {self.subject.name} named uid {victim!r} "
-                f"to preempt, which is not a live request (live: {sorted(self.live)})",
-            )
+        _check_victim(self.subject.name, uid, victim, self.live)
         if victim != self._newest():
             self.on_event("preempt: the subject chose a victim other than the newest")
         return victim
@@ -290,7 +289,7 @@ class SubjectDriver:
             self.running.remove(uid)
         if uid in self.waiting:
             self.waiting.remove(uid)
-        self.waiting.insert(_resume_place(self.waiting, self.live, self.admitted, uid), uid)
+        self.waiting.insert(_resume_place(self.waiting, self.live, self.admitted, self.arrival, uid), uid)
         self.preempted.add(uid)
         self.preempted_this_step = True
 
@@ -344,13 +343,28 @@ class SubjectDriver:
         self.preempted.discard(uid)
 
 
-def _resume_place(waiting: List[int], live: Set[int], admitted: Dict[int, int], uid: int) -> int:
+def _check_victim(name: str, uid: int, victim: Any, live: Set[int]) -> None:
+    if isinstance(victim, bool) or not isinstance(victim, int) or victim not in live:
+        raise Finding(
+            "6-preemption-order",
+            f"an allocation for uid {uid} found no room and {name} named uid {victim!r} "
+            f"to preempt, which is not a live request (live: {sorted(live)})",
+        )
+
+
+def _resume_place(
+    waiting: List[int], live: Set[int], admitted: Dict[int, int], arrival: Dict[int, int], uid: int
+) -> int:
     """Where a victim waits again: at the head, behind requests mid-prefill (running in vLLM's
     terms, scheduled first there; kvledger's own scheduler keeps them ahead too) and behind the
-    victims admitted before it (the one admitted first resumes first: vLLM pops victims newest
-    first and prepends each, `Scheduler._preempt_request`)."""
+    requests waiting again that came before it. Under first come first served that is the order
+    of their first admission: vLLM pops the newest running request and prepends it
+    (`Scheduler._preempt_request`), so the one admitted first resumes first, and a subject that
+    chooses its victims is held to the same order."""
     head = 0
-    while head < len(waiting) and (waiting[head] in live or admitted.get(waiting[head], admitted[uid]) < admitted[uid]):
+    while head < len(waiting) and (
+        waiting[head] in live or waiting[head] in admitted and arrival[waiting[head]] < arrival[uid]
+    ):
         head += 1
     return head
 

@@ -50,6 +50,15 @@ SCHEDULING_EVENTS = frozenset(
     }
 )
 
+# the misfits' states (the call-level driver reports them), by the capability that makes each reachable
+MISFIT_EVENTS = {
+    "evicts_before_admit": frozenset({"admission: evicted, then refused"}),
+    "chooses_victim": frozenset({"preempt: the subject chose a victim other than the newest"}),
+    "preempt_keeps_pages": frozenset(
+        {"admission: resumed on the pages it kept", "abort: a preempted request keeping pages"}
+    ),
+}
+
 
 def expected_events(caps: Capabilities, groups: int = 0) -> FrozenSet[str]:
     """The rare states a subject with these capabilities (and `groups` KV groups past the first)
@@ -68,6 +77,9 @@ def expected_events(caps: Capabilities, groups: int = 0) -> FrozenSet[str]:
         events |= EXTERNAL_EVENTS
     if groups:
         events |= WINDOW_EVENTS
+    for capability, reached in MISFIT_EVENTS.items():
+        if getattr(caps, capability) and not caps.schedules:
+            events |= reached
     return frozenset(events)
 
 

@@ -105,13 +105,14 @@ def _minus(a: List[Tuple[int, Any, str]], b: List[Tuple[int, Any, str]]) -> List
     return out
 
 
-def eviction_breach(before: View, after: View, page_size: int) -> str | None:
+def eviction_breach(before: View, after: View, page_size: int, own: int = 0) -> str | None:
     """None when `after` differs from `before` only by an eviction of cached prefixes nobody holds
     (`Capabilities.evicts_before_admit`): cached locations removed whose entry was unlocked and
     whose page no live or preempted request held, each evicted page back on the free list (or
     already there, where cached pages sit in the free pool), no page leaving it, and reference
     counts lowered on evicted pages only. Otherwise what breaks that, in words. Counters may
-    change with the eviction; the judge checks them against the structures after the step."""
+    change with the eviction; the judge checks them against the structures after the step. `own`
+    is the lock an entry nobody uses shows (1 where the cache holds its own reference)."""
     ps = page_size
     rows_before = {u: [int(x) for x in r] for u, r in before.requests.items()}
     rows_after = {u: [int(x) for x in r] for u, r in after.requests.items()}
@@ -126,7 +127,7 @@ def eviction_breach(before: View, after: View, page_size: int) -> str | None:
     if added := _minus(locs_after, locs_before):
         return f"cached locations added (location, lock, key): {_capped([str(x) for x in added])}"
     removed = _minus(locs_before, locs_after)
-    locked = [f"{loc} (lock {lock})" for loc, lock, _ in removed if lock]
+    locked = [f"{loc} (lock {lock})" for loc, lock, _ in removed if lock and lock != own]
     if locked:
         return f"evicted locked cached locations: {_capped(locked)}"
     in_use = sorted({loc // ps for loc, _, _ in removed} & held)
@@ -157,7 +158,7 @@ def refusal_finding(uid: int, before: View, after: View, caps: Capabilities) -> 
     `4-failed-admission` finding, or None where the subject evicts before it admits and the
     change is only that eviction."""
     if caps.evicts_before_admit:
-        breach = eviction_breach(before, after, caps.page_size)
+        breach = eviction_breach(before, after, caps.page_size, 1 if caps.cache_holds_reference else 0)
         if breach is None:
             return None
         return Finding(
