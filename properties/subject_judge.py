@@ -126,7 +126,6 @@ def judge(view: View, caps: Capabilities, witness: Witness, subject: Any = None)
     _check_counters(view, ps, holders, own)
     check_over_allocation(view, caps, witness.tokens)
     _check_provenance(view, witness, subject)
-    check_windows(view, witness.computed, witness.tokens, witness.written)
 
 
 def _check_quiescence(view: View, ps: int, own: int) -> None:
@@ -315,6 +314,7 @@ def _check_provenance(view: View, witness: Witness, subject: Any) -> None:
             if found is None or found[0] != hashes[pos]:
                 what = "was never computed" if found is None else "holds KV computed for other tokens"
                 _fail("7-kv-provenance", f"uid {uid}: position {pos} reads location {int(row[pos])}, which {what}")
+    check_windows(view, witness.computed, witness.tokens, witness.written)
     for n, entry in enumerate(view.cached):
         _check_entry(entry, entry.name or f"entry {n}", witness, subject)
 
