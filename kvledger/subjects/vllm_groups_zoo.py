@@ -16,18 +16,26 @@ from kvledger.subjects.edits import SourceEdit
 
 SINGLE_TYPE = "vllm.v1.core.single_type_kv_cache_manager"
 COORDINATOR = "vllm.v1.core.kv_cache_coordinator"
-BLOCK_POOL = "vllm.v1.core.block_pool"
 KV_CACHE_MANAGER = "vllm.v1.core.kv_cache_manager"
 SCHEDULER = "vllm.v1.core.sched.scheduler"
 
 HYBRID_ZOO: Tuple[SourceEdit, ...] = (
     SourceEdit(
-        "vllm-swa-skipped-tokens-off-by-one",
-        f"{SINGLE_TYPE}:SlidingWindowManager.get_num_skipped_tokens",
-        "num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens",
-        "num_computed_tokens - self.sliding_window + 2 - self.extra_retained_tokens",
-        "counting the window as W - 1 tokens when deciding what falls out of it: the block holding "
-        "the window's first position is freed (and nulled) while the next token still attends to it",
+        "vllm-swa-hit-skip-round-up",
+        f"{SINGLE_TYPE}:SingleTypeKVCacheManager.add_local_computed_blocks",
+        "num_skipped_blocks = num_skipped_tokens // self.block_size",
+        "num_skipped_blocks = cdiv(num_skipped_tokens, self.block_size)",
+        "rounding the hit's skipped tokens up to whole blocks when a sliding-window group adopts a "
+        "prefix hit: the hit block that straddles the window's edge is replaced by the null block, "
+        "and the first tokens computed after the hit read it",
+    ),
+    SourceEdit(
+        "vllm-swa-room-skips-round-up",
+        f"{SINGLE_TYPE}:SingleTypeKVCacheManager.get_num_blocks_to_allocate",
+        "num_skipped_blocks = num_skipped_tokens // self.block_size",
+        "num_skipped_blocks = cdiv(num_skipped_tokens, self.block_size)",
+        "rounding the skipped tokens up in the room check: a sliding-window group claims one block "
+        "fewer than it allocates, so an admission passes the check and the allocation finds no block",
     ),
     SourceEdit(
         "vllm-swa-skipped-blocks-round-up",
@@ -68,14 +76,6 @@ HYBRID_ZOO: Tuple[SourceEdit, ...] = (
         "",
         "not shortening the candidate hit to what the sliding-window group found: the full-attention "
         "group's hit is kept while the window group holds fewer blocks, so its table is misaligned",
-    ),
-    SourceEdit(
-        "vllm-free-blocks-frees-null",
-        f"{BLOCK_POOL}:BlockPool.free_blocks",
-        "        if block.is_null:  # never pooled; its ref_cnt is not maintained\n            continue\n",
-        "",
-        "freeing a table's null blocks like any other (the sliding window's table starts with them "
-        "once its head left the window): the null block joins the free queue and is handed out",
     ),
 )
 
