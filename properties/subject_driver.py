@@ -270,7 +270,7 @@ class SubjectDriver:
 
     def _victim(self, uid: int) -> int:
         """The live request the subject gives up so that `uid`'s allocation may find room."""
-        victim = call_subject("victim", cast(Any, self.subject).victim, uid)
+        victim: int = call_subject("victim", cast(Any, self.subject).victim, uid)
         _check_victim(self.subject.name, uid, victim, self.live)
         if victim != self._newest():
             self.on_event("preempt: the subject chose a victim other than the newest")
