@@ -29,6 +29,9 @@ from kvledger.subjects.edits import EditError, SourceEdit, bind
 from kvledger.subjects.installed import InstalledPackage
 from kvledger.subjects.vllm_scheduler_build import FULL, Built, Group, Speculation, build_scheduler, import_vllm
 from kvledger.subjects.vllm_scheduler_view import CacheKeys, scheduler_view
+from kvledger.subjects.vllm_scheduler_zoo import ZOOS
+
+__all__ = ["VARIANTS", "ZOOS", "VllmSchedulerSubject", "Variant", "build_spec", "probe"]
 
 NAME = "vllm"
 VERSION = vllm_manager.VERSION
@@ -85,10 +88,10 @@ def _capabilities(config: SubjectConfig, variant: Variant, built: Built) -> Capa
     k, lookahead = s.num_spec_tokens, s.num_lookahead_tokens
     # positions a request may hold slots for past its tokens: after schedule(), the K drafts
     # counted in num_computed_tokens plus the lookahead slots allocate_slots adds
-    # (kv_cache_manager.py:380); with async scheduling, one placeholder per batch in flight
+    # (kv_cache_manager.py:380). Async scheduling's placeholders are not among them: they stand
+    # for tokens the model has sampled (the driver knows them when the step runs), so the slots
+    # they get are never past the request's tokens
     ahead = (k + lookahead) if k else 0
-    if variant.async_scheduling:
-        ahead += ASYNC_DEPTH * (1 + k)
     return Capabilities(
         page_size=config.page_size,
         pages=tuple(range(1, config.num_pages + 1)),
