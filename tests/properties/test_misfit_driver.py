@@ -138,3 +138,11 @@ def test_where_the_cache_holds_a_reference_its_own_lock_is_not_a_users():
     held = dataclasses.replace(radix, cached=[block(1, (1, 2, 3, 4), lock=2)])
     breach = eviction_breach(held, after, PS, own=1)
     assert breach is not None and "lock 2" in breach
+
+
+def test_a_refusal_that_touches_a_preempted_requests_pages_says_so():
+    caps = ToyBlockCache(SubjectConfig(num_pages=4, page_size=PS, max_seq_len=8)).capabilities
+    declared = dataclasses.replace(caps, evicts_before_admit=True, preempt_keeps_pages=True)
+    for capabilities in (caps, declared):
+        finding = refusal_finding(7, before(), dataclasses.replace(before(), preempted={2: [4, 5, 6, 7]}), capabilities)
+        assert finding is not None and "preempted requests' pages changed (uid: before -> after): 2:" in finding.message
