@@ -250,6 +250,11 @@ class SchedulingDriver:
             if item.drafts and (real != proposed[: len(real)] or item.end != len(tokens)):
                 _bad(f"uid {item.uid} verifies drafts {list(item.drafts)}, but was proposed {list(proposed)}")
             spent += item.end - item.start + len(item.drafts)
+        if plan.refused is not None:
+            # a request holding KV it loaded from outside may be refused the rest of its prompt
+            if plan.refused not in self.known or plan.refused in self.ended or plan.refused in self.running:
+                _bad(f"uid {plan.refused} is refused admission, but it is not waiting")
+            self.on_event("admission: refused")
         if budget is not None and spent > budget:
             _bad(f"the step scheduled {spent} tokens, its budget was {budget}")
 
@@ -327,6 +332,7 @@ class SchedulingDriver:
                 sampled_n += 1
                 continue
             if item.end < len(tokens):
+                self.on_event("prefill: chunked")
                 step.outputs[uid] = Output()
                 self.store.save(tokens, item.end)
                 continue
