@@ -152,7 +152,12 @@ class VllmExternalSubject(VllmSchedulerSubject):
             scheduled.append(Scheduled(uid=uid, start=local, end=local, hit=local + n, external=n))
             loading.append(uid)
             self.loading.add(uid)
-        return replace(plan, scheduled=tuple(scheduled), loading=tuple(loading))
+        refused = plan.refused
+        if refused in self.loaded:
+            # its KV arrived but allocate_slots found no room for the rest of its prompt: a
+            # request already admitted (at its load) that this step did not schedule
+            refused = None
+        return replace(plan, scheduled=tuple(scheduled), loading=tuple(loading), refused=refused)
 
     def output(self, outputs: Dict[int, Output], loaded: Sequence[int] = ()) -> None:
         done = [u for u in loaded if u in self.loading]
