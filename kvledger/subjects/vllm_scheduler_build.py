@@ -104,12 +104,12 @@ _CACHE: Dict[Tuple[Any, ...], Any] = {}  # the expensive configs, once per proce
 
 def _model_config() -> Any:
     """The ModelConfig (architecture inspection, ~11 s), once per process; copied per subject."""
-    if "model" not in _CACHE:
+    if ("model",) not in _CACHE:
         import_vllm()
         from vllm.config import ModelConfig
 
         d = str(model_dir())
-        _CACHE["model"] = ModelConfig(
+        _CACHE[("model",)] = ModelConfig(
             model=d,
             tokenizer=d,
             skip_tokenizer_init=True,
@@ -117,7 +117,7 @@ def _model_config() -> Any:
             dtype="float16",
             seed=0,
         )
-    return _CACHE["model"]
+    return _CACHE[("model",)]
 
 
 def _speculative_config(spec: Speculation) -> Any:
