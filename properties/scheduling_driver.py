@@ -97,6 +97,7 @@ class SchedulingDriver:
         self.preempted: Set[int] = set()  # preempted and not admitted again
         self.ending: Set[int] = set()  # ended by the model; the subject learns it with the outputs
         self.loading: Dict[int, Tuple[int, int]] = {}  # uid -> (local hit, outside tokens) while its KV loads
+        self.loaded: Set[int] = set()  # its outside KV arrived; it joins the running requests when next scheduled
         self.drafts: Dict[int, Tuple[int, ...]] = {}  # proposed for the request's next step
         self.in_flight: Deque[Step] = deque()
         self.store = ReplayStore(self.caps.page_size)
@@ -238,6 +239,10 @@ class SchedulingDriver:
                 self._take_admission(item, item.uid in plan.loading, before)
             elif item.uid not in self.live or item.uid in self.loading:
                 _bad(f"uid {item.uid} is scheduled, but it is not running (nor admitted in this step)")
+            elif item.uid in self.loaded:  # vLLM appends it to `running` now: it is the newest there
+                self.loaded.discard(item.uid)
+                self.admitted[item.uid] = self.admissions
+                self.admissions += 1
             computed = self.witness.computed[item.uid]
             tokens = self.witness.tokens[item.uid]
             if item.start != computed or item.end < item.start or item.end > len(tokens):
@@ -262,7 +267,8 @@ class SchedulingDriver:
         if uid not in self.live:
             _bad(f"uid {uid} is preempted, but it is not running", "6-preemption-order")
         if not self.caps.chooses_victim:
-            newest = max(self.live, key=lambda u: self.admitted[u])
+            # a request loading outside KV (or loaded, not yet scheduled) is not running yet: never a victim
+            newest = max(self.live - self.loading.keys() - self.loaded, key=lambda u: self.admitted[u])
             if uid != newest:
                 _bad(f"uid {uid} is preempted, but the newest admitted request is uid {newest}", "6-preemption-order")
         self.on_event("preempt: a running request preempted")
@@ -381,6 +387,7 @@ class SchedulingDriver:
             for uid in loaded:
                 local, external = self.loading.pop(uid)
                 self._loaded(uid, local, external, view)
+                self.loaded.add(uid)
                 self.on_event("external: an asynchronous load completed")
         call_subject("output", self.subject.output, step.outputs, loaded)
         for uid in step.ending:
@@ -393,6 +400,7 @@ class SchedulingDriver:
         self.ending.discard(uid)
         self.preempted.discard(uid)
         self.loading.pop(uid, None)
+        self.loaded.discard(uid)
         self.drafts.pop(uid, None)
         self.witness.computed.pop(uid, None)
 
