@@ -44,7 +44,9 @@ def group_name(view: View, group: int) -> str:
     if group == 0:
         return "group 0"
     g = view.groups[group - 1]
-    return f"group {group} ({g.name}, window {g.window})" if g.window is not None else f"group {group} ({g.name})"
+    words = [g.name] if g.name and g.name != f"group {group}" else []
+    words += [f"window {g.window}"] if g.window is not None else []
+    return f"group {group} ({', '.join(words)})" if words else f"group {group}"
 
 
 @dataclass
