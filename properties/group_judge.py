@@ -110,8 +110,12 @@ def _row_pages(row: Row, ps: int, where: str) -> List[Tuple[int, int]]:
     `row` that holds any position; the row must be page-aligned and page-contiguous."""
     if not len(row):
         return []
-    dropped = any(loc is None for loc in row)
-    locs = np.asarray([-1 if loc is None else loc for loc in row] if dropped else row, dtype=np.int64).reshape(-1)
+    try:
+        locs = np.asarray(row, dtype=np.int64).reshape(-1)
+        dropped = False
+    except TypeError:  # a None (dropped) position
+        locs = np.asarray([-1 if loc is None else loc for loc in row], dtype=np.int64)
+        dropped = True
     pos = np.arange(len(locs))
     if not dropped:
         anchor = pos - pos % ps
@@ -122,7 +126,9 @@ def _row_pages(row: Row, ps: int, where: str) -> List[Tuple[int, int]]:
         by_chunk[chunks] = held[first]
         anchor = by_chunk[pos // ps]
     starts = locs[anchor]
-    bad = (locs >= 0) & ((locs % ps != pos % ps) | (locs // ps != starts // ps))
+    bad = (locs % ps != pos % ps) | (locs // ps != starts // ps)
+    if dropped:
+        bad &= locs >= 0
     if bad.any():
         i = int(bad.argmax())
         _fail(
@@ -130,6 +136,8 @@ def _row_pages(row: Row, ps: int, where: str) -> List[Tuple[int, int]]:
             f"{where}: position {i} is at location {int(locs[i])}, not offset {i % ps} "
             f"of the page that holds position {int(anchor[i])} (location {int(starts[i])})",
         )
+    if not dropped:
+        return list(enumerate(locs[::ps].tolist()))
     firsts = np.unique(anchor[locs >= 0])
     return [(int(p) // ps, int(locs[p])) for p in firsts]
 

@@ -220,7 +220,7 @@ def _check_partition(
         if counts[page] == 2:
             _fail("1-2-partition", f"page {page} is in the free list twice")
     for page in sorted(pages):
-        held, names, is_free = holders.of(page), cached.get(page, []), counts.get(page, 0) > 0
+        held, names, is_free = holders.pages.get(page, {}), cached.get(page, []), counts.get(page, 0) > 0
         if is_free and held:
             _fail("1-2-partition", f"page {page} is free, but {holders.who(sorted(held))} hold it")
         if is_free and names and not caps.cached_pages_in_free_pool:
