@@ -97,36 +97,29 @@ EXTERNAL_ZOO: Tuple[SourceEdit, ...] = (
         "loaded range are allocated, and the same range is scheduled again on top of them",
     ),
     SourceEdit(
-        "vllm-ext-aborted-load-leaks",
-        f"{SCHEDULER}:Scheduler._update_from_kv_xfer_finished",
-        "            assert RequestStatus.is_finished(req.status)\n"
-        "            self._free_blocks(self.requests[req_id])\n",
-        "            assert RequestStatus.is_finished(req.status)\n",
-        "dropping the free of a request aborted while its KV loaded when the load reports done: its "
-        "blocks stay referenced by a request that no longer exists",
-    ),
-    SourceEdit(
-        "vllm-ext-abort-frees-under-load",
+        "vllm-ext-loaded-abort-delays-free",
         f"{SCHEDULER}:Scheduler.finish_requests",
-        "self.finished_recving_kv_req_ids.discard(request.request_id)\n",
-        "self.finished_recving_kv_req_ids.add(request.request_id)\n",
-        "marking an aborted load as received instead of forgetting it: its blocks are freed at the "
-        "abort, while the transfer still writes them, and freed again when the load reports done",
+        "is None\n                and request.request_id not in self.finished_recving_kv_req_ids\n",
+        "is None\n",
+        "delaying the free of an aborted request that waits for its KV without asking whether the "
+        "load already reported done: one aborted after its load finished, before it was scheduled, "
+        "waits for a report that never comes, and its blocks leak",
     ),
     SourceEdit(
-        "vllm-ext-room-ignores-external",
-        f"{KV_CACHE_MANAGER}:KVCacheManager.allocate_slots",
-        "total_computed_tokens=num_local_computed_tokens\n        + num_external_computed_tokens,",
-        "total_computed_tokens=num_local_computed_tokens,",
-        "checking room for an admission without the blocks its external tokens need: the check "
-        "passes on a nearly full pool and the allocation of the loaded range finds no block",
+        "vllm-ext-loaded-request-looked-up-again",
+        f"{SCHEDULER}:Scheduler.schedule",
+        "if request.num_computed_tokens == 0:",
+        "if request.num_computed_tokens >= 0:",
+        "taking a request whose KV has arrived for a fresh admission: its prefix is looked up and "
+        "the connector asked again, and the hit is added on top of the blocks it already holds",
     ),
     SourceEdit(
-        "vllm-ext-recv-skips-cache",
-        f"{SCHEDULER}:Scheduler._update_waiting_for_remote_kv",
-        "        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)\n\n",
-        "        self.kv_cache_manager.cache_blocks(request, request.num_tokens)\n\n",
-        "filing the prompt's blocks up to its last token when a load completes, not up to the "
-        "loaded KV: blocks the load did not fill are cached with KV not yet computed",
+        "vllm-ext-connector-asked-from-zero",
+        f"{SCHEDULER}:Scheduler.schedule",
+        "request, block_aligned_local\n",
+        "request, 0\n",
+        "asking the connector for the tokens it holds past position 0 instead of past the local "
+        "hit: tokens found both in the local cache and outside are counted twice, and the request "
+        "claims KV for positions neither holds",
     ),
 )
