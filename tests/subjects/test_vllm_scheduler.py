@@ -235,7 +235,7 @@ def test_the_judge_catches_each_zoo_edit(spec: str, edit: SourceEdit):
     assert (finding.kind, at) == EXPECTED[edit.name], str(finding)
 
 
-@pytest.mark.parametrize("spec", ["vllm:spec", "vllm:async"])
+@pytest.mark.parametrize("spec", ["vllm:sched", "vllm:spec", "vllm:async"])
 def test_the_ci_profile_runs_clean_on_a_few_sequences(spec: str, tmp_path):
     from kvledger.checker.testing import check_subject
 
