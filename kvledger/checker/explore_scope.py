@@ -240,6 +240,20 @@ SCOPES: Dict[str, Scope] = {
             ops=frozenset({"submit", "prefill", "decode"}),
             max_live=2,
         ),
+        # requeue-victims-reversed: three live requests, and a decode that preempts the two newest
+        Scope(
+            "bug-optimistic-three",
+            num_pages=3,
+            page_size=1,
+            table_slots=3,
+            admission="optimistic",
+            reserve_ratio=0.0,
+            prompts=((0,), (1,)),
+            max_tokens=(2,),
+            budgets=(8,),
+            ops=frozenset({"submit", "prefill", "decode"}),
+            max_live=3,
+        ),
     )
 }
 
@@ -298,6 +312,8 @@ BUG_SCOPES: Dict[str, BugScope] = {
     "optimistic-ratio-of-whole-length": BugScope("bug-optimistic-naive", 2, "state:inflight_tokens"),
     "optimistic-no-next-token": BugScope("bug-optimistic", 2, "state:inflight_tokens"),
     "needed-size-in-tokens": BugScope("bug-optimistic-naive", 5, "invariant:3-no-oom"),
+    # a bug of the scheduler both sides share: the reference side is judged first
+    "requeue-victims-reversed": BugScope("bug-optimistic-three", 5, "reference-invariant:10-queue-order"),
 }
 
 

@@ -3,7 +3,9 @@
 The product code carries no bug switches: `patched(name)` swaps one method of a `fast` class
 (or one function of a `fast` module, looked up through the module's globals at call time)
 for a buggy version for the duration of a `with` block (in this process only). `reference` is
-never patched, so the lockstep harness sees fast diverge from the model.
+never patched, so the lockstep harness sees fast diverge from the model. One bug,
+`requeue-victims-reversed`, patches the cache scheduler both sides share (where the victims'
+queue order is decided): the two states agree, and only an invariant (10-queue-order) sees it.
 
 A bug is data: the target method plus text edits of its source. The buggy method is built from
 the *current* source of the live method (each edit's old text must occur in it exactly once, else
@@ -25,6 +27,7 @@ from types import FunctionType, ModuleType
 from typing import Dict, Iterator, List, Tuple
 
 from kvledger import fast
+from kvledger.engine.ledger.cache_scheduler import CacheScheduler
 from kvledger.fast.radix_cache import RadixPrefixCache
 
 Edit = Tuple[str, str]  # (text of the live method's source, the text the bug puts in its place)
@@ -580,5 +583,25 @@ _bug(
     (
         "return sum(div_ceil(r.device_len, ps) * ps - div_ceil(r.cached_len, ps) * ps for r in reqs)",
         "return sum(r.device_len - r.cached_len for r in reqs)  # BUG: tokens, not whole pages",
+    ),
+)
+
+
+# -- the queue the victims wait in (the cache scheduler both implementations share) ------------
+
+_bug(
+    "requeue-victims-reversed",
+    "vLLM v1 Scheduler (victims are popped from running newest first and each prepended to waiting; "
+    "collecting a step's victims and prepending them as one batch keeps the pop order)",
+    "the step's victims are requeued oldest first, each at the head, so the newest victim resumes ahead "
+    "of an older one admitted before it. The requeue order is decided by the cache scheduler "
+    "(`CacheScheduler.allocate` walking `Preemptor.make_room`'s victims), not by fast, whose `make_room` "
+    "must return the victims newest first (6-preemption-order) and whose `resumed` only rebuilds one "
+    "request: the edit is there, so both sides of lockstep run it and only 10-queue-order can see it",
+    CacheScheduler,
+    "allocate",
+    (
+        "for victim in victims:",
+        "for victim in victims[::-1]:  # BUG: oldest first; each goes to the head, so the newest resumes first",
     ),
 )
