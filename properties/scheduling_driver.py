@@ -35,7 +35,13 @@ from kvledger.engine.ledger.ops import InvalidOp, OpResult, TraceLine, as_record
 from kvledger.properties.scheduling_subject import Output, Plan, Scheduled, SchedulingSubject, Step
 from kvledger.properties.subject import SubjectConfig, View
 from kvledger.properties.subject_calls import call_subject
-from kvledger.properties.subject_events import ahead_of_tokens, hit_events, pool_exhausted, window_events
+from kvledger.properties.subject_events import (
+    EXHAUSTED_AT_DECODE,
+    ahead_of_tokens,
+    hit_events,
+    pool_exhausted,
+    window_events,
+)
 from kvledger.properties.subject_judge import Witness, judge
 from kvledger.reference.pages import div_ceil
 
@@ -207,7 +213,7 @@ class SchedulingDriver:
             raise InvalidOp(f"step: accept is for a subject that speculates, not {self.subject.name}")
         before = self.view() if self.check else None
         if before is not None and pool_exhausted(before, self.caps.page_size) and self._decode_needs_page():
-            self.on_event("decode: a new page needed on a pool with no free or evictable page")
+            self.on_event(EXHAUSTED_AT_DECODE)
         plan: Plan = call_subject("schedule", self.subject.schedule, budget)
         self._check_plan(plan, budget, before)
         if self.in_flight and plan.scheduled:
@@ -372,12 +378,7 @@ class SchedulingDriver:
 
     def _write(self, view: View, uid: int, tokens: Sequence[int], start: int, end: int) -> None:
         """A forward pass wrote KV for positions [start, end) of `tokens`, in every KV group."""
-        rows = [view.requests.get(uid, [])] + [g.requests.get(uid, []) for g in view.groups]
-        for row in rows:
-            for pos in range(start, min(end, len(row))):
-                loc = row[pos]
-                if loc is not None:
-                    self.witness.wrote([loc], tokens, pos)
+        self.witness.wrote_view(view, uid, tokens, start, end)
 
     def _deliver(self, step: Step) -> None:
         """The subject gets the oldest step's outputs (and the outside loads that finished)."""
@@ -409,6 +410,7 @@ class SchedulingDriver:
         if not self.check:
             return
         view = self.view()
+        self.witness.preempted = set(self.preempted)
         try:
             judge(view, self.caps, self.witness, self.subject)
             if view.waiting is not None:

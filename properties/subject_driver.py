@@ -35,9 +35,15 @@ from typing import Any, Callable, Dict, List, Sequence, Set, Tuple, cast
 from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.invariants import InvariantViolation, check_queue_order
 from kvledger.engine.ledger.ops import InvalidOp, OpResult, TraceLine, as_record, dispatch
-from kvledger.properties.subject import Subject, SubjectConfig, View
+from kvledger.properties.subject import GroupView, Subject, SubjectConfig, View
 from kvledger.properties.subject_calls import call_subject
-from kvledger.properties.subject_events import expected_events, full_with_locks, hit_events
+from kvledger.properties.subject_events import (
+    EXHAUSTED_AT_DECODE,
+    expected_events,
+    full_with_locks,
+    hit_events,
+    pool_exhausted,
+)
 from kvledger.properties.subject_judge import Witness, judge
 from kvledger.reference.pages import div_ceil
 
@@ -165,6 +171,10 @@ class SubjectDriver:
             raise InvalidOp(f"decode: stop {list(stop)} must name running uids, each once")
         batch: List[tuple[int, int, int]] = []
         self.victims = []
+        ps = self.caps.page_size
+        if self.check and any(len(self.witness.tokens[u]) % ps == 1 % ps for u in self.running):
+            if pool_exhausted(self.view(), ps):  # a decode that needs a page where none is free or evictable
+                self.on_event(EXHAUSTED_AT_DECODE)
         for uid in list(self.running):
             if uid not in self.running:  # preempted by an earlier request's allocation
                 continue
@@ -297,9 +307,14 @@ class SubjectDriver:
         self, batch: List[tuple[int, int, int]], sample: Sequence[int], stop: Sequence[int], prefill: bool
     ) -> None:
         row_of: Dict[int, List[int]] = {}
+        rows = View(free=[], requests={})  # the batch's rows in every KV group, read before `computed` is called
         if batch:
-            requests = self.view().requests
-            row_of = {uid: list(requests.get(uid, [])) for uid, _, _ in batch}
+            view = self.view()
+            row_of = {uid: list(view.requests.get(uid, [])) for uid, _, _ in batch}
+            groups = [
+                GroupView(g.name, g.window, {u: list(g.requests.get(u, [])) for u in row_of}) for g in view.groups
+            ]
+            rows = View(free=[], requests=row_of, groups=groups)
         sampled = 0
         ending: List[int] = []
         for uid, start, end in batch:
@@ -316,7 +331,7 @@ class SubjectDriver:
                 token = int(sample[sampled % len(sample)]) if sample else 0
                 sampled += 1
             call_subject("computed", self.subject.computed, uid, start, end, token)
-            self.witness.wrote(row[start:end], tokens, start)
+            self.witness.wrote_view(rows, uid, tokens, start, end)
             self.witness.computed[uid] = end
             if token is None:
                 continue

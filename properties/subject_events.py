@@ -43,12 +43,10 @@ EXTERNAL_EVENTS = frozenset(
     }
 )
 WINDOW_EVENTS = frozenset({"window: positions dropped outside the window", "window: a prefix hit in every group"})
-SCHEDULING_EVENTS = frozenset(
-    {
-        "decode: a new page needed on a pool with no free or evictable page",
-        "preempt: two victims waiting to resume",
-    }
-)
+# a decode step that needs a new page while the pool has none free or evictable: only a subject
+# that preempts gets through it (SGLang retracts, vLLM preempts)
+EXHAUSTED_AT_DECODE = "decode: a new page needed on a pool with no free or evictable page"
+SCHEDULING_EVENTS = frozenset({"preempt: two victims waiting to resume"})
 
 # the misfits' states (the call-level driver reports them), by the capability that makes each reachable
 MISFIT_EVENTS = {
@@ -64,6 +62,8 @@ def expected_events(caps: Capabilities, groups: int = 0) -> FrozenSet[str]:
     """The rare states a subject with these capabilities (and `groups` KV groups past the first)
     can reach."""
     events = set(e for e in SUBJECT_EVENTS if caps.preempts or not e.startswith("preempt"))
+    if caps.preempts:
+        events.add(EXHAUSTED_AT_DECODE)
     if caps.schedules:
         events -= {"allocate: full pool with locked entries"}  # an allocation call of the driver's
         events |= SCHEDULING_EVENTS
