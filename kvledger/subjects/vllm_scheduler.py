@@ -33,6 +33,10 @@ from kvledger.subjects.vllm_scheduler_zoo import ZOOS
 
 __all__ = ["VARIANTS", "ZOOS", "VllmSchedulerSubject", "Variant", "build_spec", "probe"]
 
+# vLLM infers its platform once, on first use, from the environment: a zoo edit compiled before
+# any subject is built (edits.edited_function imports the scheduler module) must find it set
+import_vllm()
+
 NAME = "vllm"
 VERSION = vllm_manager.VERSION
 # the manager adapter's packages, and einops: ModelConfig imports vLLM's Llama module

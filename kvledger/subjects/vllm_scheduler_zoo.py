@@ -46,9 +46,9 @@ SPEC_ZOO: Tuple[SourceEdit, ...] = (
         f"{SCHEDULER}:Scheduler.update_from_output",
         "request.num_computed_tokens -= num_rejected",
         "pass",
-        "not rolling num_computed_tokens back by the rejected drafts: the scheduler counts KV "
-        "written for rejected tokens as computed (vLLM's first v1 spec-decode scheduler had to add "
-        "this rollback; a rejected position is then read, and filed, as if it held the sampled token)",
+        "not rolling num_computed_tokens back by the rejected drafts, so KV written for rejected "
+        "tokens counts as computed (modelled on vllm-project/vllm#42722: the rollback was skipped "
+        "for a verification step whose output was empty, leaving num_computed_tokens too high)",
     ),
     SourceEdit(
         "vllm-spec-accepted-counts-bonus",
@@ -56,8 +56,8 @@ SPEC_ZOO: Tuple[SourceEdit, ...] = (
         "num_accepted = max(len(generated_token_ids) - num_sampled, 0)",
         "num_accepted = len(generated_token_ids)",
         "counting the bonus token among the accepted drafts (an off-by-one in the rejection "
-        "count, as in vLLM's spec-decode metrics fixes): one rejected position too few is rolled "
-        "back, so the position of the sampled token counts as computed before its KV is written",
+        "count): one rejected position too few is rolled back, so the position of the sampled "
+        "token counts as computed before its KV is written",
     ),
     SourceEdit(
         "vllm-spec-caches-unverified",
@@ -66,17 +66,17 @@ SPEC_ZOO: Tuple[SourceEdit, ...] = (
         "request.num_tokens,",
         "filing blocks up to the request's tokens after a verification step instead of up to its "
         "computed KV: the block holding the bonus token is filed while that position still holds "
-        "a rejected draft's KV (the mistake allocate_slots' 'non-committable tokens' note guards "
-        "against, moved to the post-acceptance cache_blocks that vLLM added for spec decode)",
+        "a rejected draft's KV (the mistake allocate_slots' own note on 'non-committable' draft "
+        "tokens guards against, in the cache_blocks update_from_output runs after verification)",
     ),
     SourceEdit(
         "vllm-spec-drafts-past-budget",
         f"{SCHEDULER}:Scheduler.schedule",
         "if len(spec_token_ids) > num_scheduled_spec_tokens:",
         "if len(spec_token_ids) > self.num_spec_tokens:",
-        "not trimming the drafts to the tokens the budget left (vLLM fixed spec decode scheduled "
-        "with a token budget smaller than 1 + K): the step claims drafts at positions it gave no "
-        "token to, and the model's rejection count no longer matches what was scheduled",
+        "not trimming the drafts to the tokens the budget left when a step's budget is smaller "
+        "than 1 + K: the step claims drafts at positions it gave no token to, and the rejection "
+        "count of its output no longer matches what was scheduled",
     ),
     SourceEdit(
         "vllm-spec-lookahead-counts-drafts",
@@ -84,9 +84,9 @@ SPEC_ZOO: Tuple[SourceEdit, ...] = (
         "num_lookahead_tokens=self.num_lookahead_tokens,",
         "num_lookahead_tokens=self.num_lookahead_tokens + self.num_spec_tokens,",
         "reserving the drafts again as lookahead slots though num_new_tokens already counts them "
-        "(the lookahead arithmetic vLLM centralised in VllmConfig.num_lookahead_tokens so the "
-        "scheduler and the worker could not drift): each decode step holds K blocks' worth of "
-        "slots more than speculation needs, and a full pool preempts requests for nothing",
+        "(the drift VllmConfig.num_lookahead_tokens' docstring warns of: consumers re-deriving "
+        "their own lookahead): each decode step holds K slots more than speculation needs, past "
+        "what the subject declares (max_ahead), and a full pool preempts requests for nothing",
     ),
 )
 
@@ -105,9 +105,10 @@ ASYNC_ZOO: Tuple[SourceEdit, ...] = (
         f"{ASYNC_SCHEDULER}:AsyncScheduler._update_after_schedule",
         _SUPER + _TO_CHUNK_CHECK + "if request.is_prefill_chunk:\n            continue",
         _EXPLICIT_SUPER + _TO_CHUNK_CHECK + "pass",
-        "adding an output placeholder for a prefill chunk, which samples nothing (the check "
-        "AsyncScheduler needs since chunked prefill and async scheduling run together): the "
-        "next chunk is scheduled one position past the prompt's known tokens",
+        "adding an output placeholder for a prefill chunk, which samples nothing: AsyncScheduler "
+        "before its is_prefill_chunk guard (vllm-project/vllm#33652; placeholder accounting around "
+        "chunked prefill is the subject of #30142, #35759 and #50692): the next chunk is scheduled "
+        "one position past the prompt's known tokens",
     ),
     SourceEdit(
         "vllm-async-placeholders-count-scheduled-tokens",
@@ -125,7 +126,9 @@ ASYNC_ZOO: Tuple[SourceEdit, ...] = (
         "request.num_stale_output_tokens = request.num_output_placeholders",
         "measuring a preempted request's stale share in outputs in flight (placeholders) instead "
         "of tokens in flight: a victim whose prompt was in flight has one placeholder but a "
-        "chunk's worth of tokens, so update_from_output drains more stale tokens than were marked",
+        "chunk's worth of tokens, so update_from_output drains more stale tokens than were marked "
+        "(the in-flight output of a preempted request is what vllm-project/vllm#46066 and #47900 "
+        "fixed: num_output_placeholders underflowed when that output came back)",
     ),
     SourceEdit(
         "vllm-async-last-placeholder-kept",
