@@ -110,6 +110,18 @@ class SchedulingDriver:
         if self.caps.external_kv:
             cast(Any, subject).store = self.store  # the connector asks it (scheduling_subject.ExternalStore)
         self.ops = 0
+        self._windows: List[int | None] | None = None  # each KV group's window past the first (View.groups)
+
+    def _pages_needed(self, positions: int) -> int:
+        """The pages one request of `positions` positions holds at its peak, alone: a page per
+        page_size positions in the first KV group, as many in each other group, or for a sliding
+        window W the pages its window spans plus the one a decode adds (a windowed group frees
+        what left the window before it allocates: vLLM's remove_skipped_blocks)."""
+        ps = self.caps.page_size
+        pages = div_ceil(positions, ps)
+        if self._windows is None:
+            self._windows = [g.window for g in self.view().groups]
+        return pages + sum(pages if w is None else min(pages, div_ceil(w - 1, ps) + 1) for w in self._windows)
 
     @property
     def speculates(self) -> bool:
@@ -158,7 +170,7 @@ class SchedulingDriver:
                 f"submit: uid {uid} needs {len(tokens) + max_tokens} positions, "
                 f"max_seq_len is {self.config.max_seq_len}"
             )
-        if div_ceil(len(tokens) + max_tokens - 1, self.caps.page_size) > self.config.num_pages:
+        if self._pages_needed(len(tokens) + max_tokens - 1) > self.config.num_pages:
             raise InvalidOp(f"submit: uid {uid} can never fit the pool of {self.config.num_pages} pages")
         call_subject("submit", self.subject.submit, uid, list(tokens), max_tokens)
         self.known.add(uid)
