@@ -74,8 +74,9 @@ HYBRID_ZOO: Tuple[SourceEdit, ...] = (
         f"{COORDINATOR}:HybridKVCacheCoordinator.find_longest_cache_hit",
         "            curr_hit_length = _new_hit_length\n",
         "",
-        "not shortening the candidate hit to what the sliding-window group found: the full-attention "
-        "group's hit is kept while the window group holds fewer blocks, so its table is misaligned",
+        "not shortening the candidate hit to what each group's finder found: the hit stays at its upper "
+        "bound (the prompt but its last token) while the groups hold blocks for what they found, so "
+        "positions nobody computed count as computed",
     ),
 )
 
