@@ -81,6 +81,25 @@ def test_a_step_is_planned_from_the_scheduler_output_and_the_queue_is_its_own():
     assert v.requests == {} and sorted(v.free) == list(range(1, CFG.num_pages + 1))
 
 
+def test_a_refused_head_and_the_victims_are_reported_in_the_scheduler_order():
+    small = SubjectConfig(num_pages=6, page_size=PS, max_seq_len=24, max_running_req=4)
+    s = _build("vllm:sched", config=small)
+    s.submit(1, list(range(1, 9)), 8)  # 2 blocks, may grow to 4
+    s.submit(2, list(range(20, 28)), 8)
+    s.submit(3, list(range(40, 52)), 4)  # 3 blocks: no room while 1 and 2 hold 4 of 6
+    plan = s.schedule(None)
+    assert [x.uid for x in plan.scheduled] == [1, 2] and plan.refused == 3 and plan.preempted == ()
+    assert s.view().waiting == [3]
+    s.output({1: Output(tokens=(9,)), 2: Output(tokens=(29,))})
+    for n in range(8):  # decodes fill the pool: the newest running request goes first
+        plan = s.schedule(None)
+        if plan.preempted:
+            break
+        s.output({x.uid: Output(tokens=(60 + n,)) for x in plan.scheduled})
+    # position 12 needs a fourth block: the newest (uid 2) is preempted, and waits ahead of uid 3
+    assert (n, plan.preempted, s.view().waiting) == (4, (2,), [2, 3])
+
+
 def test_a_stop_ends_the_request_as_a_stop_token_does():
     s = _build("vllm:sched")
     s.submit(1, A, 8)
