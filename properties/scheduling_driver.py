@@ -270,7 +270,12 @@ class SchedulingDriver:
                 )
             proposed = self.drafts.pop(item.uid, ())
             real = tuple(d for d in item.drafts if d >= 0)  # negative: padding (vLLM pads a new decode)
-            if item.drafts and (real != proposed[: len(real)] or item.end != len(tokens)):
+            if item.drafts and item.end != len(tokens):
+                _bad(
+                    f"uid {item.uid} verifies drafts {list(item.drafts)} after position {item.end}, but its "
+                    f"last token is at {len(tokens) - 1}: drafts follow a request's last token only"
+                )
+            if real != proposed[: len(real)]:
                 _bad(f"uid {item.uid} verifies drafts {list(item.drafts)}, but was proposed {list(proposed)}")
             spent += item.end - item.start + len(item.drafts)
         if plan.refused is not None:
@@ -362,7 +367,9 @@ class SchedulingDriver:
                 continue
             m = 0
             if item.drafts:
-                m = min(int(accept[verified_n % len(accept)]) if accept else 0, len(item.drafts))
+                # a padding draft (negative) is never sampled, so nothing past it is accepted
+                real = next((i for i, d in enumerate(item.drafts) if d < 0), len(item.drafts))
+                m = min(int(accept[verified_n % len(accept)]) if accept else 0, real)
                 verified_n += 1
                 self.on_event("spec: every draft accepted" if m == len(item.drafts) else "spec: a draft rejected")
             bonus = self._token(sample, sampled_n)

@@ -64,13 +64,21 @@ def edited_function(edit: SourceEdit | Sequence[SourceEdit], module: types.Modul
         source = source.replace(e.old, e.new)
     names = "+".join(e.name for e in edits)
     namespace: Dict[str, Any] = {}
+    free = func.__code__.co_freevars
+    if free:
+        # The copy must close over the same free variables: zero-argument super() reads its class
+        # from a `__class__` closure cell (a global of that name does not do), so the copy is
+        # compiled inside a function that takes them as parameters and returns it.
+        source = (
+            f"def __kvledger_closure__({', '.join(free)}):\n{textwrap.indent(source, '    ')}\n    return {path[-1]}\n"
+        )
     code = compile(source, f"<{names}: edited {edit.target}>", "exec")
-    globals_ = dict(func.__globals__)
-    if func.__closure__:  # zero-argument super() needs __class__ in scope
-        for name, cell in zip(func.__code__.co_freevars, func.__closure__):
-            globals_[name] = cell.cell_contents
-    exec(code, globals_, namespace)
-    edited = namespace[path[-1]]
+    exec(code, dict(func.__globals__), namespace)
+    if free:
+        assert func.__closure__ is not None
+        edited = namespace["__kvledger_closure__"](*(cell.cell_contents for cell in func.__closure__))
+    else:
+        edited = namespace[path[-1]]
     edited.__kvledger_edit__ = names
     return edited
 

@@ -16,11 +16,9 @@ from kvledger.subjects.vllm import ZOO as MANAGER_ZOO
 SCHEDULER = "vllm.v1.core.sched.scheduler"
 ASYNC_SCHEDULER = "vllm.v1.core.sched.async_scheduler"
 
-# An edited copy is compiled outside its class, where zero-argument super() finds no __class__
-# cell: an edit of AsyncScheduler._update_after_schedule spans from its super() call, which the
-# copy spells as the explicit call it stands for, to the text it changes.
+# the edits of AsyncScheduler._update_after_schedule span from its super() call (kept: an edited
+# copy closes over `__class__` as the original does) to the text they change, so that it is unique
 _SUPER = "super()._update_after_schedule(scheduler_output)"
-_EXPLICIT_SUPER = "Scheduler._update_after_schedule(self, scheduler_output)"
 _TO_CHUNK_CHECK = (
     "\n    spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens"
     "\n    # Use the latest num of scheduled draft tokens in next step as placeholder."
@@ -104,7 +102,7 @@ ASYNC_ZOO: Tuple[SourceEdit, ...] = (
         "vllm-async-placeholder-for-prefill-chunk",
         f"{ASYNC_SCHEDULER}:AsyncScheduler._update_after_schedule",
         _SUPER + _TO_CHUNK_CHECK + "if request.is_prefill_chunk:\n            continue",
-        _EXPLICIT_SUPER + _TO_CHUNK_CHECK + "pass",
+        _SUPER + _TO_CHUNK_CHECK + "pass",
         "adding an output placeholder for a prefill chunk, which samples nothing: AsyncScheduler "
         "before its is_prefill_chunk guard (vllm-project/vllm#33652; placeholder accounting around "
         "chunked prefill is the subject of #30142, #35759 and #50692): the next chunk is scheduled "
@@ -114,7 +112,7 @@ ASYNC_ZOO: Tuple[SourceEdit, ...] = (
         "vllm-async-placeholders-count-scheduled-tokens",
         f"{ASYNC_SCHEDULER}:AsyncScheduler._update_after_schedule",
         _SUPER + _TO_PLACEHOLDERS + "self.num_sampled_tokens_per_step + cur_num_spec_tokens",
-        _EXPLICIT_SUPER + _TO_PLACEHOLDERS + "scheduler_output.num_scheduled_tokens[req_id]",
+        _SUPER + _TO_PLACEHOLDERS + "scheduler_output.num_scheduled_tokens[req_id]",
         "counting a step's scheduled tokens as its outputs in flight instead of the tokens it "
         "samples (one, plus its drafts): a prompt's last chunk leaves as many placeholders as it "
         "had tokens, and the next step is scheduled far past the request's tokens",
