@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from dataclasses import dataclass
@@ -97,6 +98,11 @@ def import_vllm() -> None:
     # device type" on a machine with no accelerator. Set before the first vllm import.
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # vLLM's config warnings (CPU block sizes, batched tokens past max_num_seqs * max_model_len)
+    # are about a deployment's speed, and every subject built repeats them: only its errors reach
+    # kvledger's log, unless kvledger logs at debug
+    if not logging.getLogger("kvledger").isEnabledFor(logging.DEBUG):
+        logging.getLogger("vllm").setLevel(logging.ERROR)
 
 
 _CACHE: Dict[Tuple[Any, ...], Any] = {}  # the expensive configs, once per process
