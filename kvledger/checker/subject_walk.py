@@ -65,11 +65,15 @@ class SubjectWorkload:
     def __init__(self, target: SubjectTarget, max_ops: int = MAX_OPS) -> None:
         self.target = target
         self.max_ops = max_ops
+        self.expected: Set[str] = set()
 
     def prepare(self) -> None:
         """Build the subject once: an adapter that fails does so in one line, and the subject's
         version is known for the traces' headers."""
-        self.target.subject(SubjectConfig(num_pages=8, page_size=self.target.page_sizes[0], max_seq_len=16))
+        from kvledger.properties.subject_events import expected_events
+
+        sample = self.target.subject(SubjectConfig(num_pages=8, page_size=self.target.page_sizes[0], max_seq_len=16))
+        self.expected = set(expected_events(sample.capabilities, len(sample.view().groups)))
 
     def case_seed(self, seed: int, worker: int, workers: int, case: int) -> int:
         return seed * 1_000_003 + worker + case * workers
@@ -98,7 +102,8 @@ class SubjectWorkload:
         return 0  # the driver keeps who is preempted now, not how often
 
     def expected_events(self) -> Set[str]:
-        return set()
+        """The rare states the subject's capabilities make reachable (known once `prepare` ran)."""
+        return set(self.expected)
 
     def trace_paths(self, out_dir: Path, seed: int, worker: int, case: int, cseed: int, kind: str) -> Tuple[Path, Path]:
         spec = getattr(self.target, "spec", None)
