@@ -184,12 +184,13 @@ HYBRID_TRACES: Dict[str, Tuple[str, Dict[str, int], List[Dict[str, Any]]]] = {
     ),
     "vllm-swa-room-skips-round-up": (
         "subject-raised:ValueError",
-        {"num_pages": 6, "page_size": 4, "max_seq_len": 24, "max_running_req": 7},
+        {"num_pages": 12, "page_size": 4, "max_seq_len": 48, "max_running_req": 7},
         [
-            {"op": "submit", "uid": 1, "tokens": [3, 3, 2, 2, 3, 1, 3, 1, 0, 2, 0, 1], "max_tokens": 3},
-            {"op": "prefill", "budget": 64, "sample": [1]},
-            {"op": "prefill", "budget": 64, "sample": [1]},
-            {"op": "prefill", "budget": 64, "sample": [1]},
+            {"op": "submit", "uid": 0, "tokens": [2, 3, 3, 2, 0, 0, 0, 1], "max_tokens": 1},
+            {"op": "submit", "uid": 1, "tokens": [2, 3, 3, 2, 3, 2, 1, 1, 2, 0, 3, 2, 1, 1, 0, 2, 0], "max_tokens": 2},
+            {"op": "submit", "uid": 2, "tokens": [2, 3, 3, 2, 0, 0, 0, 1, 1], "max_tokens": 1},
+            {"op": "prefill", "budget": 64, "sample": [0]},
+            {"op": "prefill", "budget": 64, "sample": [2]},
         ],
     ),
     "vllm-swa-skipped-blocks-round-up": (
