@@ -109,7 +109,11 @@ def _capabilities(config: SubjectConfig, variant: Variant, built: Built) -> Capa
         in_flight=ASYNC_DEPTH if variant.async_scheduling else 1,
         spec_tokens=k,
         max_ahead=ahead,
-        resume_order="admission",
+        # FCFS resumes by arrival, but with a connector a request whose KV loaded joins `running`
+        # when it is next scheduled (scheduler.py:1549), behind later arrivals admitted while it
+        # loaded; preemption pops running[-1] and prepends it (:1842), so a later arrival can then
+        # wait ahead of it: vLLM's order, not a promise of arrival order
+        resume_order="any" if variant.kv_transfer else "admission",
     )
 
 
