@@ -28,7 +28,7 @@ def add_zoo(sub: argparse._SubParsersAction) -> None:
         "--subject",
         default=None,
         metavar="SPEC",
-        help="judge mode on this subject's own zoo (fast: kvledger's 39 bugs); --fuzz-seconds caps each bug",
+        help="judge mode on this subject's own zoo (fast: kvledger's 40 bugs); --fuzz-seconds caps each bug",
     )
     p.set_defaults(func=_zoo, bug=None)
 
