@@ -30,7 +30,7 @@ from collections import deque
 from typing import Any, Callable, Deque, Dict, List, NoReturn, Sequence, Set, Tuple, cast
 
 from kvledger.engine.ledger.finding import Finding
-from kvledger.engine.ledger.invariants import InvariantViolation, check_queue_order
+from kvledger.engine.ledger.invariants import InvariantViolation, check_queue_order, prefix_hashes
 from kvledger.engine.ledger.ops import InvalidOp, OpResult, TraceLine, as_record, dispatch
 from kvledger.properties.scheduling_subject import Output, Plan, Scheduled, SchedulingSubject, Step
 from kvledger.properties.subject import SubjectConfig, View
@@ -353,6 +353,7 @@ class SchedulingDriver:
                 continue
             assert view is not None
             tokens = self.witness.tokens[uid]
+            self._check_window_reads(view, uid, tokens, item.start)
             written = tokens[: item.end] + list(item.drafts)
             self._write(view, uid, written, item.start, item.end + len(item.drafts))
             self.witness.computed[uid] = item.end
@@ -390,6 +391,26 @@ class SchedulingDriver:
                 self.drafts[uid] = tuple(self._token(sample, sampled_n + i) for i in range(self.caps.spec_tokens))
             step.outputs[uid] = Output(tokens=tuple(out), stop=uid in stop, drafts=self.drafts.get(uid, ()))
         step.loaded.extend(sorted(self.loading))
+
+    def _check_window_reads(self, view: View, uid: int, tokens: Sequence[int], start: int) -> None:
+        """What the step reads: the first position it computes, `start`, attends to [start - W + 1,
+        start) in a window group of W, which must still hold KV of exactly that prefix (the judge
+        checks the window after the step, from the next position on)."""
+        hashes = prefix_hashes(tokens[:start])
+        for n, group in enumerate(view.groups, 1):
+            if group.window is None:
+                continue
+            row = group.requests.get(uid, [])
+            for pos in range(max(0, start - group.window + 1), start):
+                loc = row[pos] if pos < len(row) else None
+                found = None if loc is None else self.witness.written.get(int(loc))
+                if found is None or found[0] != hashes[pos]:
+                    what = "was dropped" if loc is None else f"is at location {loc}, which holds other KV"
+                    raise Finding(
+                        "7-kv-provenance",
+                        f"uid {uid}: the step computes position {start}, which reads position {pos} of "
+                        f"KV group {n} ({group.name}, window {group.window}), but that position {what}",
+                    )
 
     @staticmethod
     def _token(sample: Sequence[int], n: int) -> int:

@@ -78,6 +78,15 @@ HYBRID_ZOO: Tuple[SourceEdit, ...] = (
         "bound (the prompt but its last token) while the groups hold blocks for what they found, so "
         "positions nobody computed count as computed",
     ),
+    SourceEdit(
+        "vllm-swa-window-one-short",
+        f"{SINGLE_TYPE}:SlidingWindowManager.get_num_skipped_tokens",
+        "num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens",
+        "num_computed_tokens - self.sliding_window + 2 - self.extra_retained_tokens",
+        "counting the window one token short: remove_skipped_blocks frees (and nulls) the block of "
+        "the oldest position the next token still attends to, so the step reads KV that was freed "
+        "and may already hold another request's",
+    ),
 )
 
 EXTERNAL_ZOO: Tuple[SourceEdit, ...] = (

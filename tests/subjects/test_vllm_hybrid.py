@@ -130,6 +130,17 @@ def ops_of(trace: Tuple[str, Dict[str, int], List[Dict[str, Any]]]) -> Tuple[str
 # Each zoo bug's minimized trace from `kvledger zoo --subject vllm:hybrid` (fuzz, seed 0): the
 # finding's kind, the pool, the operations
 HYBRID_TRACES: Dict[str, Tuple[str, Dict[str, int], List[Dict[str, Any]]]] = {
+    # `kvledger check --subject vllm:hybrid --bug vllm-swa-window-one-short` (sequence 8): caught as the
+    # step reads the freed position, by the scheduling driver's window-read check
+    "vllm-swa-window-one-short": (
+        "7-kv-provenance",
+        {"num_pages": 8, "page_size": 2, "max_seq_len": 16, "max_running_req": 5},
+        [
+            {"op": "submit", "uid": 0, "tokens": [1, 1, 1, 0], "max_tokens": 2},
+            {"op": "prefill", "budget": 64, "sample": [3]},
+            {"op": "decode", "sample": [2], "stop": []},
+        ],
+    ),
     "vllm-hybrid-hit-not-reduced": (
         "7-kv-provenance",
         {"num_pages": 12, "page_size": 4, "max_seq_len": 48, "max_running_req": 7},
