@@ -390,7 +390,9 @@ class SchedulingDriver:
             elif self.caps.spec_tokens:
                 self.drafts[uid] = tuple(self._token(sample, sampled_n + i) for i in range(self.caps.spec_tokens))
             step.outputs[uid] = Output(tokens=tuple(out), stop=uid in stop, drafts=self.drafts.get(uid, ()))
-        step.loaded.extend(sorted(self.loading))
+        # an outside load completes with the next step's outputs, not with those of the step that
+        # began it, so an operation (an abort) can come while it loads
+        step.loaded.extend(sorted(u for u in self.loading if u not in step.plan.loading))
 
     def _check_window_reads(self, view: View, uid: int, tokens: Sequence[int], start: int) -> None:
         """What the step reads: the first position it computes, `start`, attends to [start - W + 1,
