@@ -35,6 +35,7 @@ from kvledger.engine.ledger.ops import InvalidOp, OpResult, TraceLine, as_record
 from kvledger.properties.scheduling_subject import Output, Plan, Scheduled, SchedulingSubject, Step
 from kvledger.properties.subject import SubjectConfig, View
 from kvledger.properties.subject_calls import call_subject
+from kvledger.properties.subject_driver import check_submit
 from kvledger.properties.subject_events import (
     EXHAUSTED_AT_DECODE,
     ahead_of_tokens,
@@ -161,17 +162,8 @@ class SchedulingDriver:
         return result
 
     def submit(self, uid: int, tokens: Sequence[int], max_tokens: int) -> OpResult:
-        if uid in self.known:
-            raise InvalidOp(f"submit: uid {uid} was already submitted")
-        if not tokens or max_tokens < 1:
-            raise InvalidOp(f"submit: uid {uid} needs a prompt and max_tokens >= 1")
-        if len(tokens) + max_tokens > self.config.max_seq_len:
-            raise InvalidOp(
-                f"submit: uid {uid} needs {len(tokens) + max_tokens} positions, "
-                f"max_seq_len is {self.config.max_seq_len}"
-            )
-        if self._pages_needed(len(tokens) + max_tokens - 1) > self.config.num_pages:
-            raise InvalidOp(f"submit: uid {uid} can never fit the pool of {self.config.num_pages} pages")
+        pages = self._pages_needed(len(tokens) + max_tokens - 1) if tokens else 0
+        check_submit(uid, tokens, max_tokens, self.known, self.config, pages)
         call_subject("submit", self.subject.submit, uid, list(tokens), max_tokens)
         self.known.add(uid)
         self.arrival[uid] = len(self.arrival)

@@ -110,17 +110,8 @@ class SubjectDriver:
             self.on_event("driver: idle after work")
 
     def submit(self, uid: int, tokens: Sequence[int], max_tokens: int) -> OpResult:
-        if uid in self.known:
-            raise InvalidOp(f"submit: uid {uid} was already submitted")
-        if not tokens or max_tokens < 1:
-            raise InvalidOp(f"submit: uid {uid} needs a prompt and max_tokens >= 1")
-        if len(tokens) + max_tokens > self.config.max_seq_len:
-            raise InvalidOp(
-                f"submit: uid {uid} needs {len(tokens) + max_tokens} positions, "
-                f"max_seq_len is {self.config.max_seq_len}"
-            )
-        if div_ceil(len(tokens) + max_tokens - 1, self.caps.page_size) > self.config.num_pages:
-            raise InvalidOp(f"submit: uid {uid} can never fit the pool of {self.config.num_pages} pages")
+        pages = div_ceil(len(tokens) + max_tokens - 1, self.caps.page_size) if tokens else 0
+        check_submit(uid, tokens, max_tokens, self.known, self.config, pages)
         call_subject("submit", self.subject.submit, uid, list(tokens), max_tokens)
         self.known.add(uid)
         self.arrival[uid] = len(self.arrival)
@@ -382,6 +373,23 @@ def _resume_place(
     ):
         head += 1
     return head
+
+
+def check_submit(
+    uid: int, tokens: Sequence[int], max_tokens: int, known: Set[int], config: SubjectConfig, pages: int
+) -> None:
+    """InvalidOp for a submission no driver takes: a uid seen before, an empty prompt, more
+    positions than max_seq_len, or `pages` (what the request needs at its peak) past the pool."""
+    if uid in known:
+        raise InvalidOp(f"submit: uid {uid} was already submitted")
+    if not tokens or max_tokens < 1:
+        raise InvalidOp(f"submit: uid {uid} needs a prompt and max_tokens >= 1")
+    if len(tokens) + max_tokens > config.max_seq_len:
+        raise InvalidOp(
+            f"submit: uid {uid} needs {len(tokens) + max_tokens} positions, max_seq_len is {config.max_seq_len}"
+        )
+    if pages > config.num_pages:
+        raise InvalidOp(f"submit: uid {uid} can never fit the pool of {config.num_pages} pages")
 
 
 def _state(view: View) -> Tuple[Any, ...]:

@@ -100,3 +100,19 @@ def bind(obj: Any, edits: Iterable[SourceEdit], module: types.ModuleType | None 
             setattr(obj, group[0].split()[1][-1], func.__func__)
         else:
             setattr(obj, group[0].split()[1][-1], types.MethodType(func, obj))
+
+
+def bind_to_instances(edits: Iterable[SourceEdit], owners: Sequence[Any], what: str) -> None:
+    """Each edit on every object of `owners` that is an instance of the edit's target class (a
+    subject's parts: a manager, its pool, its queue...); EditError when none is. `what` names the
+    subject in the message."""
+    for edit in edits:
+        module_name, path = edit.split()
+        owner_class: Any = importlib.import_module(module_name)
+        for part in path[:-1]:
+            owner_class = getattr(owner_class, part, None)
+        found = [o for o in owners if isinstance(owner_class, type) and isinstance(o, owner_class)]
+        if not found:
+            raise EditError(f"{edit.name}: no object of this {what} is a {edit.target.rpartition('.')[0]}")
+        for owner in found:
+            bind(owner, [edit])

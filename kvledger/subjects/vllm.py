@@ -31,7 +31,7 @@ import logging
 from typing import Any, Dict, Hashable, List, Sequence, Tuple
 
 from kvledger.properties.subject import CachedEntry, Capabilities, DriverMismatch, SubjectConfig, View
-from kvledger.subjects.edits import EditError, SourceEdit, bind
+from kvledger.subjects.edits import SourceEdit, bind_to_instances
 from kvledger.subjects.installed import InstalledPackage
 
 log = logging.getLogger(__name__)
@@ -184,16 +184,7 @@ class VllmSubject:
             self.pool.free_block_queue,
             self.pool.cached_block_hash_to_block,
         )
-        for edit in edits:
-            module_name, path = edit.split()
-            owner_class: Any = importlib.import_module(module_name)
-            for part in path[:-1]:
-                owner_class = getattr(owner_class, part, None)
-            found = [o for o in owners if isinstance(owner_class, type) and isinstance(o, owner_class)]
-            if not found:
-                raise EditError(f"{edit.name}: no object of this KVCacheManager is a {edit.target.rpartition('.')[0]}")
-            for owner in found:
-                bind(owner, [edit])
+        bind_to_instances(edits, owners, "KVCacheManager")
 
     # -- the protocol --------------------------------------------------------------------------
     def submit(self, uid: int, prompt: Sequence[int], max_tokens: int) -> None:

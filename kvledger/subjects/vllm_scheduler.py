@@ -25,7 +25,7 @@ from typing import Any, Deque, Dict, Hashable, List, Optional, Sequence, Tuple
 from kvledger.properties.scheduling_subject import Output, Plan, Scheduled
 from kvledger.properties.subject import Capabilities, DriverMismatch, SubjectConfig, View
 from kvledger.subjects import vllm as vllm_manager
-from kvledger.subjects.edits import EditError, SourceEdit, bind
+from kvledger.subjects.edits import SourceEdit, bind_to_instances
 from kvledger.subjects.installed import InstalledPackage
 from kvledger.subjects.vllm_scheduler_build import FULL, Built, Group, Speculation, build_scheduler, import_vllm
 from kvledger.subjects.vllm_scheduler_view import CacheKeys, scheduler_view
@@ -162,16 +162,7 @@ class VllmSchedulerSubject:
     def _bind(self, edits: Sequence[SourceEdit]) -> None:
         """Each edit on the objects of this scheduler that run the target's method."""
         owners = self._owners()
-        for edit in edits:
-            module_name, path = edit.split()
-            owner_class: Any = importlib.import_module(module_name)
-            for part in path[:-1]:
-                owner_class = getattr(owner_class, part, None)
-            found = [o for o in owners if isinstance(owner_class, type) and isinstance(o, owner_class)]
-            if not found:
-                raise EditError(f"{edit.name}: no object of this Scheduler is a {edit.target.rpartition('.')[0]}")
-            for owner in found:
-                bind(owner, [edit])
+        bind_to_instances(edits, owners, "Scheduler")
 
     def _watch(self) -> None:
         """Record, without changing them, two facts schedule() keeps in locals: the order it
