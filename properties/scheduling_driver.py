@@ -111,18 +111,20 @@ class SchedulingDriver:
         if self.caps.external_kv:
             cast(Any, subject).store = self.store  # the connector asks it (scheduling_subject.ExternalStore)
         self.ops = 0
-        self._windows: List[int | None] | None = None  # each KV group's window past the first (View.groups)
+        self._groups: int | None = None  # KV groups past the first (View.groups), read once
 
     def _pages_needed(self, positions: int) -> int:
         """The pages one request of `positions` positions holds at its peak, alone: a page per
-        page_size positions in the first KV group, as many in each other group, or for a sliding
-        window W the pages its window spans plus the one a decode adds (a windowed group frees
-        what left the window before it allocates: vLLM's remove_skipped_blocks)."""
-        ps = self.caps.page_size
-        pages = div_ceil(positions, ps)
-        if self._windows is None:
-            self._windows = [g.window for g in self.view().groups]
-        return pages + sum(pages if w is None else min(pages, div_ceil(w - 1, ps) + 1) for w in self._windows)
+        page_size positions in every KV group, a sliding window's too. A window group frees what
+        left the window only once a step has computed it, and one step may compute a whole prompt
+        (a preempted request starts again at position 0), so its peak is every page of the
+        request, as vLLM's startup check sizes it (SlidingWindowSpec.max_admission_blocks_per_request
+        with max_in_flight_tokens >= max_model_len: kv_cache_interface.py:918). Counting only the
+        window's pages let the driver submit requests that an idle pool could never take again
+        after a preemption: the pool would fail vLLM's check_enough_kv_cache_memory."""
+        if self._groups is None:
+            self._groups = len(self.view().groups)
+        return div_ceil(positions, self.caps.page_size) * (1 + self._groups)
 
     @property
     def speculates(self) -> bool:

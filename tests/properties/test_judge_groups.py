@@ -216,3 +216,23 @@ def test_group_zero_keeps_the_one_argument_cache_key():
     ]
     view.page_refs = {p: 1 if p in (1, 2, 5, 6, 9) else 0 for p in range(1, 13)}
     assert verdict(view, witness, subject=OneGroupKeys()) is None
+
+
+def test_an_exhausted_pool_counts_the_pages_a_window_group_holds():
+    """The rare event "a decode needs a page on a pool with no free or evictable page": a cached
+    block held by a request's window-group row is not evictable (vLLM:hybrid reached the state
+    only once the rows of every group counted)."""
+    from kvledger.properties.subject_events import pool_exhausted
+
+    window = GroupView("swa", WINDOW, {0: [None, None, 7 * BS, 8 * BS]})
+    held = View(
+        free=[],
+        requests={0: [1 * BS, 2 * BS, 5 * BS, 6 * BS]},
+        cached=[CachedEntry((1 * BS,), 0), CachedEntry((7 * BS,), 8, group=1)],
+        groups=[window],
+    )
+    assert pool_exhausted(held, BS)
+    window.requests[0][3] = None  # block 8 no longer held: the cached block 7 still is
+    assert pool_exhausted(held, BS)
+    window.requests[0][2] = None  # block 7 dropped from the window: cached and evictable now
+    assert not pool_exhausted(held, BS)

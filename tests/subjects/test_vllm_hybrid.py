@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import pytest
 
 from kvledger.engine.ledger.finding import Finding
+from kvledger.engine.ledger.ops import InvalidOp
 from kvledger.properties.scheduling_driver import SchedulingDriver
 from kvledger.properties.scheduling_subject import Plan
 from kvledger.properties.subject import SubjectConfig
@@ -236,3 +237,19 @@ def test_zoo_bug_is_caught_and_the_clean_subject_passes(name):
 
 def test_every_zoo_bug_has_a_trace():
     assert {e.name for e in vllm_hybrid.ZOO} == set(HYBRID_TRACES)
+
+
+def test_a_request_is_taken_only_if_every_group_can_hold_it_from_position_zero():
+    """A window group frees what left the window only after a step computed it, and a preempted
+    request starts again at position 0: at its peak a request holds a page per page_size
+    positions in both groups, as vLLM's startup check sizes the window group. The driver once
+    counted the window group as its window's pages, took a 15-token request on a 14-block pool
+    (page 2), and a fuzz case then found it never re-admitted after a preemption: no vLLM bug,
+    vLLM would refuse to start on that pool (check_enough_kv_cache_memory)."""
+    config = SubjectConfig(num_pages=14, page_size=2, max_seq_len=28, max_running_req=4)
+    _, driver, _ = _driver(config=config)
+    driver.submit(0, list(range(100, 113)), 2)  # 14 positions: 7 pages in each group, the whole pool
+    with pytest.raises(InvalidOp, match="can never fit the pool of 14 pages"):
+        driver.submit(1, list(range(100, 113)), 3)  # 15 positions: 8 pages in each group
+    assert driver.prefill(64).batch == (0,)  # the one taken runs from position 0 in one step
+    assert driver.running == [0]
