@@ -1,15 +1,22 @@
-"""SGLang's radix cache and paged KV allocator (the installed sglang 0.5.23) as a kvledger subject.
+"""SGLang's tree cache and paged KV allocator (the installed sglang 0.5.23) as a kvledger subject.
 
-One `RadixCache` over a `PagedTokenToKVPoolAllocator` (`TokenToKVPoolAllocator` at page size 1,
-as `kv_cache_configurator.py` picks) and a `ReqToTokenPool`, driven with real
-`sglang.srt.managers.schedule_batch.Req` objects through SGLang's own scheduler functions:
-`Req.init_next_round_input` (match), the `PrefillAdder` arithmetic (`managers/schedule_policy.py`,
-`add_one_req` over `mem_cache/prefill_budget.py:PrefillBudget`), `alloc_for_extend` /
-`alloc_for_decode` (`mem_cache/allocation.py`, on a one-request `ScheduleBatch`),
-`checkpoint_kv_cache` / `release_kv_cache` (`mem_cache/common.py`). No model, no GPU, no
-scheduler process. (SGLang's scheduler builds a `UnifiedRadixCache` by default in this version,
-`mem_cache/registry.py:default_radix_cache_factory`; this subject is the classic `RadixCache`,
-which `PureSWARadixCache` and FlexKV build on and which shares the checkpoint/release path.)
+Two specs, each a tree cache over a `PagedTokenToKVPoolAllocator` (`TokenToKVPoolAllocator` at
+page size 1, as `kv_cache_configurator.py` picks) and a `ReqToTokenPool`:
+  sglang        the tree the scheduler builds by default in 0.5.23: `UnifiedRadixCache` with
+                tree_components (FULL,) (`mem_cache/registry.py:default_radix_cache_factory` ->
+                `create_unified_radix_cache`, line 149), on its Python tree core (`UnifiedTreeCore`:
+                the Rust core, SGLang's default backend, implements the same interface in a compiled
+                extension that no source edit can reach and whose nodes cannot be read one by one;
+                the Python core is the fallback `tree_core_registry.resolve_tree_core_backend` picks)
+  sglang:radix  the classic `RadixCache` (`radix_cache.py`), which `PureSWARadixCache` and FlexKV
+                build on, and which shares the checkpoint/release path
+Both are driven with real `sglang.srt.managers.schedule_batch.Req` objects through SGLang's own
+scheduler functions: `Req.init_next_round_input` (match), the `PrefillAdder` arithmetic
+(`managers/schedule_policy.py`, `add_one_req` over `mem_cache/prefill_budget.py:PrefillBudget`),
+`alloc_for_extend` / `alloc_for_decode` (`mem_cache/allocation.py`, on a `ScheduleBatch`),
+`checkpoint_kv_cache` / `release_kv_cache` (`mem_cache/common.py`). No model, no GPU, no scheduler
+process. `sglang_paged.py` builds `sglang:paged` on this class (page size > 1, the decode memory
+check and retract_decode).
 
 What SGLang does that the driver must know (the capabilities):
 - page 0 is the padding page the allocator never hands out, and `size` excludes it: the free
@@ -52,13 +59,32 @@ from kvledger.properties.subject import CachedEntry, Capabilities, DriverMismatc
 from kvledger.subjects.edits import EditError, SourceEdit, bind, edited_function
 from kvledger.subjects.sglang_import import ALLOCATION, COMMON, PACKAGE, VERSION, SglangNames
 from kvledger.subjects.sglang_scheduler import SchedulerState, SglangRequest
-from kvledger.subjects.sglang_zoo import ZOO
+from kvledger.subjects.sglang_zoo import RADIX_ZOO, UNIFIED_ZOO
 
-__all__ = ["NAME", "VERSION", "FUNCTIONS", "ZOO", "SglangSubject", "build", "load", "probe"]
+__all__ = [
+    "NAME",
+    "VERSION",
+    "FUNCTIONS",
+    "ZOO",
+    "ZOOS",
+    "RadixSglangSubject",
+    "SglangSubject",
+    "build",
+    "build_spec",
+    "load",
+    "probe",
+]
 
 log = logging.getLogger(__name__)
 
 NAME = "sglang"
+RADIX = "sglang:radix"
+ZOO = UNIFIED_ZOO  # the default spec's
+ZOOS = {NAME: UNIFIED_ZOO, RADIX: RADIX_ZOO}
+# the UnifiedRadixCache's tree core (CacheInitParams.tree_core_backend): the Python one, whose
+# nodes the view reads and whose source the zoo edits (see the module docstring)
+TREE_CORE_BACKEND = "python"
+FULL_INDEX = 0  # ComponentType.FULL, the index of a UnifiedTreeNode's full-attention component data
 # The module functions this adapter calls (the scheduler's calls). An edit of one of them is
 # compiled once and called in its place, by this subject alone (`SglangSubject.functions`).
 FUNCTIONS: Tuple[str, ...] = (
@@ -86,51 +112,87 @@ def build(config: SubjectConfig, path: str | None = None, edits: Sequence[Source
     return SglangSubject(config, load(), edits)
 
 
+def build_spec(config: SubjectConfig, name: str, edits: Sequence[SourceEdit] = ()) -> "SglangSubject":
+    """`sglang` or `sglang:radix`."""
+    if name == RADIX:
+        return RadixSglangSubject(config, load(), edits)
+    if name != NAME:
+        raise ValueError(f"{name}: not a spec of {__name__} ({NAME}, {RADIX})")
+    return SglangSubject(config, load(), edits)
+
+
 class SglangSubject:
-    """One radix cache, its allocator and request table, and the live `Req`s, driven as
-    SGLang's `Scheduler` drives them."""
+    """One tree cache, its allocator and request table, and the live `Req`s, driven as SGLang's
+    `Scheduler` drives them. Subclasses change what is built through the `build_*` methods
+    (`tree_components`, `cache_init_params`) and keep the protocol's calls."""
 
     name = NAME
 
     def __init__(self, config: SubjectConfig, s: SglangNames, edits: Sequence[SourceEdit] = ()) -> None:
         self.s = s
         self.version = importlib.metadata.version("sglang")
-        ps = self.page_size = config.page_size
-        torch = s.torch
-        # ModelRunner sizes rows at the model's context length + 4 (kv_cache_configurator,
-        # extra_max_context_len); here max_seq_len is that context length
-        self.req_to_token_pool = s.ReqToTokenPool(
-            size=config.max_running_req, max_context_len=config.max_seq_len + 4, device="cpu", enable_memory_saver=False
-        )
-        # dtype and kvcache size KV tensors the allocator never touches here; need_sort is for
-        # disaggregation only (kv_cache_configurator)
-        if ps == 1:
-            self.allocator = s.TokenToKVPoolAllocator(
-                config.num_pages, dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=False
-            )
-        else:
-            self.allocator = s.PagedTokenToKVPoolAllocator(
-                config.num_pages * ps, page_size=ps, dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=False
-            )
-        self.tree = s.RadixCache(
-            s.CacheInitParams(
-                disable=False,
-                req_to_token_pool=self.req_to_token_pool,
-                token_to_kv_pool_allocator=self.allocator,
-                page_size=ps,
-            )
-        )
+        self.page_size = config.page_size
+        # what the scheduler process builds at start (ModelRunner: the pools and the allocator;
+        # kv_cache_builder -> registry.create_tree_cache: the tree), each in a method of its own
+        self.req_to_token_pool = self.build_req_to_token_pool(config)
+        self.allocator = self.build_allocator(config)
+        self.tree = self.build_tree(config)
         # ScheduleBatch reads two fields of the model config on this path
         self._model_config = types.SimpleNamespace(vocab_size=1 << 31, is_encoder_decoder=False)
-        self.scheduler = SchedulerState(s)
+        self.scheduler = self.build_scheduler_state()
         self.requests: Dict[int, SglangRequest] = {}
         self._admissions = 0
         self.functions: Dict[str, Callable] = {
             t: getattr(importlib.import_module(t.split(":")[0]), t.split(":")[1]) for t in FUNCTIONS
         }
-        self._req_edits = bind_edits(self, edits)
-        self.capabilities = Capabilities(
-            page_size=ps,
+        self._req_edits, self._batch_edits = bind_edits(self, edits)
+        self.capabilities = self.build_capabilities(config)
+
+    # -- construction, one overridable part each -----------------------------------------------------
+    def build_req_to_token_pool(self, config: SubjectConfig) -> Any:
+        # ModelRunner sizes rows at the model's context length + 4 (kv_cache_configurator,
+        # extra_max_context_len); here max_seq_len is that context length
+        return self.s.ReqToTokenPool(
+            size=config.max_running_req, max_context_len=config.max_seq_len + 4, device="cpu", enable_memory_saver=False
+        )
+
+    def build_allocator(self, config: SubjectConfig) -> Any:
+        # dtype and kvcache size KV tensors the allocator never touches here; need_sort is for
+        # disaggregation only (kv_cache_configurator)
+        ps, torch = config.page_size, self.s.torch
+        if ps == 1:
+            return self.s.TokenToKVPoolAllocator(
+                config.num_pages, dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=False
+            )
+        return self.s.PagedTokenToKVPoolAllocator(
+            config.num_pages * ps, page_size=ps, dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=False
+        )
+
+    def cache_init_params(self, config: SubjectConfig) -> Any:
+        """What `kv_cache_builder` hands `registry.create_tree_cache` (CacheInitParams), with the
+        tree's components: FULL alone for a full-attention model (`create_unified_radix_cache`)."""
+        return self.s.CacheInitParams(
+            disable=False,
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.allocator,
+            page_size=config.page_size,
+            tree_components=self.tree_components(),
+            tree_core_backend=TREE_CORE_BACKEND,
+        )
+
+    def tree_components(self) -> Tuple[Any, ...]:
+        return (self.s.ComponentType.FULL,)
+
+    def build_tree(self, config: SubjectConfig) -> Any:
+        # registry.default_radix_cache_factory -> create_unified_radix_cache (registry.py:149)
+        return self.s.UnifiedRadixCache(self.cache_init_params(config))
+
+    def build_scheduler_state(self) -> SchedulerState:
+        return SchedulerState(self.s)
+
+    def build_capabilities(self, config: SubjectConfig) -> Capabilities:
+        return Capabilities(
+            page_size=config.page_size,
             pages=tuple(range(1, config.num_pages + 1)),
             worst_case_admission=False,
             preempts=True,
@@ -147,9 +209,17 @@ class SglangSubject:
         return self.allocator.available_size() + self.tree.evictable_size()
 
     def _batch(self, req: Any) -> Any:
-        return self.s.ScheduleBatch.init_new(
-            [req], self.req_to_token_pool, self.allocator, self.tree, self._model_config, False, self.s.NONE
+        return self.batch_of([req])
+
+    def batch_of(self, reqs: Sequence[Any]) -> Any:
+        """A ScheduleBatch of `reqs` (ScheduleBatch.init_new, as get_new_batch_prefill and the
+        running batch build it), with this subject's ScheduleBatch edits bound on it."""
+        batch = self.s.ScheduleBatch.init_new(
+            list(reqs), self.req_to_token_pool, self.allocator, self.tree, self._model_config, False, self.s.NONE
         )
+        if self._batch_edits:
+            bind(batch, self._batch_edits)
+        return batch
 
     # -- the protocol --------------------------------------------------------------------------
     def submit(self, uid: int, prompt: Sequence[int], max_tokens: int) -> None:
@@ -372,12 +442,32 @@ class SglangSubject:
         return tuple(int(t) for t in tokens)  # a radix tree files by path; the judge never asks
 
 
-def bind_edits(subject: SglangSubject, edits: Sequence[SourceEdit]) -> List[SourceEdit]:
-    """Bind a method edit on the objects of `subject` that run it (the tree, the allocator, the
-    request table); a module function edit replaces the function the subject calls. The edits
-    of `Req`'s methods are returned: the subject binds them on every Req it creates."""
-    owners = (subject.tree, subject.allocator, subject.req_to_token_pool)
+class RadixSglangSubject(SglangSubject):
+    """`sglang:radix`: the classic RadixCache (`radix_cache.py`) in the default tree's place."""
+
+    name = RADIX
+
+    def build_tree(self, config: SubjectConfig) -> Any:
+        return self.s.RadixCache(
+            self.s.CacheInitParams(
+                disable=False,
+                req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool_allocator=self.allocator,
+                page_size=config.page_size,
+            )
+        )
+
+
+def bind_edits(subject: SglangSubject, edits: Sequence[SourceEdit]) -> Tuple[List[SourceEdit], List[SourceEdit]]:
+    """Bind a method edit on the objects of `subject` that run it (the tree, its tree core and
+    components, the allocator, the request table); a module function edit replaces the function
+    the subject calls. The edits of `Req`'s and `ScheduleBatch`'s methods are returned: the subject
+    binds them on every Req and every batch it creates."""
+    owners = [subject.tree, subject.allocator, subject.req_to_token_pool]
+    if hasattr(subject.tree, "tree_core"):
+        owners += [subject.tree.tree_core, *subject.tree.components.values()]
     req_edits: List[SourceEdit] = []
+    batch_edits: List[SourceEdit] = []
     for edit in edits:
         module_name, path = edit.split()
         if len(path) == 1:
@@ -392,16 +482,18 @@ def bind_edits(subject: SglangSubject, edits: Sequence[SourceEdit]) -> List[Sour
             owner_class = getattr(owner_class, part, None)
         if not isinstance(owner_class, type):
             raise EditError(f"{edit.name}: {edit.target.rpartition('.')[0]} is not a class")
-        if issubclass(subject.s.Req, owner_class):
-            edited_function(edit)  # EditError now rather than at the first submit
-            req_edits.append(edit)
+        per_object = {subject.s.Req: req_edits, subject.s.ScheduleBatch: batch_edits}
+        made = next((kept for cls, kept in per_object.items() if issubclass(cls, owner_class)), None)
+        if made is not None:
+            edited_function(edit)  # EditError now rather than at the first use
+            made.append(edit)
             continue
         found = [o for o in owners if isinstance(o, owner_class)]
         if not found:
             raise EditError(f"{edit.name}: no object of this subject is a {owner_class.__name__}")
         for owner in found:
             bind(owner, [edit])
-    return req_edits
+    return req_edits, batch_edits
 
 
 # -- what the judge reads ----------------------------------------------------------------------------
@@ -434,16 +526,33 @@ def read_view(subject: SglangSubject) -> View:
             "free_pages": allocator.available_size() // subject.page_size,
             "evictable_tokens": int(tree.evictable_size()),
             "protected_tokens": int(tree.protected_size()),
-            "cached_tokens": int(tree.total_size()),
+            "cached_tokens": _full_size(tree.total_size()),
             # what the PrefillAdder counts as room (PrefillBudget._available_and_evictable)
             "available_tokens": int(allocator.create_prefill_budget(tree)._available_and_evictable()),
         },
     )
 
 
+def _full_size(total: Any) -> int:
+    """A RadixCache's total_size is its tokens; a UnifiedRadixCache's is (full, swa)."""
+    return int(total[0] if isinstance(total, tuple) else total)
+
+
+def node_full(node: Any) -> Tuple[Any, int]:
+    """A node's full-attention KV locations (a tensor or None) and lock count: a RadixCache node
+    keeps them as its own fields, a UnifiedRadixCache node (the Python tree core's
+    UnifiedTreeNode) per component, FULL's being the device KV."""
+    data = getattr(node, "component_data", None)
+    if data is None:
+        return node.value, int(node.lock_ref)
+    full = data[FULL_INDEX]
+    return full.value, int(full.lock_ref)
+
+
 def tree_entries(tree: Any) -> List[CachedEntry]:
-    """One entry per node of a RadixCache, found down the children maps; its tokens are read up its
-    own parent pointers, so a node whose links disagree shows a path other than where it hangs."""
+    """One entry per node of the tree, found down the children maps; its tokens are read up its
+    own parent pointers, so a node whose links disagree shows a path other than where it hangs.
+    A node whose full KV was evicted (value None) holds no location."""
     root = tree.root_node
     entries: List[CachedEntry] = []
     stack = list(root.children.values())
@@ -457,13 +566,14 @@ def tree_entries(tree: Any) -> List[CachedEntry]:
             path.append(up.key.token_ids)
             up = up.parent
         tokens = tuple(int(t) for part in reversed(path) for t in part)
-        locations = tuple(node.value.tolist()) if node.value is not None else ()
+        value, lock = node_full(node)
+        locations = tuple(value.tolist()) if value is not None else ()
         entries.append(
             CachedEntry(
                 locations=locations,
                 start=len(tokens) - len(node.key),
                 tokens=tokens,
-                lock=int(node.lock_ref),
+                lock=lock,
                 name=f"node {node.id}",
             )
         )

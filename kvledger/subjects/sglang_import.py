@@ -60,6 +60,9 @@ _MODULES: Tuple[str, ...] = (
 
 # SGLang's modules that hold what the adapter calls and what the zoo edits
 RADIX_CACHE = "sglang.srt.mem_cache.radix_cache"
+UNIFIED = "sglang.srt.mem_cache.unified_radix_cache"
+TREE_CORE = "sglang.srt.mem_cache.unified_cache.unified_tree_core"
+FULL_COMPONENT = "sglang.srt.mem_cache.unified_cache.components.full"
 PAGED = "sglang.srt.mem_cache.allocator.paged"
 COMMON = "sglang.srt.mem_cache.common"
 ALLOCATION = "sglang.srt.mem_cache.allocation"
@@ -149,10 +152,11 @@ class SglangNames:
             from sglang.srt.environ import envs
             from sglang.srt.managers import schedule_batch, schedule_policy
             from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker
-            from sglang.srt.mem_cache import allocation, common, memory_pool, radix_cache
+            from sglang.srt.mem_cache import allocation, common, memory_pool, radix_cache, unified_radix_cache
             from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
             from sglang.srt.mem_cache.base_prefix_cache import EvictParams
             from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+            from sglang.srt.mem_cache.unified_cache.components import ComponentType
             from sglang.srt.runtime_context import publish, publish_role
             from sglang.srt.sampling.sampling_params import SamplingParams
             from sglang.srt.server_args import ServerArgs
@@ -171,6 +175,8 @@ class SglangNames:
         self.common = common
         self.ReqToTokenPool = memory_pool.ReqToTokenPool
         self.RadixCache = radix_cache.RadixCache
+        self.UnifiedRadixCache = unified_radix_cache.UnifiedRadixCache
+        self.ComponentType = ComponentType
         self.PagedTokenToKVPoolAllocator = PagedTokenToKVPoolAllocator
         self.TokenToKVPoolAllocator = TokenToKVPoolAllocator
         self.EvictParams = EvictParams

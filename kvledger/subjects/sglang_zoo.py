@@ -1,17 +1,19 @@
-"""The sglang subject's zoo: single planted bugs in SGLang 0.5.23's cache, each an edit of its
-installed source (texts as in the dedented source). `kvledger zoo --subject sglang` runs each and
-expects the judge to name it."""
+"""The sglang subjects' zoos: single planted bugs in SGLang 0.5.23's cache, each an edit of its
+installed source (texts as in the dedented source). `kvledger zoo --subject sglang` (the default
+UnifiedRadixCache: UNIFIED_ZOO) and `--subject sglang:radix` (the classic RadixCache: RADIX_ZOO)
+run each and expect the judge to name it."""
 
 from __future__ import annotations
 
 from typing import Tuple
 
 from kvledger.subjects.edits import SourceEdit
-from kvledger.subjects.sglang_import import COMMON, PAGED, RADIX_CACHE, SCHEDULE_BATCH
+from kvledger.subjects.sglang_import import COMMON, FULL_COMPONENT, PAGED, RADIX_CACHE, SCHEDULE_BATCH, UNIFIED
 
-# Each edit is bound on the one object of a subject that runs it (the RadixCache, the allocator,
-# every Req), or, for a module function, replaces the function the adapter calls.
-ZOO: Tuple[SourceEdit, ...] = (
+# Each edit is bound on the one object of a subject that runs it (the tree, its tree core or
+# components, the allocator, every Req or ScheduleBatch), or, for a module function, replaces
+# the function the adapter calls.
+RADIX_ZOO: Tuple[SourceEdit, ...] = (
     SourceEdit(
         "sglang-split-node-drops-lock",
         f"{RADIX_CACHE}:RadixCache._split_node",
@@ -93,5 +95,54 @@ ZOO: Tuple[SourceEdit, ...] = (
         "max_prefix_len = input_len",
         "letting the match run to the end of the prompt: a fully cached prompt of whole pages is "
         "admitted with nothing to compute, so no forward pass yields its next token",
+    ),
+)
+
+# The default tree: UnifiedRadixCache over the Python tree core, with its FULL component
+# (`unified_cache/components/full.py:FullComponent`), where the locks, splits and evictions of the
+# full-attention KV live.
+FULL = f"{FULL_COMPONENT}:FullComponent"
+UNIFIED_ZOO: Tuple[SourceEdit, ...] = (
+    SourceEdit(
+        "sglang-unified-split-drops-lock",
+        f"{FULL}.redistribute_on_node_split",
+        "new_parent.component_data[ct].lock_ref = child.component_data[ct].lock_ref",
+        "new_parent.component_data[ct].lock_ref = 0",
+        "a node split hands the new parent no lock count: the shared head of a path a request holds "
+        "counts as unlocked, and eviction can take it from under its holder",
+    ),
+    SourceEdit(
+        "sglang-unified-lock-anchor-only",
+        f"{FULL}.acquire_component_lock",
+        "        cur = cur.parent\n    result.delta = delta",
+        "        break\n    result.delta = delta",
+        "locking only the anchor node of a match, not the path above it: the ancestors stay evictable "
+        "while a request reads them",
+    ),
+    SourceEdit(
+        "sglang-unified-unlock-counts-after-decrement",
+        f"{FULL}.release_component_lock",
+        "if cd.lock_ref == 1 and cd.value is not None:",
+        "if cd.lock_ref == 0 and cd.value is not None:",
+        "testing the lock count after the decrement as if before: a node its last holder unlocks is "
+        "never moved back to evictable, so the tree's evictable and protected sizes drift from its nodes",
+    ),
+    SourceEdit(
+        "sglang-unified-evict-forgets-free",
+        f"{FULL}.evict_component",
+        "device_frees[self.component_type].append(cd.value)",
+        "pass",
+        "evicting a node's full KV without queueing its pages to be freed: every eviction leaks its pages",
+    ),
+    SourceEdit(
+        "sglang-unified-checkpoint-keeps-duplicate-row",
+        f"{UNIFIED}:UnifiedRadixCache.checkpoint_into_tree",
+        "self.req_to_token_pool.write(\n"
+        "        (req.kv.req_pool_idx, slice(req.kv.cache_protected_len, len(new_indices))),\n"
+        "        new_indices[req.kv.cache_protected_len :],\n"
+        "    )",
+        "pass",
+        "the insert frees the request's duplicate pages but its row is not pointed at the tree's copies "
+        "(mini-sglang PR #142's bug, in the unified tree): a running request keeps reading freed pages",
     ),
 )

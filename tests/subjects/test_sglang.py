@@ -1,4 +1,5 @@
-"""SGLang 0.5.23's radix cache and paged allocator as a subject: the adapter, its view, the zoo.
+"""SGLang 0.5.23's tree cache and paged allocator as a subject: the adapter, its view, the zoos of
+`sglang` (the default UnifiedRadixCache) and `sglang:radix` (the classic RadixCache).
 
 Needs the installed sglang and the extras its cache's import chain reaches (the `# sglang`
 section of subjects-constraints.txt); every test skips with the reason when they are absent.
@@ -35,8 +36,8 @@ def _sglang_importable():
         pytest.skip(str(e))
 
 
-def _build(config: SubjectConfig = CFG, edits: Sequence[SourceEdit] = ()) -> sglang.SglangSubject:
-    return sglang.build(config, edits=edits)
+def _build(config: SubjectConfig = CFG, edits: Sequence[SourceEdit] = (), spec: str = "sglang") -> sglang.SglangSubject:
+    return sglang.build_spec(config, spec, edits)
 
 
 def _run(s: Subject, uid: int, start: int, end: int, token: int | None) -> List[int]:
@@ -59,6 +60,12 @@ def test_probe_and_build():
     assert installed and version == sglang.VERSION, detail
     s = _build()
     assert isinstance(s, Subject) and s.name == "sglang" and s.version == sglang.VERSION
+    # the tree the scheduler builds by default: UnifiedRadixCache, full attention only
+    assert type(s.tree).__name__ == "UnifiedRadixCache" and type(s.tree.tree_core).__name__ == "UnifiedTreeCore"
+    assert s.tree.tree_components == (sglang.load().ComponentType.FULL,)
+    assert int(sglang.load().ComponentType.FULL) == sglang.FULL_INDEX
+    radix = _build(spec="sglang:radix")
+    assert type(radix.tree).__name__ == "RadixCache" and radix.name == "sglang:radix"
     caps = s.capabilities
     # page 0 is SGLang's padding page: the pool's pages are 1..num_pages, all free at first
     assert caps.pages == tuple(range(1, 9)) and caps.page_size == 4
@@ -280,8 +287,8 @@ def _prefill(budget: int = 64) -> dict:
 
 # A finishes with its prompt cached; B, the same 8 tokens, hits the first page and recomputes the second
 FINISH_THEN_HIT = [_submit(1, A[:8], 1), _prefill(), _submit(2, A[:8], 2), _prefill(), {"op": "decode"}]
-# zoo name -> (pool pages, the script, the invariant the judge must name on the mutant)
-ZOO_SCRIPTS: Dict[str, Tuple[int, List[dict], str]] = {
+# zoo name -> (pool pages, the script, the invariant the judge must name on the mutant): sglang:radix's
+RADIX_SCRIPTS: Dict[str, Tuple[int, List[dict], str]] = {
     # B's match splits A's locked 8-token node at 4
     "sglang-split-node-drops-lock": (
         8,
@@ -304,30 +311,42 @@ ZOO_SCRIPTS: Dict[str, Tuple[int, List[dict], str]] = {
     "sglang-release-keeps-lock": (8, FINISH_THEN_HIT, "5-quiescence"),
     "sglang-hit-covers-last-token": (8, FINISH_THEN_HIT, "8-request"),
 }
+# sglang's (the UnifiedRadixCache's FullComponent and the checkpoint into it)
+UNIFIED_SCRIPTS: Dict[str, Tuple[int, List[dict], str]] = {
+    "sglang-unified-split-drops-lock": RADIX_SCRIPTS["sglang-split-node-drops-lock"],
+    "sglang-unified-lock-anchor-only": (8, FINISH_THEN_HIT, "1-2-partition"),
+    "sglang-unified-unlock-counts-after-decrement": (8, FINISH_THEN_HIT, "9-counters"),
+    "sglang-unified-evict-forgets-free": RADIX_SCRIPTS["sglang-evict-forgets-free"],
+    "sglang-unified-checkpoint-keeps-duplicate-row": RADIX_SCRIPTS["sglang-checkpoint-keeps-duplicate-row"],
+}
+SCRIPTS = {"sglang": UNIFIED_SCRIPTS, "sglang:radix": RADIX_SCRIPTS}
+ENTRIES = [(spec, edit) for spec, zoo in sorted(sglang.ZOOS.items()) for edit in zoo]
 
 
-def test_zoo_is_complete_and_applies_to_the_installed_version():
-    names = [e.name for e in sglang.ZOO]
+@pytest.mark.parametrize("spec", sorted(SCRIPTS))
+def test_zoo_is_complete_and_applies_to_the_installed_version(spec):
+    names = [e.name for e in sglang.ZOOS[spec]]
     assert len(names) >= 5 and len(set(names)) == len(names)
-    assert set(names) == set(ZOO_SCRIPTS)
-    for edit in sglang.ZOO:
+    assert set(names) == set(SCRIPTS[spec])
+    for edit in sglang.ZOOS[spec]:
         edited_function(edit)  # EditError unless the text occurs exactly once
+    assert sglang.ZOO == sglang.ZOOS["sglang"]
 
 
-@pytest.mark.parametrize("edit", sglang.ZOO, ids=lambda e: e.name)
-def test_judge_catches_zoo_entry(edit):
-    pages, ops, kind = ZOO_SCRIPTS[edit.name]
+@pytest.mark.parametrize("spec, edit", ENTRIES, ids=lambda e: getattr(e, "name", e))
+def test_judge_catches_zoo_entry(spec, edit):
+    pages, ops, kind = SCRIPTS[spec][edit.name]
     config = SubjectConfig(num_pages=pages, page_size=4, max_seq_len=32)
-    finding, _ = drive(_build(config, edits=[edit]), config, ops)
+    finding, _ = drive(_build(config, [edit], spec), config, ops)
     assert finding is not None and finding.kind == kind, f"{edit.name}: {finding}"
     # the edit lives on that instance (or its adapter) alone: a fresh build runs the same script clean
-    clean, driver = drive(_build(config), config, ops)
+    clean, driver = drive(_build(config, spec=spec), config, ops)
     assert clean is None, f"{edit.name}: the unedited subject fails the same script: {clean}"
     assert driver.ops == len(ops)
 
 
 def test_function_edits_stay_with_their_subject():
-    edit = next(e for e in sglang.ZOO if e.name == "sglang-release-keeps-lock")
+    edit = next(e for e in sglang.ZOOS["sglang:radix"] if e.name == "sglang-release-keeps-lock")
     mutant, clean = _build(edits=[edit]), _build()
     for s in (mutant, clean):
         s.submit(1, A[:8], 1)
