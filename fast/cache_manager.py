@@ -86,6 +86,14 @@ class CacheManager:
         self.page_table[index[0], index[1]] = locs
 
     # -- freeing ------------------------------------------------------------------------------
+    def release_rejected(self, req: Req, reserved_end: int) -> None:
+        """Free the pages a speculative step took past the committed KV (see the reference)."""
+        ps = self.page_size
+        lo = div_ceil(req.cached_len, ps) * ps
+        hi = div_ceil(reserved_end, ps) * ps
+        if hi > lo:
+            self._free(self.page_table[req.table_idx, lo:hi])
+
     def _free(self, indices: torch.Tensor) -> None:
         # A copy, not a view: the indices may come from a page-table row that is rewritten
         # (remapped or reused) before a lazy region ends.

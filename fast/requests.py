@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, List, Sequence
 
 import numpy as np
 import torch
@@ -59,6 +59,7 @@ class Req:
         self._buf = np.empty(self.max_device_len, dtype=np.int32)
         self._buf[:n] = ids
         self._len = n
+        self.drafts: List[int] = []  # tokens this step verifies after the last one (speculation)
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -85,6 +86,32 @@ class Req:
             raise RuntimeError(f"request {self.uid}: no room for another token ({self.max_device_len} max)")
         self._buf[self._len] = int(next_token)
         self._len += 1
+
+    # -- speculative decoding (the reference's `Req` says what each does) ------------------------
+    @property
+    def draft_room(self) -> int:
+        return max(self.max_device_len - self.device_len - 1, 0)
+
+    def propose(self, drafts: Sequence[int]) -> None:
+        if self.drafts:
+            raise RuntimeError(f"request {self.uid}: drafts proposed twice in one step")
+        if len(drafts) > self.draft_room:
+            raise ValueError(f"request {self.uid}: {len(drafts)} drafts, room for {self.draft_room}")
+        self.drafts = [int(t) for t in drafts]
+        self.device_len += len(self.drafts)
+
+    def verify(self, accepted: int, bonus: int) -> int:
+        """Commit the first `accepted` drafts and `bonus`; returns the end of the step's locations."""
+        k = len(self.drafts)
+        if not 0 <= accepted <= k:
+            raise ValueError(f"request {self.uid}: {accepted} drafts accepted of {k}")
+        reserved_end, base = self.device_len, self.device_len - k
+        for token in self.drafts[:accepted] + [int(bonus)]:
+            self.append_host(token)
+        self.cached_len = base + accepted
+        self.device_len = self.cached_len + 1
+        self.drafts = []
+        return reserved_end
 
     def set_host_token(self, index: int, token: Any) -> None:
         if not 0 <= index < self._len:

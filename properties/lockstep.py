@@ -4,7 +4,8 @@ After each operation: the operation's result (batch, admission decision, evicted
 then the full observable state (page -> owner, free-list order, live rows, lengths,
 available_size, cache sizes, table slots, queues), then the invariants on each side
 (`engine/ledger/invariants.py`, through `kvledger.engine.ledger.divergence.compare`). The first
-difference raises a `Finding` with the step, the operation and what differed.
+difference raises a `Finding` with the step, the operation and what differed. A header that sets
+`spec_tokens` makes both sides speculate (`speculating_scheduler.py`: each decode verifies drafts).
 
 A line is applied as an `OpRecord` (the operation and its optional `expect`); `apply` also takes a
 bare `CacheOp`, and a dict trace line is parsed once at the entry while callers still build dicts.
@@ -29,8 +30,8 @@ __all__ = ["Finding", "InvalidOp", "Lockstep", "replay"]
 class Lockstep:
     def __init__(self, header: Header, device: str = "cpu", fast_impl: ModuleType = fast) -> None:
         self.header = header
-        self.ref = CacheScheduler(reference, **header.cache_scheduler_args())
-        self.fast = CacheScheduler(fast_impl, device=device, **header.cache_scheduler_args())
+        self.ref = _scheduler(header, reference)
+        self.fast = _scheduler(header, fast_impl, device=device)
         self.ops: List[OpRecord] = []
         self.step = 0
 
@@ -76,6 +77,16 @@ class Lockstep:
 
     def _finding(self, op: Dict[str, Any], kind: str, message: str) -> Finding:
         return Finding(kind, message, step=self.step, op=op)
+
+
+def _scheduler(header: Header, impl: ModuleType, **kwargs: Any) -> CacheScheduler:
+    """One side: a speculating cache scheduler when the header sets `spec_tokens` (its module is
+    loaded only then: Hypothesis draws from the literals of every loaded module)."""
+    if not header.spec_tokens:
+        return CacheScheduler(impl, **kwargs, **header.cache_scheduler_args())
+    from kvledger.properties.speculating_scheduler import SpeculatingCacheScheduler
+
+    return SpeculatingCacheScheduler(impl, spec_tokens=header.spec_tokens, **kwargs, **header.cache_scheduler_args())
 
 
 def _shown(result: OpResult) -> Dict[str, Any]:

@@ -7,7 +7,8 @@ View). Both are `DriverMachine`s reporting to a `Progress`; everything else that
 target is said here, once, as a `MachineRun`:
 
   machine    the LockstepMachine (the target's zoo bug is patched into fast while the target is
-             `active()`), or the SubjectMachine over the target's factory and page sizes
+             `active()`; the SpeculatingLockstepMachine when the target speculates), or the
+             SubjectMachine over the target's factory and page sizes
   expected   the rare events a run should reach: `machine.EXPECTED_EVENTS`, or those the
              subject's capabilities make reachable (`subject_events.expected_events`)
   settings   lockstep: the profile's; judge mode: its own counts per profile (`SUBJECT_EXAMPLES`,
@@ -100,11 +101,16 @@ def machine_run(target: Target, progress: Progress, profile: str, examples: Opti
     `examples` sequences instead of the profile's), reporting to `progress`. A subject is built
     once here, on a small pool, for its capabilities and version (inside `target.active()`)."""
     if isinstance(target, LockstepTarget):
-        from kvledger.properties.machine import EXPECTED_EVENTS, LockstepMachine
-
         base = settings.default
         assert base is not None  # the loaded profile
         chosen = settings(base, max_examples=examples) if examples else base
+        if target.speculate:
+            from kvledger.properties.speculation_machine import EXPECTED_SPEC_EVENTS, SpeculatingLockstepMachine
+
+            machine = SpeculatingLockstepMachine.bind(progress)
+            return MachineRun(machine, progress, EXPECTED_SPEC_EVENTS, chosen, f"{target.name} (speculating)", target)
+        from kvledger.properties.machine import EXPECTED_EVENTS, LockstepMachine
+
         return MachineRun(LockstepMachine.bind(progress), progress, EXPECTED_EVENTS, chosen, target.name, target)
     if isinstance(target, SubjectTarget):
         from kvledger.properties.subject_events import expected_events

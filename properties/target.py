@@ -91,17 +91,21 @@ class Target(Protocol):
 # -- lockstep: reference against fast ----------------------------------------------------------------
 class LockstepTarget:
     """Reference against fast. `bug` names a zoo bug of fast, patched in by `patch` (the checker
-    passes `kvledger.subjects.fast_zoo.patched`) while `active`; `device` is where fast's tensors live."""
+    passes `kvledger.subjects.fast_zoo.patched`) while `active`; `device` is where fast's tensors live;
+    `speculate`: the machine and the fuzzer draw speculating runs (headers with `spec_tokens`)."""
 
     strict = True
 
-    def __init__(self, bug: Optional[str] = None, device: str = "cpu", patch: Optional[Patch] = None) -> None:
+    def __init__(
+        self, bug: Optional[str] = None, device: str = "cpu", patch: Optional[Patch] = None, speculate: bool = False
+    ) -> None:
         if bug is not None and patch is None:
             raise ValueError("a lockstep target with a bug needs the patch that plants it")
         self.name = "lockstep"
         self.bug = bug
         self.device = device
         self._patch = patch
+        self.speculate = speculate
 
     def active(self) -> ContextManager[Any]:
         return self._patch(self.bug) if self._patch is not None else contextlib.nullcontext()

@@ -78,6 +78,17 @@ class CacheManager:
                 row[page * ps : (page + 1) * ps] = range(start, start + ps)
 
     # -- freeing ------------------------------------------------------------------------------
+    def release_rejected(self, req: Req, reserved_end: int) -> None:
+        """After a speculative step (`Req.verify`): free the pages it took past the committed KV,
+        those of positions [cached_len, reserved_end) after the page holding the last committed
+        position. The rejected positions inside that page stay the request's (never cached: the
+        cache takes [0, cached_len)), and its next step writes over them."""
+        ps = self.page_size
+        lo, hi = div_ceil(req.cached_len, ps) * ps, div_ceil(reserved_end, ps) * ps
+        if hi > lo:
+            note("spec: rollback crosses a page boundary")
+            self._free(self.page_table[req.table_idx][lo:hi])
+
     def _free(self, indices: Sequence[int]) -> None:
         starts = list(indices[:: self.page_size])
         if self._lazy is not None:

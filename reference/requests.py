@@ -4,6 +4,11 @@
 request whose prompt is being prefilled in chunks (it holds pages but never decodes).
 Lengths: `cached_len` positions already have KV in the pool, `device_len` positions will have KV
 after this step, `max_device_len = len(prompt) + max_tokens`.
+
+Speculative decoding (the step: `properties/speculating_scheduler.py`): a decode step may verify
+drafts after a request's last token. `propose` reserves them (`device_len` then counts them: the
+step's locations run past the committed KV), `verify` commits the accepted ones and the bonus
+token and says where the step's locations ended, so the cache manager can drop the rejected tail.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class Req:
         self.cache_handle = cache_handle
         self.device_len = len(input_ids)
         self.max_device_len = len(input_ids) + output_len
+        self.drafts: List[int] = []  # tokens this step verifies after the last one (speculation)
         if not 0 <= cached_len < self.device_len <= self.max_device_len:
             raise ValueError(
                 f"request {uid}: need 0 <= cached_len ({cached_len}) < device_len "
@@ -72,6 +78,38 @@ class Req:
 
     def append_host(self, next_token: int) -> None:
         self.input_ids = list(self.input_ids) + [int(next_token)]
+
+    # -- speculative decoding -------------------------------------------------------------------
+    @property
+    def draft_room(self) -> int:
+        """Drafts one step may verify: every accepted draft and the bonus token become tokens of
+        the request, and its last token never gets KV, so the step writes positions below
+        max_device_len - 1 at most (the worst case admission reserved)."""
+        return max(self.remain_len - 1, 0)
+
+    def propose(self, drafts: Sequence[int]) -> None:
+        """This step computes the last token and `drafts` after it: positions [cached_len,
+        device_len + len(drafts)) get locations (the lookahead) and KV."""
+        if self.drafts:
+            raise RuntimeError(f"request {self.uid}: drafts proposed twice in one step")
+        if len(drafts) > self.draft_room:
+            raise ValueError(f"request {self.uid}: {len(drafts)} drafts, room for {self.draft_room}")
+        self.drafts = [int(t) for t in drafts]
+        self.device_len += len(self.drafts)
+
+    def verify(self, accepted: int, bonus: int) -> int:
+        """After the forward: the first `accepted` drafts and the token the model sampled after
+        them (`bonus`) are the request's next tokens, and KV is committed through the last accepted
+        draft. Returns where the step's locations ended: positions [cached_len, that end) hold the
+        rejected drafts' KV, which the cache manager drops (`CacheManager.release_rejected`)."""
+        if not 0 <= accepted <= len(self.drafts):
+            raise ValueError(f"request {self.uid}: {accepted} drafts accepted of {len(self.drafts)}")
+        reserved_end = self.device_len
+        committed = reserved_end - len(self.drafts) + accepted
+        self.input_ids = list(self.input_ids) + self.drafts[:accepted] + [int(bonus)]
+        self.cached_len, self.device_len = committed, committed + 1
+        self.drafts = []
+        return reserved_end
 
     def set_host_token(self, index: int, token: int) -> None:
         """Replace a token already appended (the engine appends a placeholder while the sampled

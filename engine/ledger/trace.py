@@ -52,8 +52,11 @@ class Header:
     subject: str | None = None  # a trace of a subject under judge mode: its spec and version
     subject_version: str | None = None
     kvledger_trace: int = field(default=VERSION)
+    spec_tokens: int = 0  # lockstep: drafts each decode verifies per request (written only when > 0)
 
     def validate(self) -> None:
+        if not isinstance(self.spec_tokens, int) or self.spec_tokens < 0:
+            raise TraceError(f"header: spec_tokens must be a non-negative integer, got {self.spec_tokens!r}")
         for name in ("num_pages", "page_size", "table_slots", "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -87,6 +90,8 @@ class Header:
 
 def dumps(header: Header, ops: Iterable[TraceLine]) -> str:
     head = {"kvledger_trace": VERSION, **{k: v for k, v in asdict(header).items() if k != "kvledger_trace"}}
+    if not header.spec_tokens:  # a field added after traces existed: written only when set
+        del head["spec_tokens"]
     return "\n".join(json.dumps(x, separators=(", ", ": ")) for x in [head, *map(_json, ops)]) + "\n"
 
 

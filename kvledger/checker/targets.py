@@ -12,15 +12,16 @@ from typing import Optional, Sequence, Tuple, Union
 from kvledger.properties.target import LockstepTarget, SubjectTarget
 from kvledger.subjects import SubjectSpec, parse_spec
 from kvledger.subjects.edits import SourceEdit
-from kvledger.subjects.fast_zoo import patched
+from kvledger.subjects.fast_zoo import SPECULATION_BUGS, patched
 
 AnyTarget = Union[LockstepTarget, SubjectTarget]
 
 
-def lockstep_target(bug: Optional[str] = None, device: str = "cpu") -> LockstepTarget:
+def lockstep_target(bug: Optional[str] = None, device: str = "cpu", speculate: bool = False) -> LockstepTarget:
     """Reference against fast; `bug` names a zoo bug of fast (an unknown one is a KeyError naming
-    the known ones once the target is `active`)."""
-    return LockstepTarget(bug, device, patch=patched)
+    the known ones once the target is `active`); `speculate`: speculating runs (a bug of fast's
+    speculation always runs them)."""
+    return LockstepTarget(bug, device, patch=patched, speculate=speculate or bug in SPECULATION_BUGS)
 
 
 class SpecTarget(SubjectTarget):

@@ -605,3 +605,77 @@ _bug(
         "for victim in victims[::-1]:  # BUG: oldest first; each goes to the head, so the newest resumes first",
     ),
 )
+
+
+# -- speculative decoding: the lookahead and its rollback (fast's Req and CacheManager) --------
+# Caught by the speculating lockstep run (`kvledger check --speculate`, which `--bug` turns on for
+# these): a bug here changes nothing a run without drafts does.
+
+_bug(
+    "spec-draft-room-no-bonus",
+    "SGLang (speculative allocation sized for the drafts but not the bonus token near max_new_tokens)",
+    "draft_room lets a request verify as many drafts as it has tokens left, with no room for the bonus "
+    "token: the lookahead runs one position past the worst case admission reserved",
+    fast.Req,
+    "draft_room",
+    (
+        "return max(self.max_device_len - self.device_len - 1, 0)",
+        "return max(self.max_device_len - self.device_len, 0)  # BUG: no room kept for the bonus token",
+    ),
+)
+
+_bug(
+    "spec-propose-no-lookahead",
+    "SGLang (EAGLE draft slots not allocated ahead: out_cache_loc sized for one token per request)",
+    "propose records the drafts but does not count them in device_len, so allocation gives the "
+    "drafts' positions no pages and verification commits from the wrong base",
+    fast.Req,
+    "propose",
+    ("self.device_len += len(self.drafts)", "pass  # BUG: the drafts' positions get no locations"),
+)
+
+_bug(
+    "spec-verify-commits-rejected",
+    "vLLM (rejected tokens counted as computed: num_computed_tokens not rolled back after rejection)",
+    "verify commits the KV of every draft, the rejected ones too",
+    fast.Req,
+    "verify",
+    ("self.cached_len = base + accepted", "self.cached_len = base + k  # BUG: rejected drafts committed too"),
+)
+
+_bug(
+    "spec-verify-bonus-first",
+    "ours (the bonus token appended before the accepted drafts)",
+    "verify appends the bonus token ahead of the accepted drafts: the tokens no longer match the KV "
+    "the step wrote for the drafts",
+    fast.Req,
+    "verify",
+    (
+        "for token in self.drafts[:accepted] + [int(bonus)]:",
+        "for token in [int(bonus)] + self.drafts[:accepted]:  # BUG: bonus before the accepted drafts",
+    ),
+)
+
+_bug(
+    "spec-release-rounds-commit-down",
+    "SGLang (spec rollback frees from the page of the committed length rounded down, #7041-style "
+    "off-by-one in free of over-allocated slots)",
+    "release_rejected rounds the committed length down to a page: it frees the page holding the last "
+    "committed positions, which the request still uses",
+    fast.CacheManager,
+    "release_rejected",
+    ("lo = div_ceil(req.cached_len, ps) * ps", "lo = req.cached_len // ps * ps  # BUG: rounds down"),
+)
+
+_bug(
+    "spec-release-rounds-reserve-down",
+    "SGLang (over-allocated speculative slots leaked on rollback: the last partial page kept)",
+    "release_rejected rounds the end of the lookahead down to a page: the last, partly used lookahead "
+    "page is never freed (a leak)",
+    fast.CacheManager,
+    "release_rejected",
+    ("hi = div_ceil(reserved_end, ps) * ps", "hi = reserved_end // ps * ps  # BUG: rounds down"),
+)
+
+# the bugs only a speculating run reaches (`checker/targets.lockstep_target` turns speculation on for them)
+SPECULATION_BUGS = frozenset(name for name in BUGS if name.startswith("spec-"))

@@ -36,7 +36,7 @@ from kvledger.checker.minimize import MinimizeError, minimize
 from kvledger.checker.targets import SpecTarget, lockstep_target, subject_target
 from kvledger.engine.ledger import trace
 from kvledger.properties.target import LockstepTarget
-from kvledger.subjects.fast_zoo import BUGS, patched
+from kvledger.subjects.fast_zoo import BUGS, SPECULATION_BUGS, patched
 
 _log = logging.getLogger(__name__)  # `log` is run_zoo's callback
 
@@ -85,6 +85,9 @@ def _hypothesis_child(name: str, out: Path, sequences: int) -> int:
 
     from kvledger.properties.machine import LockstepMachine, Progress, run_machine
     from kvledger.properties.profiles import register_profiles
+
+    if name in SPECULATION_BUGS:  # a bug of fast's speculation: the speculating run (a LockstepMachine too)
+        from kvledger.properties.speculation_machine import run_machine
 
     start = time.perf_counter()
     first: Dict[str, Any] = {}
