@@ -46,6 +46,7 @@ def group_name(view: View, group: int) -> str:
     g = view.groups[group - 1]
     words = [g.name] if g.name and g.name != f"group {group}" else []
     words += [f"window {g.window}"] if g.window is not None else []
+    words += [f"chunk {g.chunk}"] if g.chunk is not None else []
     return f"group {group} ({', '.join(words)})" if words else f"group {group}"
 
 
@@ -166,7 +167,7 @@ def check_windows(
         for uid in sorted(computed):
             c = computed[uid]
             row = g.requests[uid]
-            low = 0 if g.window is None else max(0, c - g.window + 1)
+            low = g.first_read(c)
             hashes = prefix_hashes(tokens[uid][:c])
             for pos in range(low, c):
                 loc = row[pos] if pos < len(row) else None

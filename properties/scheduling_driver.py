@@ -33,7 +33,7 @@ from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.invariants import InvariantViolation, check_queue_order, prefix_hashes
 from kvledger.engine.ledger.ops import InvalidOp, OpResult, TraceLine, as_record, dispatch
 from kvledger.properties.scheduling_subject import Output, Plan, Scheduled, SchedulingSubject, Step
-from kvledger.properties.subject import SubjectConfig, View
+from kvledger.properties.subject import GroupView, SubjectConfig, View
 from kvledger.properties.subject_calls import call_subject
 from kvledger.properties.subject_driver import check_submit
 from kvledger.properties.subject_events import (
@@ -390,14 +390,15 @@ class SchedulingDriver:
 
     def _check_window_reads(self, view: View, uid: int, tokens: Sequence[int], start: int) -> None:
         """What the step reads: the first position it computes, `start`, attends to [start - W + 1,
-        start) in a window group of W, which must still hold KV of exactly that prefix (the judge
-        checks the window after the step, from the next position on)."""
+        start) in a window group of W (to its chunk's start in a chunked-local group), which must
+        still hold KV of exactly that prefix (the judge checks after the step, from the next
+        position on)."""
         hashes = prefix_hashes(tokens[:start])
         for n, group in enumerate(view.groups, 1):
-            if group.window is None:
+            if group.window is None and group.chunk is None:
                 continue
             row = group.requests.get(uid, [])
-            for pos in range(max(0, start - group.window + 1), start):
+            for pos in range(group.first_read(start), start):
                 loc = row[pos] if pos < len(row) else None
                 found = None if loc is None else self.witness.written.get(int(loc))
                 if found is None or found[0] != hashes[pos]:
@@ -405,7 +406,7 @@ class SchedulingDriver:
                     raise Finding(
                         "7-kv-provenance",
                         f"uid {uid}: the step computes position {start}, which reads position {pos} of "
-                        f"KV group {n} ({group.name}, window {group.window}), but that position {what}",
+                        f"KV group {n} ({group.name}, {_reach(group)}), but that position {what}",
                     )
 
     @staticmethod
@@ -471,3 +472,7 @@ class SchedulingDriver:
 
 def _bad(message: str, invariant: str = "12-step-plan") -> NoReturn:
     raise Finding(invariant, message)
+
+
+def _reach(group: GroupView) -> str:
+    return f"window {group.window}" if group.chunk is None else f"chunk {group.chunk}"

@@ -130,11 +130,20 @@ class GroupView:
     window, vLLM's hybrid coordinator, SGLang's SWA pool). One pool serves every group; each
     request holds its own row per group. `window` W: position p attends to positions
     [p - W + 1, p], so the group may drop (free, or replace by a null block) any position before
-    `computed - W + 1`; such a position is None in the row. `window` None: full attention."""
+    `computed - W + 1`; such a position is None in the row. `chunk` C instead (chunked local
+    attention, vLLM's ChunkedLocalAttentionSpec): position p attends to [p // C * C, p], its own
+    chunk only. Neither: full attention."""
 
     name: str
     window: int | None
     requests: Dict[int, List[int | None]]  # live uid -> location of each position (None: dropped)
+    chunk: int | None = None  # chunked local attention of chunks of `chunk` positions
+
+    def first_read(self, position: int) -> int:
+        """The first position that position `position` attends to in this group."""
+        if self.chunk is not None:
+            return position // self.chunk * self.chunk
+        return 0 if self.window is None else max(0, position - self.window + 1)
 
 
 @dataclass

@@ -86,7 +86,8 @@ def expected_events(caps: Capabilities, groups: int = 0) -> FrozenSet[str]:
 def pool_exhausted(view: View, page_size: int) -> bool:
     """No page is free and none can be evicted: every cached page is locked or held by a live request."""
     if not view.free:
-        rows = [*view.requests.values(), *(r for g in view.groups for r in g.requests.values())]
+        rows: List[Sequence[int | None]] = [*view.requests.values()]
+        rows += [r for g in view.groups for r in g.requests.values()]
         held = {int(loc) // page_size for row in rows for loc in row if loc is not None}
         return all(e.lock or {int(loc) // page_size for loc in e.locations} <= held for e in view.cached)
     return False

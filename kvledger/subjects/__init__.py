@@ -8,6 +8,7 @@ A spec is one of:
                              async scheduling (`vllm_scheduler.py`)
   vllm:hybrid, vllm:external the same with a full-attention + sliding-window pair of KV groups
                              (`vllm_hybrid.py`), with a KV connector loading outside KV (`vllm_external.py`)
+  vllm:local                 the same with full attention + chunked local attention (`vllm_local.py`)
   sglang:radix               SGLang's classic RadixCache in place of the default UnifiedRadixCache (`sglang.py`)
   minisgl[:PATH]             a mini-sglang checkout or snapshot (default: the shipped peer)
   nanovllm[:PATH]            a nano-vllm checkout or snapshot (nanovllm@f64d821 names a shipped commit)
@@ -40,6 +41,7 @@ BUILTINS: Dict[str, str] = {
     "vllm:spec": "kvledger.subjects.vllm_scheduler",
     "vllm:async": "kvledger.subjects.vllm_scheduler",
     "vllm:hybrid": "kvledger.subjects.vllm_hybrid",
+    "vllm:local": "kvledger.subjects.vllm_local",
     "vllm:external": "kvledger.subjects.vllm_external",
     "sglang": "kvledger.subjects.sglang",
     "sglang:radix": "kvledger.subjects.sglang",

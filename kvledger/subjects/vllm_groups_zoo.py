@@ -133,3 +133,50 @@ EXTERNAL_ZOO: Tuple[SourceEdit, ...] = (
         "claims KV for positions neither holds",
     ),
 )
+
+# chunked local attention (`vllm:local`): ChunkedLocalAttentionManager, single_type_kv_cache_manager.py:1276
+LOCAL_ZOO: Tuple[SourceEdit, ...] = (
+    SourceEdit(
+        "vllm-local-skips-the-current-chunk",
+        f"{SINGLE_TYPE}:ChunkedLocalAttentionManager.get_num_skipped_tokens",
+        "num_computed_tokens // self.attention_chunk_size",
+        "cdiv(num_computed_tokens, self.attention_chunk_size)",
+        "rounding the computed tokens up to whole chunks: once a chunk is partly computed, its "
+        "blocks are freed and nulled while the next position still attends to them",
+    ),
+    SourceEdit(
+        "vllm-local-skips-by-the-next-position",
+        f"{SINGLE_TYPE}:ChunkedLocalAttentionManager.get_num_skipped_tokens",
+        "num_computed_tokens // self.attention_chunk_size",
+        "(num_computed_tokens + 1) // self.attention_chunk_size",
+        "taking the chunk of the position after the next one (computed + 1) for the next position's: "
+        "with C - 1 positions of a chunk computed, the whole chunk is dropped before its last position "
+        "is computed",
+    ),
+    SourceEdit(
+        "vllm-local-hit-nulls-a-block-too-many",
+        f"{SINGLE_TYPE}:ChunkedLocalAttentionManager.find_longest_cache_hit",
+        "[block_pool.null_block] * local_attention_start_block_idx",
+        "[block_pool.null_block] * (local_attention_start_block_idx + 1)",
+        "one null block too many in front of a chunked-local hit: the first block of the chunk the "
+        "hit ends in is marked computed without its KV, and the positions after the hit read it",
+    ),
+    SourceEdit(
+        "vllm-local-hit-start-by-block",
+        f"{SINGLE_TYPE}:ChunkedLocalAttentionManager.find_longest_cache_hit",
+        "// kv_cache_spec.attention_chunk_size\n            * kv_cache_spec.attention_chunk_size",
+        "// kv_cache_spec.block_size\n            * kv_cache_spec.block_size",
+        "the hit's local start taken at block granularity instead of the chunk's: every block of the "
+        "hit but the last is replaced by the null block, though the positions after it still attend "
+        "to the whole chunk",
+    ),
+    SourceEdit(
+        "vllm-local-hit-ignores-its-chunk",
+        f"{SINGLE_TYPE}:ChunkedLocalAttentionManager.find_longest_cache_hit",
+        "block_hash, kv_cache_group_ids\n        ):",
+        "block_hash, kv_cache_group_ids\n        ) or [block_pool.null_block] * len(kv_cache_group_ids):",
+        "treating a block of the hit's chunk that is not cached as if outside the window (a null "
+        "block in the hit): the hit runs past what the cache holds, and the positions after it read "
+        "KV that was never computed",
+    ),
+)

@@ -70,9 +70,10 @@ class VllmHybridSubject(VllmSchedulerSubject):
 
     name = NAME
 
-    def __init__(self, config: SubjectConfig, edits: Sequence[SourceEdit] = ()) -> None:
+    def __init__(self, config: SubjectConfig, edits: Sequence[SourceEdit] = (), second: Group | None = None) -> None:
         on_class = [e for e in edits if _is_classmethod(e)]
-        super().__init__(config, variant(config.page_size), [e for e in edits if e not in on_class])
+        groups = variant(config.page_size).groups if second is None else (FULL, second)
+        super().__init__(config, Variant(self.name, groups=groups), [e for e in edits if e not in on_class])
         bind_finder_edits(self.scheduler.kv_cache_manager.coordinator, on_class)
 
 

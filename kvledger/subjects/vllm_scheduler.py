@@ -135,7 +135,7 @@ class VllmSchedulerSubject:
         )
         self.scheduler = self.built.scheduler
         self.capabilities = _capabilities(config, variant, self.built)
-        self.windows = tuple(g.window for g in variant.groups)
+        self.groups = variant.groups
         self.v = v = PACKAGE.load()
         # EngineCore builds each Request with this hasher (hash_block_size = the block size here)
         self._block_hasher = v.kv_cache_utils.get_request_block_hasher(bs, v.sha256)
@@ -275,7 +275,7 @@ class VllmSchedulerSubject:
         self.scheduler.finish_requests(str(uid), self.v.RequestStatus.FINISHED_ABORTED)
 
     def view(self) -> View:
-        return scheduler_view(self.scheduler, self.block_size, self.windows)
+        return scheduler_view(self.scheduler, self.block_size, self.groups)
 
     def cache_key(self, tokens: Sequence[int], group: int = 0) -> Hashable:
         return self.keys.key(tokens, group)

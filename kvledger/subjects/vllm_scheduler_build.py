@@ -52,9 +52,11 @@ _MAX_BATCHED_TOKENS = 1 << 16  # the scheduler's own cap; each step's budget com
 
 @dataclass(frozen=True)
 class Group:
-    """One KV cache group: full attention (`window` None) or a sliding window of `window` tokens."""
+    """One KV cache group: full attention, a sliding window of `window` tokens, or chunked local
+    attention in chunks of `chunk` tokens."""
 
     window: Optional[int] = None
+    chunk: Optional[int] = None
 
 
 FULL = Group()
@@ -159,17 +161,25 @@ def _speculative_config(spec: Speculation) -> Any:
 
 def _kv_cache_config(config: SubjectConfig, groups: Sequence[Group]) -> Any:
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
 
     bs = config.page_size
     specs = []
     for i, group in enumerate(groups):
         # the attention shape only sizes KV tensors the scheduler never allocates
         shape: Dict[str, Any] = dict(block_size=bs, num_kv_heads=1, head_size=8, dtype=torch.float16)
-        if group.window is None:
-            kv_spec: Any = FullAttentionSpec(**shape)
-        else:
+        if group.chunk is not None:
+            kv_spec: Any = ChunkedLocalAttentionSpec(**shape, attention_chunk_size=group.chunk)
+        elif group.window is not None:
             kv_spec = SlidingWindowSpec(**shape, sliding_window=group.window)
+        else:
+            kv_spec = FullAttentionSpec(**shape)
         specs.append(KVCacheGroupSpec([f"layer.{i}"], kv_spec))
     return KVCacheConfig(num_blocks=config.num_pages + 1, kv_cache_tensors=[], kv_cache_groups=specs)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Dict, Hashable, List, Sequence, Tuple
 
 from kvledger.properties.subject import CachedEntry, GroupView, View
+from kvledger.subjects.vllm_scheduler_build import Group
 
 
 def _uid(request_id: str) -> int:
@@ -47,8 +48,8 @@ def free_queue(pool: Any) -> List[int]:
     return ids
 
 
-def scheduler_view(scheduler: Any, bs: int, windows: Sequence[int | None]) -> View:
-    """The View of a scheduler whose KV cache groups have sliding windows `windows` (None: full)."""
+def scheduler_view(scheduler: Any, bs: int, kinds: Sequence[Group]) -> View:
+    """The View of a scheduler over KV cache groups of `kinds` (full, sliding window, chunked local)."""
     from vllm.v1.core.kv_cache_utils import get_group_id
 
     mgr = scheduler.kv_cache_manager
@@ -62,7 +63,9 @@ def scheduler_view(scheduler: Any, bs: int, windows: Sequence[int | None]) -> Vi
         # there would be a bug, shown as location -1 (not in the pool) rather than hidden
         requests[uid] = [-1 if loc is None else loc for loc in row]
     groups = [
-        GroupView(name=f"group {g}", window=windows[g], requests=_rows(managers[g], bs, null))
+        GroupView(
+            name=f"group {g}", window=kinds[g].window, requests=_rows(managers[g], bs, null), chunk=kinds[g].chunk
+        )
         for g in range(1, len(managers))
     ]
     cached: List[CachedEntry] = []
