@@ -57,13 +57,14 @@ class TargetRecipe:
     bug: Optional[str] = None
     device: str = "cpu"
     edits: Optional[Tuple[Any, ...]] = None
+    speculate: bool = False  # lockstep: speculating cases
 
     @staticmethod
     def of(target: Any) -> TargetRecipe:
         from kvledger.properties.target import LockstepTarget
 
         if isinstance(target, LockstepTarget):
-            return TargetRecipe(None, bug=target.bug, device=target.device)
+            return TargetRecipe(None, bug=target.bug, device=target.device, speculate=target.speculate)
         if hasattr(target, "spec"):  # checker/targets.py's SpecTarget
             return TargetRecipe(target.name, target.fix, target.bug, edits=tuple(target.edits))
         raise ValueError(f"{target.name}: a target built from a factory alone cannot run in worker processes")
@@ -72,7 +73,7 @@ class TargetRecipe:
         from kvledger.checker.targets import lockstep_target, subject_target
 
         if self.subject is None:
-            return lockstep_target(self.bug, self.device)
+            return lockstep_target(self.bug, self.device, self.speculate)
         return subject_target(self.subject, fix=self.fix, bug=self.bug, edits=self.edits)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
@@ -58,6 +58,7 @@ RESERVE_RATIOS = (0.0, 0.0, 0.0, 0.25, 0.5, 0.75)  # 0 reserves least: most pree
 REFUSAL_EVERY = 32  # an invalid operation after one valid operation in this many, on average
 # findings that are properties of the run, not of the trace's replay: not minimized
 RUN_PROPERTY_KINDS = ("liveness", "refusal:", "accepted-invalid:")
+SPEC_DRAFTS = 4  # a speculating case's drafts per request per decode, at most
 
 
 def case_seed(seed: int, worker: int, case: int) -> int:
@@ -78,8 +79,9 @@ class Case:
     length: int  # operations to run
 
 
-def make_case(seed: int, admission: Optional[str] = None) -> Case:
-    """Case `seed`; `admission` ("reserve" or "optimistic") forces the policy, else it is drawn."""
+def make_case(seed: int, admission: Optional[str] = None, speculate: bool = False) -> Case:
+    """Case `seed`; `admission` ("reserve" or "optimistic") forces the policy, else it is drawn;
+    `speculate`: its decodes verify 1 to SPEC_DRAFTS drafts per request (drawn last)."""
     if admission is not None and admission not in ADMISSIONS:
         raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}, got {admission!r}")
     rng = random.Random(seed)
@@ -127,6 +129,8 @@ def make_case(seed: int, admission: Optional[str] = None) -> Case:
         producer="fuzz",
         **policy,
     )
+    if speculate:
+        header = replace(header, spec_tokens=rng.randint(1, SPEC_DRAFTS))
     return Case(header, families, alphabet, weights, budgets, max_prompt, max_new, length)
 
 
@@ -193,6 +197,9 @@ class Walker:
             return {"op": "prefill", "budget": rng.choice(case.budgets), "sample": self._sample()}
         if kind == "decode":
             op: Dict[str, Any] = {"op": "decode", "sample": self._sample()}
+            drafts = case.header.spec_tokens
+            if drafts:  # how many of each request's drafts the model accepts (cycled); none, some, all
+                op["accept"] = [rng.choice([0, rng.randint(0, drafts), drafts]) for _ in range(rng.randint(0, 3))]
             if _HAS_STOP and rng.random() < 0.1:
                 if case.header.policy.preempts:
                     # a request the step preempts samples no token, so it cannot stop: name only
@@ -244,8 +251,9 @@ def walk(
     keep_going: Callable[[], bool],
     length: Optional[int] = None,
     admission: Optional[str] = None,
+    speculate: bool = False,
 ) -> Iterator[None]:
-    """Run case `seed` on `lock` (a Lockstep built from make_case(seed, admission).header), one
+    """Run case `seed` on `lock` (a Lockstep built from make_case(seed, admission, speculate).header), one
     operation per iteration, for the case's length (or `length`); a Finding propagates.
 
     Besides the comparison after every operation, the walk judges what the Hypothesis machine
@@ -253,7 +261,7 @@ def walk(
     operation the scheduler must refuse, on both sides, must change nothing (drawn from a random
     stream of its own, so the valid operations are those of the walk without it); and at the end
     of an optimistic case, every request must end once submissions stop (`drain`)."""
-    case = make_case(seed, admission)
+    case = make_case(seed, admission, speculate)
     walker = Walker(case, random.Random(seed + 1), note)
     refusals = random.Random(seed + 2)
     for _ in range(length or case.length):
@@ -388,7 +396,7 @@ class LockstepWorkload:
         return case_seed(seed, shard, case)
 
     def header(self, cseed: int) -> Header:
-        return make_case(cseed, self.admission).header
+        return make_case(cseed, self.admission, self.target.speculate).header
 
     def start(self, header: Header, note: Callable[[str], None]) -> Run:
         from kvledger.reference import events
@@ -397,12 +405,16 @@ class LockstepWorkload:
         return self.target.start(header)
 
     def walk(self, run: Any, cseed: int, note: Callable[[str], None], keep_going: Callable[[], bool]) -> Iterator[None]:
-        return walk(cseed, run, note, keep_going, admission=self.admission)
+        return walk(cseed, run, note, keep_going, admission=self.admission, speculate=self.target.speculate)
 
     def preemptions(self, run: Any) -> int:
         return int(run.ref.preemptions)
 
     def expected_events(self) -> Set[str]:
+        if self.target.speculate:
+            from kvledger.properties.speculating_scheduler import SPEC_EVENTS
+
+            return expected_events() | SPEC_EVENTS
         return expected_events()
 
     def trace_paths(self, out_dir: Path, seed: int, worker: int, case: int, cseed: int, kind: str) -> Tuple[Path, Path]:

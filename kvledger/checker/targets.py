@@ -48,13 +48,14 @@ def target_for(
     bug: Optional[str] = None,
     device: str = "cpu",
     named: Optional[str] = None,
+    speculate: bool = False,
 ) -> AnyTarget:
     """The target a command runs on: --subject, else the subject a trace's header names (`named`),
     else reference against fast."""
     text = subject or named
     if text:
         return subject_target(text, fix=fix, bug=bug)
-    return lockstep_target(bug, device)
+    return lockstep_target(bug, device, speculate)
 
 
 def edits_for(spec: SubjectSpec, fix: Optional[str] = None, bug: Optional[str] = None) -> Tuple[SourceEdit, ...]:

@@ -9,6 +9,7 @@ from typing import Any
 
 from kvledger.cli.checker_options import (
     add_campaign,
+    add_speculate,
     add_subject,
     campaign_setup,
     command_error,
@@ -37,6 +38,7 @@ def add_check(sub: argparse._SubParsersAction) -> None:
         "--examples", type=int, default=None, help="override the profile's number of valid sequences (examples)"
     )
     add_subject(p)
+    add_speculate(p)
     p.add_argument(
         "--bug", default=None, help="plant this zoo bug first: fast's (bug-zoo.md), or with --subject the subject's"
     )

@@ -34,6 +34,7 @@ def target_of(args: argparse.Namespace, command: str, named: str | None = None) 
             bug=args.bug,
             device=getattr(args, "device", "cpu"),
             named=named,
+            speculate=getattr(args, "speculate", False),
         )
     except (SpecError, SubjectUnavailable, KeyError) as e:
         return command_error(command, e)
@@ -49,6 +50,15 @@ def add_subject(p: argparse.ArgumentParser) -> None:
     """--subject SPEC and --fix NAME: judge mode on another cache manager, optionally fixed first."""
     p.add_argument("--subject", default=None, metavar="SPEC", help=SUBJECT_HELP)
     p.add_argument("--fix", default=None, help="with --subject: apply this upstream-style fix to a copy first")
+
+
+def add_speculate(p: argparse.ArgumentParser) -> None:
+    """--speculate: lockstep runs whose decodes verify drafts (a zoo bug of fast's speculation turns it on)."""
+    p.add_argument(
+        "--speculate",
+        action="store_true",
+        help="lockstep: reference and fast speculate (each decode verifies 1-4 drafts per request, accepting some)",
+    )
 
 
 def add_campaign(p: argparse.ArgumentParser, what: str) -> None:

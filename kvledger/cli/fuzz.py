@@ -7,6 +7,7 @@ import sys
 
 from kvledger.cli.checker_options import (
     add_campaign,
+    add_speculate,
     add_subject,
     campaign_setup,
     command_error,
@@ -45,6 +46,7 @@ def add_fuzz(sub: argparse._SubParsersAction) -> None:
         help="run every case under this admission policy (default: drawn per case, 40%% optimistic)",
     )
     add_subject(p)
+    add_speculate(p)
     p.add_argument("--cases", type=int, default=20, help="with --tasks: the cases each task runs")
     add_campaign(p, "task i runs cases 0..--cases-1 of fuzz worker i")
     p.set_defaults(func=_fuzz)
