@@ -18,6 +18,14 @@ group until it is resumed or dropped. Every row is read here into one `Holders` 
                      a group without a window, at every position of [0, c)
   11-over-allocation a request holds locations (in any group) for at most round_up(len(tokens) +
                      max_ahead, page_size) positions, `tokens` its prompt plus sampled tokens
+
+A group with a pool of its own (`Capabilities.group_pools`, SGLang's SWA allocator) is judged as a
+pool of its own too (`own_pools`, `check_pools`, `check_group_counters`):
+
+  1-2-partition      its rows and cache entries hold only pages of its pool, and no other group's
+                     rows or entries hold one; every page of its pool is in its free list (once),
+                     held or cached, as for the first pool
+  9-counters         its counters (`GroupView.counters`) equal its free list and its entries
 """
 
 from __future__ import annotations
@@ -30,7 +38,18 @@ import numpy as np
 from kvledger.engine.ledger.invariants import InvariantViolation, prefix_hashes
 from kvledger.properties.subject import Capabilities, View
 
-__all__ = ["Holders", "check_group_requests", "check_over_allocation", "check_windows", "group_name", "read_rows"]
+__all__ = [
+    "Holders",
+    "all_pages",
+    "check_group_counters",
+    "check_group_requests",
+    "check_over_allocation",
+    "check_pools",
+    "check_windows",
+    "group_name",
+    "own_pools",
+    "read_rows",
+]
 
 Row = Sequence[int | None]
 
@@ -200,3 +219,74 @@ def check_over_allocation(view: View, caps: Capabilities, tokens: Dict[int, List
                 f"uid {uid} holds locations for {len(row)} positions in {group_name(view, group)}, but it has "
                 f"{len(known)} tokens and may hold at most {bound} (max_ahead {ahead}, rounded up to whole pages)",
             )
+
+
+def _own(caps: Capabilities, group: int) -> bool:
+    """Whether KV group `group` has a pool of its own."""
+    return 1 <= group <= len(caps.group_pools) and bool(caps.group_pools[group - 1])
+
+
+def all_pages(caps: Capabilities) -> Set[int]:
+    """Every page a row or cache entry may hold: the first pool's and each own pool's."""
+    return set(caps.pages).union(*caps.group_pools)
+
+
+def own_pools(view: View, caps: Capabilities) -> List[Tuple[int, Set[int], List[int]]]:
+    """(group, its pool's pages, its free list) for each KV group with a pool of its own."""
+    pools = []
+    for n, g in enumerate(view.groups, start=1):
+        if _own(caps, n):
+            if g.free is None:
+                _fail("1-2-partition", f"{group_name(view, n)} has a pool of its own but the view shows no free list")
+            pools.append((n, set(caps.group_pools[n - 1]), list(g.free)))
+    return pools
+
+
+def check_pools(view: View, caps: Capabilities, holders: Holders) -> None:
+    """Each page held by a row or a cache entry is of its group's pool: its own pool's, or the
+    first pool's for a group without one."""
+    if not caps.group_pools:
+        return
+    owner = {page: n for n in range(1, len(caps.group_pools) + 1) for page in caps.group_pools[n - 1]}
+    ps = caps.page_size
+
+    def check(page: int, group: int, who: str) -> None:
+        pool = owner.get(page, 0)
+        if pool != (group if _own(caps, group) else 0):
+            where = f"the pool of {group_name(view, pool)}" if pool else "the first pool"
+            _fail(
+                "1-2-partition",
+                f"{who} of {group_name(view, group)} holds page {page}, which is a page of {where} "
+                "(each pool's pages serve its own group)",
+            )
+
+    for page, group in sorted(holders.group.items()):
+        check(page, group, holders.who(sorted(holders.of(page))))
+    for n, entry in enumerate(view.cached):
+        for page in sorted({int(loc) // ps for loc in entry.locations}):
+            check(page, entry.group, f"cache {entry.name or f'entry {n}'}")
+
+
+def check_group_counters(view: View, caps: Capabilities, holders: Holders) -> None:
+    """A group's own counters equal its free list and its cache entries."""
+    for n, g in enumerate(view.groups, start=1):
+        if not g.counters:
+            continue
+        entries = [e for e in view.cached if e.group == n]
+        locked = [e for e in entries if e.lock is not None]
+        computed = {
+            "free_pages": len(g.free or []),
+            "used_pages": sum(1 for page, group in holders.group.items() if group == n and holders.of(page)),
+            "evictable_tokens": sum(len(e.locations) for e in locked if not e.lock),
+            "protected_tokens": sum(len(e.locations) for e in locked if e.lock),
+            "cached_tokens": sum(len(e.locations) for e in entries),
+        }
+        for name, value in g.counters.items():
+            if name not in computed:
+                raise ValueError(f"{group_name(view, n)} counter {name!r} has no meaning to the judge")
+            if value != computed[name]:
+                _fail(
+                    "9-counters",
+                    f"the subject counts {name} = {value} in {group_name(view, n)}, "
+                    f"its structures hold {computed[name]}",
+                )

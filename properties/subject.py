@@ -102,6 +102,10 @@ class Capabilities:
     preempt_keeps_pages: bool = False  # a preempted request keeps its pages until resumed or dropped
     chooses_victim: bool = False  # the subject names the request to preempt (`victim`), not the newest
     cache_holds_reference: bool = False  # the prefix cache holds its own reference on each cached page
+    # KV groups with a pool of their own (SGLang's SWA allocator keeps the window's KV apart from
+    # the full-attention KV): group_pools[n - 1] the pages of group n's pool, disjoint from `pages`
+    # and from each other; a group past its end, or with an empty tuple, draws from `pages`
+    group_pools: Tuple[Tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -127,16 +131,19 @@ class CachedEntry:
 @dataclass
 class GroupView:
     """A KV group past the first (several groups per request: full attention plus a sliding
-    window, vLLM's hybrid coordinator, SGLang's SWA pool). One pool serves every group; each
-    request holds its own row per group. `window` W: position p attends to positions
-    [p - W + 1, p], so the group may drop (free, or replace by a null block) any position before
-    `computed - W + 1`; such a position is None in the row. `chunk` C instead (chunked local
-    attention, vLLM's ChunkedLocalAttentionSpec): position p attends to [p // C * C, p], its own
-    chunk only. Neither: full attention."""
+    window, vLLM's hybrid coordinator, SGLang's SWA pool). One pool serves every group (vLLM), or
+    the group has a pool of its own (`Capabilities.group_pools`: SGLang's SWA allocator), whose
+    free list is `free` and whose counters are `counters`; each request holds its own row per
+    group. `window` W: position p attends to positions [p - W + 1, p], so the group may drop
+    (free, or replace by a null block) any position before `computed - W + 1`; such a position is
+    None in the row. `chunk` C instead (chunked local attention, vLLM's ChunkedLocalAttentionSpec):
+    position p attends to [p // C * C, p], its own chunk only. Neither: full attention."""
 
     name: str
     window: int | None
     requests: Dict[int, List[int | None]]  # live uid -> location of each position (None: dropped)
+    free: List[int] | None = None  # its own pool's free pages, in its order (None: it draws from View.free)
+    counters: Dict[str, int] = field(default_factory=dict)  # its own pool's counters (View.counters' names)
     chunk: int | None = None  # chunked local attention of chunks of `chunk` positions
 
     def first_read(self, position: int) -> int:

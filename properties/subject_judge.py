@@ -45,7 +45,7 @@ The invariants keep the names of kvledger's own judge (`invariants.py`) where th
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, NoReturn, Sequence, Set, Tuple
 
 import numpy as np
@@ -53,10 +53,14 @@ import numpy as np
 from kvledger.engine.ledger.invariants import InvariantViolation, prefix_hashes
 from kvledger.properties.group_judge import (
     Holders,
+    all_pages,
+    check_group_counters,
     check_group_requests,
     check_over_allocation,
+    check_pools,
     check_windows,
     group_name,
+    own_pools,
     read_rows,
 )
 from kvledger.properties.subject import CachedEntry, Capabilities, View
@@ -119,11 +123,16 @@ def judge(view: View, caps: Capabilities, witness: Witness, subject: Any = None)
         _check_quiescence(view, ps, own)
     _check_requests(view, caps, witness, live)
     check_group_requests(view, live)
-    holders = read_rows(view, ps, pages)
-    cached = _check_entries(view, ps, pages, holders)
+    holders = read_rows(view, ps, all_pages(caps))
+    cached = _check_entries(view, ps, all_pages(caps), holders)
+    check_pools(view, caps, holders)
     _check_partition(view, caps, holders, cached, pages)
+    apart = own_pools(view, caps)  # KV groups with a pool of their own (group_judge.py)
+    for _, pool, free in apart:
+        _check_partition(replace(view, free=free), caps, holders, cached, pool)
     _check_counts(view, holders, cached, own)
-    _check_counters(view, ps, holders, own)
+    _check_counters(view, ps, holders, own, pages, {n for n, _, _ in apart})
+    check_group_counters(view, caps, holders)
     check_over_allocation(view, caps, witness.tokens)
     _check_provenance(view, witness, subject)
 
@@ -287,14 +296,15 @@ def _check_counts(view: View, holders: Holders, cached: Dict[int, List[str]], ow
             )
 
 
-def _check_counters(view: View, ps: int, holders: Holders, own: int) -> None:
-    locked = [e for e in view.cached if e.lock is not None]
+def _check_counters(view: View, ps: int, holders: Holders, own: int, pages: Set[int], apart: Set[int]) -> None:
+    first = [e for e in view.cached if e.group not in apart]  # a group's own pool counts its own
+    locked = [e for e in first if e.lock is not None]
     computed = {
         "free_pages": len(view.free),
-        "used_pages": sum(1 for h in holders.pages.values() if h),
+        "used_pages": sum(1 for p, h in holders.pages.items() if h and p in pages),
         "evictable_tokens": sum(len(e.locations) for e in locked if e.lock == own),
         "protected_tokens": sum(len(e.locations) for e in locked if e.lock != own),
-        "cached_tokens": sum(len(e.locations) for e in view.cached),
+        "cached_tokens": sum(len(e.locations) for e in first),
     }
     computed["available_tokens"] = computed["free_pages"] * ps + computed["evictable_tokens"]
     for name, value in view.counters.items():
