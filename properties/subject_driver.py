@@ -238,6 +238,10 @@ class SubjectDriver:
                 self.on_event(event)
             if uid in before.preempted:
                 self.on_event("admission: resumed on the pages it kept")
+            if before.groups:  # KV groups past the first: the hit's window (group_writes.py)
+                from kvledger.properties.group_writes import hit_step
+
+                hit_step(uid, hit, self.view(), self.on_event)
         self.live.add(uid)
         self.admitted[uid] = self.admissions  # the newest admission is the first victim, as running[-1] is
         self.admissions += 1
@@ -306,6 +310,10 @@ class SubjectDriver:
                 GroupView(g.name, g.window, {u: list(g.requests.get(u, [])) for u in row_of}) for g in view.groups
             ]
             rows = View(free=[], requests=row_of, groups=groups)
+            if groups:  # what the forward pass reads in a window group (group_writes.py)
+                from kvledger.properties.group_writes import window_step
+
+                window_step(rows, self.witness, batch, self.on_event)
         sampled = 0
         ending: List[int] = []
         for uid, start, end in batch:
