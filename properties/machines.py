@@ -107,8 +107,9 @@ def machine_run(target: Target, progress: Progress, profile: str, examples: Opti
         if target.speculate:
             from kvledger.properties.speculation_machine import EXPECTED_SPEC_EVENTS, SpeculatingLockstepMachine
 
-            machine = SpeculatingLockstepMachine.bind(progress)
-            return MachineRun(machine, progress, EXPECTED_SPEC_EVENTS, chosen, f"{target.name} (speculating)", target)
+            speculating = SpeculatingLockstepMachine.bind(progress)
+            title = f"{target.name} (speculating)"
+            return MachineRun(speculating, progress, EXPECTED_SPEC_EVENTS, chosen, title, target)
         from kvledger.properties.machine import EXPECTED_EVENTS, LockstepMachine
 
         return MachineRun(LockstepMachine.bind(progress), progress, EXPECTED_EVENTS, chosen, target.name, target)
