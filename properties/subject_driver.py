@@ -38,11 +38,13 @@ from kvledger.engine.ledger.ops import InvalidOp, OpResult, TraceLine, as_record
 from kvledger.properties.subject import GroupView, Subject, SubjectConfig, View
 from kvledger.properties.subject_calls import call_subject
 from kvledger.properties.subject_events import (
+    ABORT_AFTER_CHECKPOINT,
     EXHAUSTED_AT_DECODE,
     expected_events,
     full_with_locks,
     hit_events,
     pool_exhausted,
+    published_own_chunk,
 )
 from kvledger.properties.subject_judge import Witness, judge
 from kvledger.reference.pages import div_ceil
@@ -75,8 +77,14 @@ class SubjectDriver:
         self.preempted: Set[int] = set()
         self.preempted_this_step = False
         self.victims: List[int] = []  # preempted in this step, in order
+        self.hits: Dict[int, int] = {}  # uid -> the prefix hit of its latest admission
         self.on_event = on_event or (lambda name: None)
         self.ops = 0
+
+    @property
+    def speculates(self) -> bool:
+        """A decode verifies drafts (capability spec_tokens): `subject_speculation.py` drives it."""
+        return self.caps.spec_tokens > 0
 
     def view(self) -> View:
         view: View = call_subject("view", self.subject.view)
@@ -96,6 +104,10 @@ class SubjectDriver:
         view = self.view()
         self.witness.preempted = self.preempted - self.live  # preempted, not admitted again since
         try:
+            if self.caps.max_ahead:
+                from kvledger.properties.subject_speculation import check_tail  # only a subject holding slots ahead
+
+                check_tail(view, self.witness.computed)
             judge(view, self.caps, self.witness, self.subject)
             check_queue_order(
                 self.waiting, self.arrival, self.admitted, self.preempted, self.live, self.caps.resume_order
@@ -110,7 +122,8 @@ class SubjectDriver:
             self.on_event("driver: idle after work")
 
     def submit(self, uid: int, tokens: Sequence[int], max_tokens: int) -> OpResult:
-        pages = div_ceil(len(tokens) + max_tokens - 1, self.caps.page_size) if tokens else 0
+        # at its peak a request holds its last token's page, or up to max_ahead positions past it
+        pages = div_ceil(len(tokens) + max_tokens - 1 + self.caps.max_ahead, self.caps.page_size) if tokens else 0
         check_submit(uid, tokens, max_tokens, self.known, self.config, pages)
         call_subject("submit", self.subject.submit, uid, list(tokens), max_tokens)
         self.known.add(uid)
@@ -121,7 +134,11 @@ class SubjectDriver:
         self.waiting.append(uid)
         return OpResult()
 
-    def prefill(self, budget: int, sample: Sequence[int] = (), stop: Sequence[int] = ()) -> OpResult:
+    def prefill(
+        self, budget: int, sample: Sequence[int] = (), stop: Sequence[int] = (), accept: Sequence[int] = ()
+    ) -> OpResult:
+        if accept:
+            raise InvalidOp("prefill: drafts are verified at decode steps only (accept is for decode)")
         if budget < 1:
             raise InvalidOp(f"prefill: budget must be >= 1, got {budget}")
         if len(set(stop)) < len(stop) or set(stop) - set(self.waiting):
@@ -157,9 +174,15 @@ class SubjectDriver:
         self._complete(batch, sample, stop, prefill=True)
         return OpResult(batch=tuple(u for u, _, _ in batch), refused=refused, preempted=self._victims())
 
-    def decode(self, sample: Sequence[int] = (), stop: Sequence[int] = ()) -> OpResult:
+    def decode(self, sample: Sequence[int] = (), stop: Sequence[int] = (), accept: Sequence[int] = ()) -> OpResult:
         if len(set(stop)) < len(stop) or set(stop) - set(self.running):
             raise InvalidOp(f"decode: stop {list(stop)} must name running uids, each once")
+        if self.speculates:
+            from kvledger.properties.subject_speculation import speculative_decode  # only a subject that speculates
+
+            return speculative_decode(self, sample, stop, accept)
+        if accept:
+            raise InvalidOp(f"decode: accept is for a subject that speculates, not {self.subject.name}")
         batch: List[tuple[int, int, int]] = []
         self.victims = []
         ps = self.caps.page_size
@@ -187,9 +210,11 @@ class SubjectDriver:
             raise InvalidOp(f"abort: uid {uid} is neither waiting nor running")
         if uid in self.waiting and uid in self.live:
             self.on_event("abort: mid-prefill")
+            if self.check and published_own_chunk(self.view(), uid, self.hits[uid], self.witness.computed[uid]):
+                self.on_event(ABORT_AFTER_CHECKPOINT)
         if uid in self.preempted and uid not in self.live and self.caps.preempt_keeps_pages:
             self.on_event("abort: a preempted request keeping pages")
-        call_subject("abort", self.subject.abort, uid)
+        self._release("abort", uid)
         self._forget(uid)
         return OpResult()
 
@@ -246,6 +271,7 @@ class SubjectDriver:
         self.admitted[uid] = self.admissions  # the newest admission is the first victim, as running[-1] is
         self.admissions += 1
         self.witness.computed[uid] = hit
+        self.hits[uid] = hit  # its latest admission's
         return hit
 
     def _allocate(self, uid: int, start: int, end: int) -> bool:
@@ -287,7 +313,7 @@ class SubjectDriver:
     def _preempt(self, uid: int) -> None:
         self.on_event("preempt: a running request preempted")
         self.victims.append(uid)
-        call_subject("preempt", self.subject.preempt, uid)
+        self._release("preempt", uid)
         self.live.discard(uid)
         self.witness.computed.pop(uid, None)
         if uid in self.running:
@@ -345,8 +371,21 @@ class SubjectDriver:
             self._end(uid)
 
     def _end(self, uid: int) -> None:
-        call_subject("finish", self.subject.finish, uid)
+        self._release("finish", uid)
         self._forget(uid)
+
+    def _release(self, what: str, uid: int) -> None:
+        """The subject's `what` (finish, abort, preempt) of `uid`; for a subject that holds slots
+        ahead of its tokens, the judge then checks that the request's tail came back."""
+        committed = self.witness.computed.get(uid)
+        if not self.caps.max_ahead or not self.check or committed is None:
+            call_subject(what, getattr(self.subject, what), uid)
+            return
+        from kvledger.properties.subject_speculation import released  # only a subject holding slots ahead
+
+        before = self.view()
+        call_subject(what, getattr(self.subject, what), uid)
+        released(self, uid, what, before, committed)
 
     def _forget(self, uid: int) -> None:
         for queue in (self.waiting, self.running):
