@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Tuple
 
 from kvledger.subjects.edits import SourceEdit
-from kvledger.subjects.sglang_import import COMMON, SCHEDULE_BATCH
+from kvledger.subjects.sglang_import import ALLOCATION, COMMON, SCHEDULE_BATCH
 
 EAGLE_UTILS = "sglang.srt.speculative.eagle_utils"
 ALLOCATION_SIZING = "sglang.srt.mem_cache.allocation_sizing"
@@ -55,12 +55,12 @@ ZOO: Tuple[SourceEdit, ...] = (
         "rejected drafts count as committed KV, and the allocation runs ahead of the request",
     ),
     SourceEdit(
-        "sglang-spec-alloc-not-page-aligned",
-        f"{ALLOCATION_SIZING}:page_aligned_decode_alloc_lens",
-        "(r.kv.kv_committed_len + reserve + page_size - 1) // page_size * page_size,",
-        "r.kv.kv_committed_len + reserve,",
-        "allocating to committed + reserve without rounding up to a page: the allocator hands out "
-        "whole pages, so the row records fewer slots than the pages it took",
+        "sglang-spec-allocated-not-recorded",
+        f"{ALLOCATION}:alloc_for_spec_decode",
+        "req.kv.kv_allocated_len = max(req.kv.kv_allocated_len, nxt_kv_len)",
+        "pass",
+        "allocating the step's slots and writing them into the row without recording kv_allocated_len: "
+        "the row the scheduler reads ends where it did, and the next step allocates the same range again",
     ),
     SourceEdit(
         "sglang-spec-reserve-from-allocated",
@@ -77,6 +77,14 @@ ZOO: Tuple[SourceEdit, ...] = (
         "tree_cache.checkpoint(req, up_to=req.kv.kv_allocated_len)",
         "inserting the row into the tree up to kv_allocated_len instead of the committed length: "
         "slots of rejected drafts and never-written reserve become cached prefix",
+    ),
+    SourceEdit(
+        "sglang-spec-row-freed-to-allocated",
+        f"{COMMON}:release_kv_cache",
+        "tree_cache.free_kv_row(req.kv, [(req.kv.cache_protected_len, owned_kv_len)])",
+        "tree_cache.free_kv_row(req.kv, [(req.kv.cache_protected_len, req.kv.kv_allocated_len)])",
+        "freeing the row up to kv_allocated_len at release, then the over-allocated tail again: the "
+        "tail's pages go back to the free list twice",
     ),
     SourceEdit(
         "sglang-spec-estimate-without-reserve",
