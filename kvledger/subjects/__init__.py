@@ -10,6 +10,7 @@ A spec is one of:
                              (`vllm_hybrid.py`), with a KV connector loading outside KV (`vllm_external.py`)
   vllm:local                 the same with full attention + chunked local attention (`vllm_local.py`)
   sglang:radix               SGLang's classic RadixCache in place of the default UnifiedRadixCache (`sglang.py`)
+  sglang:paged               page size > 1 with SGLang's decode memory check and retract_decode (`sglang_paged.py`)
   sglang:swa                 the default tree with its sliding-window option: FULL and SWA pools (`sglang_swa.py`)
   minisgl[:PATH]             a mini-sglang checkout or snapshot (default: the shipped peer)
   nanovllm[:PATH]            a nano-vllm checkout or snapshot (nanovllm@f64d821 names a shipped commit)
@@ -46,6 +47,7 @@ BUILTINS: Dict[str, str] = {
     "vllm:external": "kvledger.subjects.vllm_external",
     "sglang": "kvledger.subjects.sglang",
     "sglang:radix": "kvledger.subjects.sglang",
+    "sglang:paged": "kvledger.subjects.sglang_paged",
     "sglang:swa": "kvledger.subjects.sglang_swa",
 }
 

@@ -141,6 +141,9 @@ class SglangSubject:
         self._model_config = types.SimpleNamespace(vocab_size=1 << 31, is_encoder_decoder=False)
         self.scheduler = self.build_scheduler_state()
         self.requests: Dict[int, SglangRequest] = {}
+        # a middle chunk computed in the last step, checkpointed at the top of the next one
+        # (Scheduler.get_next_batch_to_run -> stash_chunked_request), unless aborted first
+        self.chunk_to_stash: int | None = None
         self._admissions = 0
         self.functions: Dict[str, Callable] = {
             t: getattr(importlib.import_module(t.split(":")[0]), t.split(":")[1]) for t in FUNCTIONS
@@ -202,6 +205,19 @@ class SglangSubject:
             prefill_publishes_to_cache=True,
         )
 
+    def begin(self, kind: str, uid: int, call: str) -> bool:
+        """A call of a scheduling step; at the top of a new one, Scheduler.get_next_batch_to_run
+        (scheduler.py:3894) first runs process_pending_chunked_abort (this adapter's `abort` did:
+        it comes between steps), then stashes the chunked request: checkpoint_kv_cache of the chunk
+        the last step computed (stash_chunked_request, :3772, when extend_end > prefix_len)."""
+        if not self.scheduler.begin(kind, uid, call):
+            return False
+        if self.chunk_to_stash is not None:
+            req = self.requests[self.chunk_to_stash].req
+            self.chunk_to_stash = None
+            self.functions[f"{COMMON}:checkpoint_kv_cache"](req, self.tree)
+        return True
+
     def _running(self) -> List[SglangRequest]:
         return sorted((r for r in self.requests.values() if r.phase == "running"), key=lambda r: r.order)
 
@@ -235,7 +251,7 @@ class SglangSubject:
         r = self.requests[uid]
         if r.phase != "waiting":
             raise DriverMismatch(f"uid {uid}: admitted while {r.phase}")
-        self.scheduler.begin("prefill", uid, "admit")
+        self.begin("prefill", uid, "admit")
         req = r.req
         # Scheduler.get_new_batch_prefill: the walk stops when no request row is left
         # (get_num_allocatable_reqs; rows are taken at allocation, so count admitted-not-allocated)
@@ -288,7 +304,7 @@ class SglangSubject:
         # Scheduler.update_running_batch: check_decode_mem, then prepare_for_decode ->
         # alloc_for_decode(batch, token_per_req=1), one request at a time here
         torch = self.s.torch
-        self.scheduler.begin("decode", uid, "allocate")
+        self.begin("decode", uid, "allocate")
         if start != req.kv.kv_committed_len or end != start + 1:
             raise DriverMismatch(
                 f"uid {uid}: decode [{start}, {end}) with {req.kv.kv_committed_len} positions holding KV"
@@ -307,7 +323,7 @@ class SglangSubject:
 
     def _allocate_extend(self, uid: int, req: Any, start: int, end: int) -> bool:
         torch = self.s.torch
-        self.scheduler.begin("prefill", uid, "allocate")
+        self.begin("prefill", uid, "allocate")
         if start != req.prefix_len or end <= start or end > len(req.full_untruncated_fill_ids):
             raise DriverMismatch(
                 f"uid {uid}: allocate [{start}, {end}) with {req.prefix_len} positions computed "
@@ -358,11 +374,11 @@ class SglangSubject:
                 f"uid {uid}: computed [{start}, {end}) while {r.phase}, extend ends at {req.extend_end}"
             )
         if token is None:
-            # a middle chunk: Scheduler.get_next_batch_to_run -> stash_chunked_request ->
-            # checkpoint_kv_cache, before the next chunk is scheduled
+            # a middle chunk: process_batch_result_prefill leaves it to the next step's top
+            # (`begin`: stash_chunked_request -> checkpoint_kv_cache)
             if end >= len(req.full_untruncated_fill_ids):
                 raise DriverMismatch(f"uid {uid}: the prompt's last chunk came without a token")
-            self.functions[f"{COMMON}:checkpoint_kv_cache"](req, self.tree)
+            self.chunk_to_stash = uid
             return
         # process_batch_result_prefill: append the token, update_finish_state; a request that goes
         # on is checkpointed now, one that finished (max_new_tokens reached) is released by finish
@@ -402,7 +418,7 @@ class SglangSubject:
         elif r.phase == "admitted":
             # process_pending_chunked_abort: release_kv_cache(checkpoint=False). Admitted but not
             # yet allocated (a window SGLang's scheduler does not have): only its match lock
-            self._release(req)
+            self._release(uid, req)
         # waiting: abort method 1, popped from the queue, it holds nothing
         self.scheduler.forget(uid)
         self.scheduler.idle(len(self.requests))
@@ -416,7 +432,7 @@ class SglangSubject:
         if r.phase == "waiting":
             raise DriverMismatch(f"uid {uid}: preempt of a waiting request")
         req = r.req
-        self._release(req)
+        self._release(uid, req)
         remaining = [o for o in self._running() if o is not r]
         steps = self.scheduler.retract_decode_steps
         self.functions[f"{COMMON}:evict_from_tree_cache"](self.tree, len(remaining) * steps)
@@ -425,7 +441,11 @@ class SglangSubject:
         self.scheduler.forget(uid)
         self.scheduler.after_retract(remaining)
 
-    def _release(self, req: Any) -> None:
+    def _release(self, uid: int, req: Any) -> None:
+        # a chunk computed and not yet stashed is never checkpointed: process_pending_chunked_abort
+        # runs before the stash (get_next_batch_to_run), and a retraction releases without one
+        if self.chunk_to_stash == uid:
+            self.chunk_to_stash = None
         if req.kv.holds_kv:
             self.functions[f"{COMMON}:release_kv_cache"](req, self.tree, checkpoint=False)
         else:
@@ -504,7 +524,7 @@ def read_view(subject: SglangSubject) -> View:
     tree, allocator = subject.tree, subject.allocator
     requests: Dict[int, List[int]] = {}
     for uid, r in subject.requests.items():
-        if r.phase == "waiting":
+        if r.phase in ("waiting", "retracted"):  # retracted: released by retract_decode, not yet requeued
             continue
         req = r.req
         if req.kv.holds_kv:

@@ -26,19 +26,22 @@ class SchedulerState:
         # (SGLANG_INIT_NEW_TOKEN_RATIO, _MIN_NEW_TOKEN_RATIO_FACTOR, _NEW_TOKEN_RATIO_DECAY_STEPS)
         self.ratio = s.NewTokenRatioTracker.from_config()
         self.retract_decode_steps: int = s.envs.SGLANG_RETRACT_DECODE_STEPS.get()
+        # the most decode tokens the PrefillAdder counts per request (schedule_policy.CLIP_MAX_NEW_TOKENS,
+        # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION read when that module is imported)
+        self.clip: int = s.CLIP_MAX_NEW_TOKENS
         self.step: str | None = None  # the kind of the step in progress: "prefill", "decode" or None
         self._calls: Set[Tuple[int, str]] = set()  # (uid, call) made in the step in progress
         # this prefill pass's reservations (PrefillAdder._update_prefill_budget): uid -> (chunk, decode
         # tokens reserved, tokens its allocations have taken since)
         self.reservations: Dict[int, List[int]] = {}
 
-    def begin(self, kind: str, uid: int, call: str) -> None:
-        """Note a call of a scheduling step; the first of a new step starts it. A step ends with
-        its results (computed); one that ran nothing has none, so a call of the other kind, or a
-        second call for the same request, starts the next step too."""
+    def begin(self, kind: str, uid: int, call: str) -> bool:
+        """Note a call of a scheduling step; the first of a new step starts it (True). A step ends
+        with its results (computed); one that ran nothing has none, so a call of the other kind,
+        or a second call for the same request, starts the next step too."""
         if self.step == kind and (uid, call) not in self._calls:
             self._calls.add((uid, call))
-            return
+            return False
         self.step = kind
         self._calls = {(uid, call)}
         self.reservations = {}
@@ -46,6 +49,7 @@ class SchedulerState:
             # update_running_batch: a decode step that needs no retraction decays the ratio; a
             # retraction (preempt) sets it afresh instead
             self.ratio.decay_step()
+        return True
 
     def retry(self, uid: int, call: str) -> None:
         """A call that found no room: it is made again after a retraction, in this step."""
@@ -62,7 +66,7 @@ class SchedulerState:
         self.reservations.pop(uid, None)
 
     def max_new(self, req: Any) -> int:
-        return min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), self.s.CLIP_MAX_NEW_TOKENS)
+        return min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), self.clip)
 
     def prefill_budget(self, allocator: Any, tree: Any, running: Sequence[SglangRequest]) -> Any:
         """The PrefillAdder's memory budget as it stands now in this pass: SGLang's PrefillBudget
@@ -72,7 +76,7 @@ class SchedulerState:
         batch after the adder is done; the driver allocates each request right after admitting
         it, so what an admission of this pass has allocated since is taken off its reservation."""
         budget = allocator.create_prefill_budget(tree)
-        clip = self.s.CLIP_MAX_NEW_TOKENS
+        clip = self.clip
         for r in running:
             req = r.req
             ratio = 1.0 if req.sampling_params.ignore_eos else self.ratio.current

@@ -127,10 +127,12 @@ def test_view_reads_rows_free_list_tree_and_counters():
         "cached_tokens": 0,
         "available_tokens": 24,
     }
-    s.computed(1, 0, 6, None)  # a middle chunk: its one full page goes into the tree, locked by the request
-    assert _entries(s) == {(1, 2, 3, 4): ((4, 5, 6, 7), 1)}
+    s.computed(1, 0, 6, None)  # a middle chunk: checkpointed at the top of the next step, not before
+    assert _entries(s) == {} and s.chunk_to_stash == 1
+    assert s.allocate(1, 6, 10)  # the next step: stash_chunked_request files its one full page, locked
+    assert _entries(s) == {(1, 2, 3, 4): ((4, 5, 6, 7), 1)} and s.chunk_to_stash is None
     assert s.view().counters["protected_tokens"] == 4
-    _run(s, 1, 6, 10, 100)  # the rest of the prompt, then its sampled token
+    s.computed(1, 6, 10, 100)  # the rest of the prompt, then its sampled token
     assert _entries(s) == {(1, 2, 3, 4): ((4, 5, 6, 7), 1), (1, 2, 3, 4, 5, 6, 7, 8): ((8, 9, 10, 11), 1)}
     _run(s, 1, 10, 11, 101)
     _run(s, 1, 11, 12, 102)  # the third token: max_tokens reached
@@ -231,7 +233,16 @@ def test_abort_waiting_mid_prefill_and_running():
     s.abort(2)  # never admitted: nothing to release
     assert s.admit(1, 6) == 0
     _run(s, 1, 0, 6, None)
-    s.abort(1)  # mid-prefill: released without a checkpoint beyond what the chunk published
+    # mid-prefill, its chunk not yet stashed: process_pending_chunked_abort comes first at the top
+    # of the next step, release_kv_cache(checkpoint=False) frees the chunk, nothing is cached
+    s.abort(1)
+    view = s.view()
+    assert view.requests == {} and view.cached == [] and len(view.free) == 8
+    s.submit(4, A, 3)
+    assert s.admit(4, 5) == 0
+    _run(s, 4, 0, 5, None)
+    _run(s, 4, 5, 8, None)  # this step first stashed [0, 5): its full page [0, 4) is filed
+    s.abort(4)  # [5, 8) was never stashed: freed; the page [0, 4) stays cached, unlocked
     view = s.view()
     assert view.requests == {} and all(e.lock == 0 for e in view.cached)
     assert view.counters["cached_tokens"] == 4 and len(view.free) == 7
