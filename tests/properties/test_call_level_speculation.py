@@ -192,3 +192,24 @@ def test_the_clean_toy_passes_and_reaches_every_rare_state_of_speculation():
 def test_each_planted_mistake_is_named(bug, kind, words):
     found = run_seeded(bug, 30, set())
     assert found is not None and found.kind == kind and words in found.message, found
+
+
+def test_the_tail_clause_reads_locations_past_the_committed_positions():
+    from kvledger.engine.ledger.invariants import InvariantViolation
+    from kvledger.properties.subject import CachedEntry, View
+    from kvledger.properties.subject_speculation import check_tail, tail_pages
+
+    # uid 1 committed 3 positions of a row of 8 (pages 0 and 1 of size 4); the tree holds [0, 3)
+    rows = {1: list(range(8)), 2: [8, 9, 10, 11]}
+    cached = [CachedEntry((0, 1, 2), start=0, tokens=(5, 6, 7), lock=1, name="node 1")]
+    check_tail(View(free=[], requests=rows, cached=cached), {1: 3, 2: 2})
+    in_tree = [CachedEntry((0, 1, 2, 3), start=0, tokens=(5, 6, 7, 8), lock=1, name="node 1")]
+    with pytest.raises(InvariantViolation, match="position 3 of its tail .* cache node 1"):
+        check_tail(View(free=[], requests=rows, cached=in_tree), {1: 3, 2: 2})
+    shared = {1: list(range(8)), 2: [8, 9, 10, 11, 4, 5, 6, 7]}
+    with pytest.raises(InvariantViolation, match=r"location 4, which uids \[2\] hold too"):
+        check_tail(View(free=[], requests=shared), {1: 3, 2: 2})
+    # the tail's pages: past the page holding the last committed position
+    assert tail_pages(list(range(12)), 3, 4) == [1, 2]
+    assert tail_pages(list(range(12)), 4, 4) == [1, 2]
+    assert tail_pages(list(range(8)), 8, 4) == []
