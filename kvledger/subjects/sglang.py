@@ -59,7 +59,7 @@ from kvledger.properties.subject import CachedEntry, Capabilities, DriverMismatc
 from kvledger.subjects.edits import EditError, SourceEdit, bind, edited_function
 from kvledger.subjects.sglang_import import ALLOCATION, COMMON, PACKAGE, VERSION, SglangNames
 from kvledger.subjects.sglang_scheduler import SchedulerState, SglangRequest
-from kvledger.subjects.sglang_zoo import RADIX_ZOO, UNIFIED_ZOO
+from kvledger.subjects.sglang_zoo import CHUNK_ZOO, RADIX_ZOO, UNIFIED_ZOO
 
 __all__ = [
     "NAME",
@@ -79,8 +79,8 @@ log = logging.getLogger(__name__)
 
 NAME = "sglang"
 RADIX = "sglang:radix"
-ZOO = UNIFIED_ZOO  # the default spec's
-ZOOS = {NAME: UNIFIED_ZOO, RADIX: RADIX_ZOO}
+ZOO = UNIFIED_ZOO + CHUNK_ZOO  # the default spec's: its tree, then chunked prefill's checkpoint and abort
+ZOOS = {NAME: ZOO, RADIX: RADIX_ZOO}
 # the UnifiedRadixCache's tree core (CacheInitParams.tree_core_backend): the Python one, whose
 # nodes the view reads and whose source the zoo edits (see the module docstring)
 TREE_CORE_BACKEND = "python"

@@ -146,3 +146,50 @@ UNIFIED_ZOO: Tuple[SourceEdit, ...] = (
         "(mini-sglang PR #142's bug, in the unified tree): a running request keeps reading freed pages",
     ),
 )
+
+# Chunked prefill's checkpoint at the next step and the abort that releases the request without one
+# (Scheduler.stash_chunked_request -> checkpoint_kv_cache -> UnifiedRadixCache.checkpoint_into_tree;
+# process_pending_chunked_abort -> release_kv_cache(checkpoint=False)), on the default tree
+CHECKPOINT = f"{UNIFIED}:UnifiedRadixCache.checkpoint_into_tree"
+CHUNK_ZOO: Tuple[SourceEdit, ...] = (
+    SourceEdit(
+        "sglang-chunk-stash-keeps-protected-len",
+        CHECKPOINT,
+        "req.kv.cache_protected_len = len(new_indices)",
+        "pass",
+        "the checkpoint of a chunk does not advance the request's protected length past what it "
+        "filed: an abort (or the next checkpoint) frees pages the tree now owns",
+    ),
+    SourceEdit(
+        "sglang-chunk-stash-keeps-old-lock",
+        CHECKPOINT,
+        "self.unlock(req.lock)\n",
+        "\n",
+        "the checkpoint locks the chunk's new last node without unlocking the node the request held: "
+        "the old path stays locked after the request is aborted or finished",
+    ),
+    SourceEdit(
+        "sglang-chunk-stash-frees-matched-prefix",
+        CHECKPOINT,
+        "prev_prefix_len=req.kv.cache_protected_len,",
+        "prev_prefix_len=0,",
+        "the checkpoint's insert is told the request protects nothing: the pages of its own matched "
+        "and earlier-filed prefix count as duplicates and are freed under it",
+    ),
+    SourceEdit(
+        "sglang-chunk-stash-past-the-chunk",
+        f"{COMMON}:checkpoint_kv_cache",
+        "tree_cache.checkpoint(req, up_to=req.extend_end)",
+        "tree_cache.checkpoint(req, up_to=len(req.full_untruncated_fill_ids))",
+        "stashing a chunked request files its whole prompt, not the chunk computed so far: pages "
+        "with no KV yet are cached and can be hit",
+    ),
+    SourceEdit(
+        "sglang-chunk-abort-frees-from-zero",
+        f"{COMMON}:release_kv_cache",
+        "tree_cache.free_kv_row(req.kv, [(req.kv.cache_protected_len, owned_kv_len)])",
+        "tree_cache.free_kv_row(req.kv, [(0, owned_kv_len)])",
+        "releasing a request (an aborted chunked prefill, a retraction, a finish) frees its whole row, "
+        "the prefix its checkpoints filed included: the tree keeps pages that are free",
+    ),
+)

@@ -330,6 +330,22 @@ UNIFIED_SCRIPTS: Dict[str, Tuple[int, List[dict], str]] = {
     "sglang-unified-evict-forgets-free": RADIX_SCRIPTS["sglang-evict-forgets-free"],
     "sglang-unified-checkpoint-keeps-duplicate-row": RADIX_SCRIPTS["sglang-checkpoint-keeps-duplicate-row"],
 }
+# a 12-token prompt in chunks of 5 and 4 (the first stashed at the second's step), aborted, then
+# the same prompt again: it hits what the stash filed
+B = list(range(1, 13))
+CHUNK_ABORT = [_submit(1, B, 2), _prefill(5), _prefill(4), {"op": "abort", "uid": 1}, _submit(2, B, 2), _prefill()]
+UNIFIED_SCRIPTS.update(
+    {
+        name: (8, CHUNK_ABORT, "1-2-partition")
+        for name in (
+            "sglang-chunk-stash-keeps-protected-len",
+            "sglang-chunk-stash-keeps-old-lock",
+            "sglang-chunk-stash-frees-matched-prefix",
+            "sglang-chunk-stash-past-the-chunk",
+            "sglang-chunk-abort-frees-from-zero",
+        )
+    }
+)
 SCRIPTS = {"sglang": UNIFIED_SCRIPTS, "sglang:radix": RADIX_SCRIPTS}
 ENTRIES = [(spec, edit) for spec, zoo in sorted(sglang.ZOOS.items()) for edit in zoo]
 
