@@ -48,6 +48,7 @@ from typing import Any, Dict, Iterator, List, Sequence, Tuple, cast
 from kvledger.properties.subject import CachedEntry, Capabilities, GroupView, SubjectConfig, View
 from kvledger.subjects.edits import SourceEdit
 from kvledger.subjects.sglang import SglangSubject, load, probe, read_view
+from kvledger.subjects.sglang_scheduler import SchedulerState
 from kvledger.subjects.sglang_swa_zoo import SWA_ZOO
 
 __all__ = ["NAME", "ZOO", "SglangSwaSubject", "build", "probe"]
@@ -56,6 +57,9 @@ NAME = "sglang:swa"
 ZOO: Tuple[SourceEdit, ...] = SWA_ZOO
 WINDOW_PAGES = 2  # the sliding window, in pages: W = 2 * page_size
 MIN_PAGE_SIZE = 2  # SWATokenToKVPoolAllocator's paged path (alloc_extend / alloc_decode assert page_size > 1)
+# SGLANG_INIT_NEW_TOKEN_RATIO: the PrefillAdder charges running requests this share of their
+# remaining decode tokens (SGLang's default 0.7), as a deployment that trusts requests to stop early
+INIT_NEW_TOKEN_RATIO = 0.05
 SWA = 1  # ComponentType.SWA: the index of a UnifiedTreeNode's SWA component data; the view's KV group 1
 
 
@@ -104,6 +108,11 @@ class SglangSwaSubject(SglangSubject):
         params = super().cache_init_params(config)
         params.sliding_window_size = self.window
         return params
+
+    def build_scheduler_state(self) -> SchedulerState:
+        # NewTokenRatioTracker.from_config reads SGLANG_INIT_NEW_TOKEN_RATIO at the scheduler's start
+        with self.s.envs.SGLANG_INIT_NEW_TOKEN_RATIO.override(INIT_NEW_TOKEN_RATIO):
+            return super().build_scheduler_state()
 
     def build_capabilities(self, config: SubjectConfig) -> Capabilities:
         first = config.num_pages + 1  # where the SWA pool's page 0 is shown, past the full pool
@@ -184,8 +193,11 @@ def read_swa_view(subject: SglangSwaSubject) -> View:
         swa = mapping[subject.s.torch.tensor(row, dtype=subject.s.torch.int64)].tolist() if row else []
         rows[uid] = [None if loc <= 0 else int(loc) + shift for loc in swa]
     swa_alloc = allocator.swa_attn_allocator
-    free = [p + shift // ps for p in swa_alloc.free_pages.tolist()]
-    free += [p + shift // ps for part in swa_alloc.staged_pages for p in part.tolist()]
+    if isinstance(swa_alloc, subject.s.PagedTokenToKVPoolAllocator):
+        pages = swa_alloc.free_pages.tolist() + [p for part in swa_alloc.staged_pages for p in part.tolist()]
+    else:  # page size 1: TokenToKVPoolAllocator
+        pages = swa_alloc.free_pages.tolist() + swa_alloc.release_pages.tolist()
+    free = [p + shift // ps for p in pages]
     view.groups = [
         GroupView(
             name="swa",
