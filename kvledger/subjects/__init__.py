@@ -12,6 +12,7 @@ A spec is one of:
   sglang:radix               SGLang's classic RadixCache in place of the default UnifiedRadixCache (`sglang.py`)
   sglang:paged               page size > 1 with SGLang's decode memory check and retract_decode (`sglang_paged.py`)
   sglang:swa                 the default tree with its sliding-window option: FULL and SWA pools (`sglang_swa.py`)
+  sglang:spec                SGLang's speculative decoding allocation, NGRAM at page size 4 (`sglang_spec.py`)
   minisgl[:PATH]             a mini-sglang checkout or snapshot (default: the shipped peer)
   nanovllm[:PATH]            a nano-vllm checkout or snapshot (nanovllm@f64d821 names a shipped commit)
   package.module:factory     a user's own: `factory(SubjectConfig) -> Subject`
@@ -49,6 +50,7 @@ BUILTINS: Dict[str, str] = {
     "sglang:radix": "kvledger.subjects.sglang",
     "sglang:paged": "kvledger.subjects.sglang_paged",
     "sglang:swa": "kvledger.subjects.sglang_swa",
+    "sglang:spec": "kvledger.subjects.sglang_spec",
 }
 
 
