@@ -126,9 +126,11 @@ def drain_steps(
     preempts (optimistic admission: a step that finds no room gives up its newest request instead
     of failing), it is a `liveness` Finding if requests still run after it (preemption going round
     in circles), or if nothing runs and the waiting head is a request the subject preempted: it
-    fit the pool once, and an idle pool holds more. A head never admitted at all is not judged: a
-    subject may keep a margin of its pool (SGLang's token ratio), so a request sized to the whole
-    pool can wait on an idle subject."""
+    fit the pool once, and an idle pool holds more. A head never admitted at all is judged only
+    for a subject that schedules itself (vLLM's Scheduler keeps no margin: the driver took the
+    request because the pool holds all of it, every KV group at once); a call-level subject may
+    keep a margin of its pool (SGLang's token ratio), so a request sized to the whole pool can
+    wait on an idle subject."""
     for _ in range(limit):
         op = drain_op(driver, stalled)
         if op is None:
@@ -138,6 +140,8 @@ def drain_steps(
             stalled = stalled_after(stalled, op, out)
             yield
     stuck = driver.running or (driver.waiting and driver.waiting[0] in driver.preempted)
+    if driver.caps.schedules and driver.waiting and not driver.running:
+        stuck = True  # an idle pool that every waiting request fits, and nothing admitted
     if driver.caps.preempts and stuck:
         raise Finding(
             "liveness",

@@ -137,3 +137,24 @@ def test_the_replay_store_finds_whole_stored_pages_past_the_local_hit() -> None:
     assert store.match(PROMPT, local_hit=4) == (4, True)  # the next asynchronous
     assert store.match(PROMPT[:8], local_hit=0)[0] == 4  # never the last token
     assert store.match([9] + PROMPT[1:], local_hit=0) == (0, False)  # another prefix
+
+
+@needs_vllm
+def test_a_request_an_idle_pool_holds_but_never_admitted_is_a_liveness_finding() -> None:
+    """vLLM keeps no margin of its pool: the driver took the request because the idle pool holds
+    all of it, so a scheduler that never admits it (here: one that schedules nothing while nothing
+    runs: its scheduler is never called) fails the drain, although the request was never preempted."""
+    from kvledger.properties.subject_workload import drain
+
+    subject = vs.build_spec(CFG, "vllm:sched")
+    subject.schedule = lambda budget: Plan()  # type: ignore[method-assign]
+    subject.output = lambda outputs, loaded: None  # type: ignore[method-assign]
+    d = driver_for(subject, CFG)
+    d.apply({"op": "submit", "uid": 0, "tokens": PROMPT, "max_tokens": 2})
+    with pytest.raises(Finding) as found:
+        drain(d, d.apply)
+    assert found.value.kind == "liveness" and "waiting [0]" in str(found.value)
+    clean = _driver()
+    clean.apply({"op": "submit", "uid": 0, "tokens": PROMPT, "max_tokens": 2})
+    drain(clean, clean.apply)
+    assert clean.ended == {0}
