@@ -33,9 +33,12 @@ FULL lock) and, while its SWA value lives, an entry of group 1 (its SWA slots, l
 lock counts the requests whose window reaches the node, not those whose rows hold it).
 
 The settings are SGLang's own: the window W = 2 * page_size (`sliding_window_size`), an SWA pool as
-large as the full one (`--swa-full-tokens-ratio 1.0`), and SGLANG_SWA_EVICTION_INTERVAL = the page
+large as the full one (`--swa-full-tokens-ratio 1.0`), SGLANG_SWA_EVICTION_INTERVAL = the page
 size (default 128, so that small pools reach a decode that frees SWA slots: a server setting, set
-only while this subject runs SGLang's code).
+only while this subject runs SGLang's code), and SGLANG_INIT_NEW_TOKEN_RATIO 0.05 (default 0.7), so
+that admission leaves a small pool to fill in decode: a decode that needs a page on an exhausted
+pool, answered by a retraction (`preempt`: sglang.py's release_req path; the victim is the
+driver's newest request, where `sglang:paged` follows retract_decode's own order).
 """
 
 from __future__ import annotations
