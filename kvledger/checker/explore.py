@@ -148,7 +148,8 @@ def _steps(scope: Scope, waiting: bool, running: bool) -> List[Op]:
             ops.append(written(Prefill(scope.budgets[0])))
     if "decode" in scope.ops:
         if running:
-            ops += [written(Decode(tuple(s))) for s in scope.samples]
+            accepts = scope.accepts if scope.spec_tokens else ((),)
+            ops += [written(Decode(tuple(s), accept=tuple(a))) for s in scope.samples for a in accepts]
         elif idle:
             ops.append(written(Decode()))
     return ops

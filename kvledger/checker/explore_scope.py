@@ -48,6 +48,8 @@ class Scope:
     max_live: int = 2  # requests in the system at once (waiting or admitted)
     max_depth: Optional[int] = None  # operations along a path (None: no cut)
     max_states: Optional[int] = None  # distinct states stored (None: no cut)
+    spec_tokens: int = 0  # > 0: both sides speculate (the header's spec_tokens); each decode tries each of `accepts`
+    accepts: Tuple[Tuple[int, ...], ...] = ((),)
 
     def __post_init__(self) -> None:
         unknown = set(self.ops) - set(OP_KINDS)
@@ -101,6 +103,7 @@ class Scope:
             reserve_ratio=self.reserve_ratio,
             seed=None,
             producer=producer,
+            spec_tokens=self.spec_tokens,
         )
 
     def with_(self, **changes) -> Scope:
@@ -131,7 +134,7 @@ class Scope:
             "max_live",
             "max_depth",
             "max_states",
-        ]
+        ] + (["spec_tokens", "accepts"] if self.spec_tokens else [])
         return "\n".join(f"  {k:<14} {_show(d[k])}" for k in order)
 
 
@@ -240,6 +243,21 @@ SCOPES: Dict[str, Scope] = {
             ops=frozenset({"submit", "prefill", "decode"}),
             max_live=2,
         ),
+        # fast's speculation (the spec- bugs): one request whose decodes verify 2 drafts, none or all accepted
+        Scope(
+            "bug-spec",
+            num_pages=4,
+            page_size=2,
+            table_slots=1,
+            prompts=((0,), (0, 1, 0)),
+            max_tokens=(5,),
+            budgets=(8,),
+            samples=((), (0, 1)),
+            ops=frozenset({"submit", "prefill", "decode"}),
+            max_live=1,
+            spec_tokens=2,
+            accepts=((), (2,)),
+        ),
         # requeue-victims-reversed: three live requests, and a decode that preempts the two newest
         Scope(
             "bug-optimistic-three",
@@ -314,6 +332,13 @@ BUG_SCOPES: Dict[str, BugScope] = {
     "needed-size-in-tokens": BugScope("bug-optimistic-naive", 5, "invariant:3-no-oom"),
     # a bug of the scheduler both sides share: the reference side is judged first
     "requeue-victims-reversed": BugScope("bug-optimistic-three", 5, "reference-invariant:10-queue-order"),
+    # fast's speculation: a speculating scope (its header sets spec_tokens)
+    "spec-draft-room-no-bonus": BugScope("bug-spec", 4, "fast-raised:RuntimeError"),
+    "spec-propose-no-lookahead": BugScope("bug-spec", 3, "invariant:8-request"),
+    "spec-verify-commits-rejected": BugScope("bug-spec", 3, "invariant:8-request"),
+    "spec-verify-bonus-first": BugScope("bug-spec", 3, "invariant:7-kv-provenance"),
+    "spec-release-rounds-commit-down": BugScope("bug-spec", 4, "invariant:1-2-partition"),
+    "spec-release-rounds-reserve-down": BugScope("bug-spec", 4, "invariant:11-spec"),
 }
 
 
