@@ -1,5 +1,5 @@
 """`sglang:paged`'s zoo: single planted bugs on SGLang 0.5.23's decode path at page size > 1 (the
-decode memory check, retract_decode, the paged decode allocation, the retracted request's reset),
+decode memory check, retract_decode, the paged decode allocation),
 each an edit of its installed source (texts as in the dedented source). `kvledger zoo --subject
 sglang:paged` runs each and expects the judge (or SGLang's own out-of-memory error) to name it."""
 
@@ -46,11 +46,12 @@ ZOO: Tuple[SourceEdit, ...] = (
         "memory check (and retract_decode) promised: the step fails out of memory",
     ),
     SourceEdit(
-        "sglang-paged-retract-keeps-committed-len",
-        f"{SCHEDULE_BATCH}:Req.reset_for_retract",
-        "self.kv.kv_committed_len = 0\n",
-        "\n",
-        "a retracted request keeps its committed KV length after its KV was released: admitted again, "
-        "it is taken to hold positions it no longer has",
+        "sglang-paged-decode-need-in-pages",
+        f"{BATCH}.new_tokens_required_next_decode",
+        "return new_pages * page_size + num_beam_member_rows(requests)",
+        "return new_pages + num_beam_member_rows(requests)",
+        "the decode memory check reports the pages the step needs where the allocator expects tokens: a "
+        "step that needs more pages than are free or evictable passes the check, and the decode "
+        "allocation runs out of memory",
     ),
 )

@@ -1,0 +1,161 @@
+"""sglang:paged: SGLang 0.5.23's decode memory check and retract_decode at page size > 1, and a
+chunked prefill aborted after its checkpoint, driven by kvledger's driver.
+
+Needs the installed sglang (the `# sglang` section of subjects-constraints.txt); skips without it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+
+from kvledger.engine.ledger.trace import read
+from kvledger.properties.subject import SubjectConfig, SubjectUnavailable
+from kvledger.properties.subject_driver import SubjectDriver, drive
+from kvledger.properties.subject_events import ABORT_AFTER_CHECKPOINT, EXHAUSTED_AT_DECODE, expected_events
+from kvledger.properties.target import config_of
+from kvledger.subjects import parse_spec, sglang, sglang_paged
+from kvledger.subjects.edits import edited_function
+
+P = list(range(1, 9))  # two full pages at page size 4
+Q = list(range(11, 19))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _sglang_importable():
+    installed, _, detail = sglang.probe()
+    if not installed:
+        pytest.skip(detail)
+    try:
+        sglang.load()
+    except SubjectUnavailable as e:
+        pytest.skip(str(e))
+
+
+def _submit(uid: int, tokens: List[int], max_tokens: int) -> Dict[str, Any]:
+    return {"op": "submit", "uid": uid, "tokens": tokens, "max_tokens": max_tokens}
+
+
+def _prefill(budget: int = 64) -> Dict[str, Any]:
+    return {"op": "prefill", "budget": budget}
+
+
+DECODE: Dict[str, Any] = {"op": "decode"}
+
+
+def test_the_spec_builds_the_default_tree_with_its_knobs_and_page_size():
+    spec = parse_spec("sglang:paged")
+    assert spec.page_sizes() == (2, 4) and spec.zoo() == sglang_paged.ZOO
+    s = sglang_paged.build(SubjectConfig(num_pages=6, page_size=4, max_seq_len=32))
+    assert s.name == "sglang:paged" and type(s.tree).__name__ == "UnifiedRadixCache"
+    assert s.capabilities.chooses_victim and s.capabilities.preempts
+    # the knobs as the scheduler reads them at start; the process environment is left as it was
+    assert s.scheduler.ratio.current == pytest.approx(0.05) and s.scheduler.clip == 2
+    assert "SGLANG_INIT_NEW_TOKEN_RATIO" not in os.environ
+    assert sglang.build(SubjectConfig(num_pages=6, page_size=4, max_seq_len=32)).scheduler.clip == 4096
+    with pytest.raises(ValueError, match="page size >= 2"):
+        sglang_paged.build(SubjectConfig(num_pages=6, page_size=1, max_seq_len=32))
+    expected = expected_events(s.capabilities)
+    assert {EXHAUSTED_AT_DECODE, ABORT_AFTER_CHECKPOINT} <= expected
+
+
+def test_a_decode_on_an_exhausted_pool_retracts_in_sglangs_order():
+    """Two 8-token requests of up to 8 tokens in 6 pages: both admitted (each charged 2 decode
+    tokens), their fourth pages wanted at position 12 with none free or evictable: check_decode_mem
+    fails, retract_decode releases the newest of two equal ones, the scheduler keeps its ratio."""
+    config = SubjectConfig(num_pages=6, page_size=4, max_seq_len=32)
+    s = sglang_paged.build(config)
+    events: List[str] = []
+    driver = SubjectDriver(s, config, on_event=events.append)
+    for op in (_submit(1, P, 8), _submit(2, Q, 8), _prefill(), _prefill()):
+        driver.apply(op)
+    assert driver.running == [1, 2]
+    for _ in range(4):  # positions 8..11: a third page each, then the pool is full
+        assert driver.apply(DECODE).batch == (1, 2)
+    assert s.view().free == [] and EXHAUSTED_AT_DECODE not in events
+    out = driver.apply(DECODE)
+    assert EXHAUSTED_AT_DECODE in events and out.preempted == (2,) and out.batch == (1,)
+    # release_req: its pages freed without a checkpoint, then 20 tokens' worth evicted for uid 1
+    assert len(s.view().free) == 2 and 2 not in s.view().requests
+    req = s.requests[2].req
+    assert s.requests[2].phase == "waiting" and req.is_retracted and len(req.output_ids) == 5
+    # estimate_new_token_ratio_after_retract over uid 1: (5 decoded + 20) / (8 + 1), at most 1
+    assert s.scheduler.ratio.current == 1.0
+    while driver.running:
+        driver.apply(DECODE)
+    driver.apply(_prefill())  # readmitted from prompt + output, after uid 1 finished
+    assert driver.running == [2] and len(s.requests[2].req.full_untruncated_fill_ids) == 13
+
+
+def test_the_victims_are_named_in_retract_decodes_order():
+    """Three 8-token requests in 10 pages, the third admitted a decode step after the first two: when
+    the first two need their fourth pages, retract_decode pops the one with the fewest outputs (the
+    third), and the driver is told of exactly that victim."""
+    config = SubjectConfig(num_pages=10, page_size=4, max_seq_len=32)
+    s = sglang_paged.build(config)
+    driver = SubjectDriver(s, config)
+    for op in (_submit(1, P, 8), _submit(2, Q, 8), _prefill(), _prefill(), DECODE):
+        driver.apply(op)
+    driver.apply(_submit(3, list(range(21, 29)), 8))
+    driver.apply(_prefill())
+    assert driver.running == [1, 2, 3]
+    outputs = {u: len(s.requests[u].req.output_ids) for u in (1, 2, 3)}
+    preempted: List[int] = []
+    while not preempted and driver.running:
+        preempted = list(driver.apply(DECODE).preempted or ())
+    assert preempted == [3] and min(outputs, key=lambda u: outputs[u]) == 3, (preempted, outputs)
+    assert s.requests[3].phase == "waiting" and driver.running == [1, 2]
+
+
+def test_a_chunk_is_checkpointed_at_the_next_step_and_an_abort_frees_the_last_one():
+    config = SubjectConfig(num_pages=8, page_size=4, max_seq_len=32)
+    s = sglang_paged.build(config)
+    events: List[str] = []
+    driver = SubjectDriver(s, config, on_event=events.append)
+    prompt = list(range(1, 13))
+    driver.apply(_submit(1, prompt, 2))
+    driver.apply(_prefill(5))  # [0, 5): computed, not stashed yet
+    assert s.view().cached == [] and s.chunk_to_stash == 1
+    driver.apply(_prefill(4))  # the step's top stashes [0, 5) (its page [0, 4)); [5, 9) computed
+    assert [e.tokens for e in s.view().cached] == [tuple(prompt[:4])] and s.chunk_to_stash == 1
+    driver.apply({"op": "abort", "uid": 1})
+    assert "abort: mid-prefill" in events and ABORT_AFTER_CHECKPOINT in events
+    view = s.view()
+    # process_pending_chunked_abort before the stash: [5, 9) never filed, its pages freed; the
+    # page the first stash filed stays cached, unlocked
+    assert view.requests == {} and [(e.tokens, e.lock) for e in view.cached] == [(tuple(prompt[:4]), 0)]
+    assert len(view.free) == 7 and s.chunk_to_stash is None
+
+
+# each zoo entry's failing trace, as `kvledger zoo --subject sglang:paged` found and minimized it
+TRACES = Path(__file__).parent / "sglang_zoo_traces"
+KINDS = {
+    "sglang-paged-decode-need-off-by-one": "subject-raised:RuntimeError",  # SGLang's 'Decode out of memory'
+    "sglang-paged-retract-one-only": "subject-raised:RuntimeError",
+    "sglang-paged-alloc-decode-keeps-pages-free": "1-2-partition",
+    "sglang-paged-alloc-decode-strict-fit": "subject-raised:RuntimeError",
+    "sglang-paged-decode-need-in-pages": "subject-raised:RuntimeError",
+}
+
+
+def test_the_zoo_applies_to_the_installed_version():
+    names = [e.name for e in sglang_paged.ZOO]
+    assert len(names) >= 5 and len(set(names)) == len(names) and set(names) == set(KINDS)
+    assert {p.stem for p in TRACES.glob("sglang-paged-*.jsonl")} == set(KINDS)
+    for edit in sglang_paged.ZOO:
+        edited_function(edit)
+
+
+@pytest.mark.parametrize("edit", sglang_paged.ZOO, ids=lambda e: e.name)
+def test_zoo_entry_is_caught_on_its_trace_and_the_clean_subject_passes(edit):
+    header, ops = read(TRACES / f"{edit.name}.jsonl")
+    assert header.subject == "sglang:paged"
+    config = config_of(header)
+    finding, _ = drive(sglang_paged.build(config, edits=[edit]), config, ops)
+    assert finding is not None and finding.kind == KINDS[edit.name], f"{edit.name}: {finding}"
+    clean, driver = drive(sglang_paged.build(config), config, ops)
+    assert clean is None, f"{edit.name}: the unedited subject fails the same trace: {clean}"
+    assert driver.ops == len(ops)
