@@ -30,9 +30,10 @@ import importlib.util
 import logging
 from typing import Any, Dict, Hashable, List, Sequence, Tuple
 
-from kvledger.properties.subject import CachedEntry, Capabilities, DriverMismatch, SubjectConfig, View
+from kvledger.properties.subject import Capabilities, DriverMismatch, SubjectConfig, View
 from kvledger.subjects.edits import SourceEdit, bind_to_instances
 from kvledger.subjects.installed import InstalledPackage
+from kvledger.subjects.vllm_pool import CacheKeys, cached_blocks, free_queue
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +172,7 @@ class VllmSubject:
         # the end of the range allocate_slots last gave slots for (Scheduler.schedule advances
         # num_computed_tokens right after scheduling; here computed() does, after the forward pass)
         self.allocated: Dict[int, int] = {}
-        self._key_memo: Dict[Tuple[bytes | None, Tuple[int, ...]], bytes] = {}  # (parent, block) -> hash
+        self._keys = CacheKeys(bs)
 
     def _bind(self, edits: Sequence[SourceEdit]) -> None:
         """Each edit on the one object of this manager that runs the target's method."""
@@ -311,19 +312,9 @@ class VllmSubject:
             # position p to slot table[p // bs] * bs + p % bs
             held = min(req.num_tokens, len(table) * bs)
             requests[uid] = [table[p // bs] * bs + p % bs for p in range(held)]
-        cached: List[CachedEntry] = []
-        # BlockHashToBlockMap._cache: a key maps to one block, or to {block_id: block} when
-        # several blocks were filed under it (vLLM does not deduplicate)
-        for key, blocks in pool.cached_block_hash_to_block._cache.items():
-            for block in blocks.values() if isinstance(blocks, dict) else (blocks,):
-                b = block.block_id
-                cached.append(
-                    CachedEntry(
-                        locations=tuple(range(b * bs, b * bs + bs)), start=None, key=key, lock=None, name=f"block {b}"
-                    )
-                )
+        cached = cached_blocks(pool, bs)
         return View(
-            free=self._free_queue(),
+            free=free_queue(pool),
             requests=requests,
             cached=cached,
             # the null block's ref_cnt is not maintained (BlockPool.__init__)
@@ -331,43 +322,11 @@ class VllmSubject:
             counters={"free_pages": pool.get_num_free_blocks()},
         )
 
-    def _free_queue(self) -> List[int]:
-        """The block ids of FreeKVCacheBlockQueue in its order: the walk of get_all_free_blocks
-        (fake head to the block whose next is None, the fake tail), stopped after as many steps
-        as there are blocks and one more, so a queue whose links form a cycle shows the repeat
-        instead of hanging."""
-        queue = self.pool.free_block_queue
-        ids: List[int] = []
-        block = queue.fake_free_list_head.next_free_block
-        while block is not None and block.next_free_block is not None and len(ids) <= len(self.pool.blocks):
-            ids.append(block.block_id)
-            block = block.next_free_block
-        return ids
-
     def cache_key(self, tokens: Sequence[int]) -> Hashable:
-        """The key BlockPool.cache_full_blocks files the prefix's last full block under:
-        hash_block_tokens(sha256) chained over its full blocks from NONE_HASH, with the extra keys
-        generate_block_hash_extra_keys gives a plain text request (no LoRA, media, salt or prompt
-        embeddings: None), plus the group id. Computed with vLLM's module functions, never with a
-        bound (possibly edited) method. None when it has no full block."""
-        bs = self.block_size
-        full = len(tokens) // bs
-        if full == 0:
-            return None
-        prefix = [int(t) for t in tokens[: full * bs]]
-        utils = self.v.kv_cache_utils
-        probe_req = None  # a plain text request of these tokens, for the extra keys
-        parent: bytes | None = None
-        for i in range(full):
-            block = tuple(prefix[i * bs : (i + 1) * bs])
-            known = self._key_memo.get((parent, block))
-            if known is None:
-                if probe_req is None:
-                    probe_req = self.v.Request("cache-key", prefix, self.v.SamplingParams(max_tokens=1), None)
-                extra, _ = utils.generate_block_hash_extra_keys(probe_req, i * bs, (i + 1) * bs, 0)
-                known = self._key_memo[(parent, block)] = utils.hash_block_tokens(self.v.sha256, parent, block, extra)
-            parent = known
-        return utils.make_block_hash_with_group_id(parent, GROUP_ID)
+        """The key BlockPool.cache_full_blocks files the prefix's last full block under
+        (`vllm_pool.CacheKeys`: vLLM's module functions, never a bound, possibly edited, method);
+        None when it has no full block."""
+        return self._keys.key(tokens, GROUP_ID)
 
 
 # Single edits to vllm 0.33.0 (texts as in the method's dedented source), each bound on the one

@@ -1,6 +1,6 @@
 """What the judge reads of a real vLLM `Scheduler`: its `KVCacheManager`'s block tables, free
 queue, prefix-cache map and counts, and its waiting queue, as a kvledger `View`; and the key its
-prefix cache files a prefix under, per KV cache group.
+prefix cache files a prefix under, per KV cache group (`vllm_pool.py`, shared with `vllm.py`).
 
 Every field reads the scheduler's own structures (never a value recomputed by the adapter):
   requests  group 0's block table of each request that holds one (`req_to_blocks`), the WHOLE
@@ -13,10 +13,13 @@ Every field reads the scheduler's own structures (never a value recomputed by th
 
 from __future__ import annotations
 
-from typing import Any, Dict, Hashable, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence
 
-from kvledger.properties.subject import CachedEntry, GroupView, View
+from kvledger.properties.subject import GroupView, View
+from kvledger.subjects.vllm_pool import CacheKeys, cached_blocks, free_queue
 from kvledger.subjects.vllm_scheduler_build import Group
+
+__all__ = ["CacheKeys", "scheduler_view"]
 
 
 def _uid(request_id: str) -> int:
@@ -36,22 +39,8 @@ def _rows(manager: Any, bs: int, null_block: Any) -> Dict[int, List[int | None]]
     return rows
 
 
-def free_queue(pool: Any) -> List[int]:
-    """The block ids of FreeKVCacheBlockQueue in its order (fake head to fake tail), stopped after
-    as many steps as there are blocks and one more, so a cycle shows the repeat instead of hanging."""
-    queue = pool.free_block_queue
-    ids: List[int] = []
-    block = queue.fake_free_list_head.next_free_block
-    while block is not None and block.next_free_block is not None and len(ids) <= len(pool.blocks):
-        ids.append(block.block_id)
-        block = block.next_free_block
-    return ids
-
-
 def scheduler_view(scheduler: Any, bs: int, kinds: Sequence[Group]) -> View:
     """The View of a scheduler over KV cache groups of `kinds` (full, sliding window, chunked local)."""
-    from vllm.v1.core.kv_cache_utils import get_group_id
-
     mgr = scheduler.kv_cache_manager
     pool = mgr.block_pool
     managers = mgr.coordinator.single_type_managers
@@ -68,20 +57,7 @@ def scheduler_view(scheduler: Any, bs: int, kinds: Sequence[Group]) -> View:
         )
         for g in range(1, len(managers))
     ]
-    cached: List[CachedEntry] = []
-    # a key maps to one block, or to {block_id: block} when several were filed under it
-    for key, blocks in pool.cached_block_hash_to_block._cache.items():
-        for block in blocks.values() if isinstance(blocks, dict) else (blocks,):
-            b = block.block_id
-            cached.append(
-                CachedEntry(
-                    locations=tuple(range(b * bs, b * bs + bs)),
-                    start=None,
-                    key=key,
-                    name=f"block {b}",
-                    group=get_group_id(key),
-                )
-            )
+    cached = cached_blocks(pool, bs)
     waiting = [_uid(r.request_id) for r in scheduler.kv_holding_waiting] + [
         _uid(r.request_id) for r in scheduler.waiting
     ]
@@ -95,38 +71,3 @@ def scheduler_view(scheduler: Any, bs: int, kinds: Sequence[Group]) -> View:
         waiting=waiting,
         groups=groups,
     )
-
-
-class CacheKeys:
-    """The key BlockPool.cache_full_blocks files a prefix's last full block under:
-    hash_block_tokens(sha256) chained over its full blocks from NONE_HASH, with the extra keys
-    generate_block_hash_extra_keys gives a plain text request, plus the group id. vLLM's module
-    functions, never a bound (possibly edited) method; memoized per (parent, block)."""
-
-    def __init__(self, bs: int) -> None:
-        self.bs = bs
-        self._memo: Dict[Tuple[bytes | None, Tuple[int, ...]], bytes] = {}
-
-    def key(self, tokens: Sequence[int], group: int = 0) -> Hashable:
-        from vllm.sampling_params import SamplingParams
-        from vllm.utils.hashing import sha256
-        from vllm.v1.core import kv_cache_utils as utils
-        from vllm.v1.request import Request
-
-        bs = self.bs
-        full = len(tokens) // bs
-        if full == 0:
-            return None
-        prefix = [int(t) for t in tokens[: full * bs]]
-        probe = None  # a plain text request of these tokens, for the extra keys
-        parent: bytes | None = None
-        for i in range(full):
-            block = tuple(prefix[i * bs : (i + 1) * bs])
-            known = self._memo.get((parent, block))
-            if known is None:
-                if probe is None:
-                    probe = Request("cache-key", prefix, SamplingParams(max_tokens=1), None)
-                extra, _ = utils.generate_block_hash_extra_keys(probe, i * bs, (i + 1) * bs, 0)
-                known = self._memo[(parent, block)] = utils.hash_block_tokens(sha256, parent, block, extra)
-            parent = known
-        return utils.make_block_hash_with_group_id(parent, group)
