@@ -32,14 +32,16 @@ HIT = "window: a prefix hit in every group"
 
 
 def check_window_reads(view: View, witness: Witness, uid: int, tokens: Sequence[int], start: int) -> None:
-    """Finding 7-kv-provenance when a position the step at `start` reads in a window group does
-    not hold KV of exactly its prefix (dropped, never written, or written for other tokens)."""
+    """Finding 7-kv-provenance when a position the step at `start` reads in a window group (or
+    a chunked-local one) does not hold KV of exactly its prefix (dropped, never written, or
+    written for other tokens). Both drivers call it: the scheduling driver on the rows before the
+    step, the call-level one on the rows after allocation."""
     hashes = prefix_hashes(tokens[:start])
     for n, group in enumerate(view.groups, 1):
-        if group.window is None:
+        if group.window is None and group.chunk is None:
             continue
         row = group.requests.get(uid, [])
-        for pos in range(max(0, start - group.window + 1), start):
+        for pos in range(group.first_read(start), start):
             loc = row[pos] if pos < len(row) else None
             found = None if loc is None else witness.written.get(int(loc))
             if found is None or found[0] != hashes[pos]:
@@ -49,10 +51,11 @@ def check_window_reads(view: View, witness: Witness, uid: int, tokens: Sequence[
                     else f"is at location {loc}, which "
                     + ("was never computed" if found is None else "holds KV computed for other tokens")
                 )
+                reach = f"window {group.window}" if group.chunk is None else f"chunk {group.chunk}"
                 raise Finding(
                     "7-kv-provenance",
                     f"uid {uid}: the step computes position {start}, which reads position {pos} of "
-                    f"KV group {n} ({group.name}, window {group.window}), but that position {what}",
+                    f"KV group {n} ({group.name}, {reach}), but that position {what}",
                 )
 
 
@@ -72,7 +75,7 @@ def hit_step(uid: int, hit: int, after: View, on_event: Callable[[str], None]) -
     group holds the hit where the next position reads it (a window group: [hit - W + 1, hit))."""
     for group in after.groups:
         row = group.requests.get(uid, [])
-        low = 0 if group.window is None else max(0, hit - group.window + 1)
+        low = group.first_read(hit)
         if len(row) < hit or any(loc is None for loc in row[low:hit]):
             return
     if hit and after.groups:

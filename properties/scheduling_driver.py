@@ -30,10 +30,11 @@ from collections import deque
 from typing import Any, Callable, Deque, Dict, List, NoReturn, Sequence, Set, Tuple, cast
 
 from kvledger.engine.ledger.finding import Finding
-from kvledger.engine.ledger.invariants import InvariantViolation, check_queue_order, prefix_hashes
+from kvledger.engine.ledger.invariants import InvariantViolation, check_queue_order
 from kvledger.engine.ledger.ops import InvalidOp, OpResult, TraceLine, as_record, dispatch
+from kvledger.properties.group_writes import check_window_reads
 from kvledger.properties.scheduling_subject import Output, Plan, Scheduled, SchedulingSubject, Step
-from kvledger.properties.subject import GroupView, SubjectConfig, View
+from kvledger.properties.subject import SubjectConfig, View
 from kvledger.properties.subject_calls import call_subject
 from kvledger.properties.subject_driver import check_submit
 from kvledger.properties.subject_events import (
@@ -347,7 +348,7 @@ class SchedulingDriver:
                 continue
             assert view is not None
             tokens = self.witness.tokens[uid]
-            self._check_window_reads(view, uid, tokens, item.start)
+            check_window_reads(view, self.witness, uid, tokens, item.start)
             written = tokens[: item.end] + list(item.drafts)
             self._write(view, uid, written, item.start, item.end + len(item.drafts))
             self.witness.computed[uid] = item.end
@@ -387,27 +388,6 @@ class SchedulingDriver:
         # an outside load completes with the next step's outputs, not with those of the step that
         # began it, so an operation (an abort) can come while it loads
         step.loaded.extend(sorted(u for u in self.loading if u not in step.plan.loading))
-
-    def _check_window_reads(self, view: View, uid: int, tokens: Sequence[int], start: int) -> None:
-        """What the step reads: the first position it computes, `start`, attends to [start - W + 1,
-        start) in a window group of W (to its chunk's start in a chunked-local group), which must
-        still hold KV of exactly that prefix (the judge checks after the step, from the next
-        position on)."""
-        hashes = prefix_hashes(tokens[:start])
-        for n, group in enumerate(view.groups, 1):
-            if group.window is None and group.chunk is None:
-                continue
-            row = group.requests.get(uid, [])
-            for pos in range(group.first_read(start), start):
-                loc = row[pos] if pos < len(row) else None
-                found = None if loc is None else self.witness.written.get(int(loc))
-                if found is None or found[0] != hashes[pos]:
-                    what = "was dropped" if loc is None else f"is at location {loc}, which holds other KV"
-                    raise Finding(
-                        "7-kv-provenance",
-                        f"uid {uid}: the step computes position {start}, which reads position {pos} of "
-                        f"KV group {n} ({group.name}, {_reach(group)}), but that position {what}",
-                    )
 
     @staticmethod
     def _token(sample: Sequence[int], n: int) -> int:
@@ -472,7 +452,3 @@ class SchedulingDriver:
 
 def _bad(message: str, invariant: str = "12-step-plan") -> NoReturn:
     raise Finding(invariant, message)
-
-
-def _reach(group: GroupView) -> str:
-    return f"window {group.window}" if group.chunk is None else f"chunk {group.chunk}"
