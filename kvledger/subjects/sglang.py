@@ -509,11 +509,23 @@ def bind_edits(subject: SglangSubject, edits: Sequence[SourceEdit]) -> Tuple[Lis
             made.append(edit)
             continue
         found = [o for o in owners if isinstance(o, owner_class)]
+        if not found and _other_allocator(subject, owner_class):
+            # the paged allocator's code at page size 1, where SGLang builds TokenToKVPoolAllocator
+            # (kv_cache_configurator): the edited code never runs in this subject
+            edited_function(edit)  # EditError still for a text that is not there
+            log.debug("sglang: %s edits %s, which a page size 1 subject does not run", edit.name, owner_class.__name__)
+            continue
         if not found:
             raise EditError(f"{edit.name}: no object of this subject is a {owner_class.__name__}")
         for owner in found:
             bind(owner, [edit])
     return req_edits, batch_edits
+
+
+def _other_allocator(subject: SglangSubject, owner_class: type) -> bool:
+    """`owner_class` is a KV allocator class other than the subject's own allocator's."""
+    base = subject.s.BaseTokenToKVPoolAllocator
+    return issubclass(owner_class, base) and not isinstance(subject.allocator, owner_class)
 
 
 # -- what the judge reads ----------------------------------------------------------------------------

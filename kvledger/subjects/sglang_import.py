@@ -153,7 +153,11 @@ class SglangNames:
             from sglang.srt.managers import schedule_batch, schedule_policy
             from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker
             from sglang.srt.mem_cache import allocation, common, memory_pool, radix_cache, unified_radix_cache
-            from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+            from sglang.srt.mem_cache.allocator import (
+                BaseTokenToKVPoolAllocator,
+                PagedTokenToKVPoolAllocator,
+                TokenToKVPoolAllocator,
+            )
             from sglang.srt.mem_cache.base_prefix_cache import EvictParams
             from sglang.srt.mem_cache.cache_init_params import CacheInitParams
             from sglang.srt.mem_cache.unified_cache.components import ComponentType
@@ -179,6 +183,7 @@ class SglangNames:
         self.ComponentType = ComponentType
         self.PagedTokenToKVPoolAllocator = PagedTokenToKVPoolAllocator
         self.TokenToKVPoolAllocator = TokenToKVPoolAllocator
+        self.BaseTokenToKVPoolAllocator = BaseTokenToKVPoolAllocator
         self.EvictParams = EvictParams
         self.CacheInitParams = CacheInitParams
         self.SamplingParams = SamplingParams

@@ -19,7 +19,7 @@ import pytest
 from kvledger.properties.subject import Subject, SubjectConfig, SubjectUnavailable
 from kvledger.properties.subject_driver import drive
 from kvledger.subjects import sglang
-from kvledger.subjects.edits import SourceEdit, edited_function
+from kvledger.subjects.edits import EditError, SourceEdit, edited_function
 
 CFG = SubjectConfig(num_pages=8, page_size=4, max_seq_len=32)
 A = list(range(1, 11))  # a 10-token prompt: two full pages and half a page
@@ -370,6 +370,20 @@ def test_judge_catches_zoo_entry(spec, edit):
     clean, driver = drive(_build(config, spec=spec), config, ops)
     assert clean is None, f"{edit.name}: the unedited subject fails the same script: {clean}"
     assert driver.ops == len(ops)
+
+
+def test_a_paged_allocator_edit_does_not_run_at_page_size_1():
+    """At page size 1 SGLang builds TokenToKVPoolAllocator: an edit of the paged allocator's code
+    builds (the zoo's fuzz draws page size 1 too) and leaves that subject's allocator as it is; a
+    text that is not there is still an EditError."""
+    edit = next(e for e in sglang.ZOOS["sglang:radix"] if e.name == "sglang-free-segment-every-token")
+    small = _build(SubjectConfig(num_pages=8, page_size=1, max_seq_len=16), [edit], "sglang:radix")
+    assert "__kvledger_edits__" not in small.allocator.__dict__
+    paged = _build(SubjectConfig(num_pages=8, page_size=4, max_seq_len=16), [edit], "sglang:radix")
+    assert paged.allocator.free_segment.__func__.__kvledger_edit__ == edit.name
+    missing = SourceEdit("x", edit.target, "nowhere", "", "")
+    with pytest.raises(EditError, match="occurs 0 times"):
+        _build(SubjectConfig(num_pages=8, page_size=1, max_seq_len=16), [missing])
 
 
 def test_function_edits_stay_with_their_subject():
