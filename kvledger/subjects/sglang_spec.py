@@ -212,7 +212,7 @@ class SpecSglangSubject(SglangSubject):
     # -- the decode step ------------------------------------------------------------------------------
     def _allocate_decode(self, uid: int, req: Any, start: int, end: int) -> bool:
         torch = self.s.torch
-        self.scheduler.begin("decode", uid, "allocate")
+        self.begin("decode", uid, "allocate")
         if end - start != NUM_DRAFT_TOKENS:
             raise DriverMismatch(f"uid {uid}: decode [{start}, {end}), the verify tree holds {NUM_DRAFT_TOKENS}")
         batch = self.batch_of([req])
