@@ -131,6 +131,11 @@ def drain_steps(
     request because the pool holds all of it, every KV group at once); a call-level subject may
     keep a margin of its pool (SGLang's token ratio), so a request sized to the whole pool can
     wait on an idle subject."""
+    if driver.caps.schedules:
+        # judged on the drain's own prefills: the walk's last ones may have had budgets too small
+        # for what the subject's scheduler must schedule at once (a request resumed ready to
+        # decode takes its token and its spec pads together in vLLM)
+        stalled = 0
     for _ in range(limit):
         op = drain_op(driver, stalled)
         if op is None:

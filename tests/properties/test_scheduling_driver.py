@@ -158,3 +158,17 @@ def test_a_request_an_idle_pool_holds_but_never_admitted_is_a_liveness_finding()
     clean.apply({"op": "submit", "uid": 0, "tokens": PROMPT, "max_tokens": 2})
     drain(clean, clean.apply)
     assert clean.ended == {0}
+
+
+@needs_vllm
+def test_the_drain_of_a_scheduling_subject_tries_its_own_budget_after_a_stalled_walk() -> None:
+    """A walk may end with prefills whose budgets were too small for what vLLM must schedule at
+    once (vllm:spec resumes a request ready to decode with its token and its spec pads together),
+    so they ran nothing; the drain still tries its own full-budget prefills before judging
+    liveness (a 30-minute vllm:spec hunt flagged the idle pool otherwise, at case 177)."""
+    from kvledger.properties.subject_workload import drain
+
+    d = _driver()
+    d.apply({"op": "submit", "uid": 0, "tokens": PROMPT, "max_tokens": 2})
+    drain(d, d.apply, stalled=3)
+    assert d.ended == {0}
