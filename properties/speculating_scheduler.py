@@ -35,7 +35,7 @@ Checked here, with arithmetic of its own (11-spec), on top of the judge after th
 
 The engine can run the same step: its scheduler would call `Req.propose` with its drafter's tokens
 before `allocate`, and after its forward `Req.verify` with what the sampler accepted, then
-`CacheManager.release_rejected` (see docs/reference-and-fast.md).
+`CacheManager.release_rejected` (see docs/admission-and-preemption.md).
 """
 
 from __future__ import annotations
