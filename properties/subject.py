@@ -191,6 +191,7 @@ class Subject(Protocol):
     # subject's own hash function; radix subjects never need it. A subject with KV groups
     # (`View.groups`) takes the group too: `cache_key(tokens, group)`
     def cache_key(self, tokens: Sequence[int]) -> Hashable: ...
+
     # A subject that speculates (`spec_tokens` K > 0) also takes `drafted(uid, n, drafts)`: the
     # drafter's K tokens for positions [n, n + K), between `allocate` and `computed`; and, only if
     # it defines it, `rejected(uid, start, end)`: positions whose draft KV verification threw away
