@@ -102,6 +102,14 @@ class PagedSglangSubject(SglangSubject):
             self._decoded, self._retracted, self._checked = set(), [], False
         return started
 
+    def allocate(self, uid: int, start: int, end: int) -> bool:
+        if uid in self._retracted:
+            # retract_decode released it at this step's memory check, which the driver learns only
+            # as a refusal: no room for it, and `victim` names it (it may be a later request of
+            # the batch than the one whose allocation ran the check)
+            return False
+        return super().allocate(uid, start, end)
+
     def _allocate_decode(self, uid: int, req: Any, start: int, end: int) -> bool:
         self.begin("decode", uid, "allocate")
         done = uid in self._decoded

@@ -110,6 +110,26 @@ def test_the_victims_are_named_in_retract_decodes_order():
     assert s.requests[3].phase == "waiting" and driver.running == [1, 2]
 
 
+def test_a_request_retracted_with_the_one_whose_allocation_ran_the_check_is_named_next():
+    """retract_decode can release the request whose allocation ran the memory check and a later one
+    of the batch at once; the driver, told of the first, goes on to allocate the second, which the
+    subject must refuse (and name as the victim), not meet as a request it no longer runs. Found
+    by a 30-minute sglang:paged hunt (case 3621, minimized to these 9 operations): it used to raise
+    DriverMismatch "allocate while retracted"."""
+    config = SubjectConfig(num_pages=14, page_size=4, max_seq_len=48, max_running_req=8)
+    s = sglang_paged.build(config)
+    driver = SubjectDriver(s, config)
+    a, b = [0, 2, 2, 1, 0, 1, 1, 1, 1, 3, 2, 2, 1, 1, 0, 3], [1, 0, 3, 3, 0, 3, 2, 2]
+    c, d = [1, 0, 3, 3, 0, 1, 3, 0, 0, 2, 1, 3], [3, 0, 0, 2, 1, 0, 0, 0, 1, 3, 2, 3]
+    for op in (_submit(0, a, 2), _submit(1, b, 2), _submit(2, c, 2), _submit(3, a, 2), _submit(4, d, 2)):
+        driver.apply(op)
+    for _ in range(3):
+        driver.apply({"op": "prefill", "budget": 64, "sample": [1]})
+    out = driver.apply({"op": "decode", "sample": [1]})
+    assert len(out.preempted or ()) >= 2  # two released by one retract_decode, both named
+    assert all(s.requests[u].phase == "waiting" for u in out.preempted or ())
+
+
 def test_a_chunk_is_checkpointed_at_the_next_step_and_an_abort_frees_the_last_one():
     config = SubjectConfig(num_pages=8, page_size=4, max_seq_len=32)
     s = sglang_paged.build(config)
