@@ -280,6 +280,10 @@ class SglangSubject:
             )
             if not fits:
                 log.debug("sglang: uid %d refused (hit %d, %d tokens wanted)", uid, req.prefix_len, total_tokens)
+                if not any(o.phase in ("admitted", "running") for o in self.requests.values()):
+                    # no batch to run: the event loop's on_idle (scheduler.py:2053) resets the
+                    # new-token ratio (new_token_ratio_tracker.reset(), :5318) before it tries again
+                    self.scheduler.ratio.reset()
                 return None
             chunk = min(extend, budget)
             req.extend_end = req.prefix_len + chunk
