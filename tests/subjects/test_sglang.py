@@ -25,15 +25,7 @@ CFG = SubjectConfig(num_pages=8, page_size=4, max_seq_len=32)
 A = list(range(1, 11))  # a 10-token prompt: two full pages and half a page
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _sglang_importable():
-    installed, _, detail = sglang.probe()
-    if not installed:
-        pytest.skip(detail)
-    try:
-        sglang.load()
-    except SubjectUnavailable as e:
-        pytest.skip(str(e))
+pytestmark = pytest.mark.usefixtures("sglang_importable")
 
 
 def _build(config: SubjectConfig = CFG, edits: Sequence[SourceEdit] = (), spec: str = "sglang") -> sglang.SglangSubject:

@@ -13,7 +13,7 @@ from typing import Any, Dict, List
 import pytest
 
 from kvledger.engine.ledger.trace import read
-from kvledger.properties.subject import SubjectConfig, SubjectUnavailable
+from kvledger.properties.subject import SubjectConfig
 from kvledger.properties.subject_driver import SubjectDriver, drive
 from kvledger.properties.subject_events import ABORT_AFTER_CHECKPOINT, EXHAUSTED_AT_DECODE, expected_events
 from kvledger.properties.target import config_of
@@ -24,15 +24,7 @@ P = list(range(1, 9))  # two full pages at page size 4
 Q = list(range(11, 19))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _sglang_importable():
-    installed, _, detail = sglang.probe()
-    if not installed:
-        pytest.skip(detail)
-    try:
-        sglang.load()
-    except SubjectUnavailable as e:
-        pytest.skip(str(e))
+pytestmark = pytest.mark.usefixtures("sglang_importable")
 
 
 def _submit(uid: int, tokens: List[int], max_tokens: int) -> Dict[str, Any]:

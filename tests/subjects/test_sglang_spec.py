@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import pytest
 
-from kvledger.properties.subject import SubjectConfig, SubjectUnavailable
+from kvledger.properties.subject import SubjectConfig
 from kvledger.properties.subject_driver import SubjectDriver, drive
 from kvledger.subjects import parse_spec, sglang, sglang_spec
 from kvledger.subjects.edits import SourceEdit, edited_function
@@ -22,15 +22,7 @@ CFG = SubjectConfig(num_pages=24, page_size=4, max_seq_len=40, max_running_req=4
 PROMPT = [1, 2, 3, 1, 2, 3, 0, 1, 2, 3]  # 10 tokens: two full pages and half a page
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _sglang_importable():
-    installed, _, detail = sglang_spec.probe()
-    if not installed:
-        pytest.skip(detail)
-    try:
-        sglang.load()
-    except SubjectUnavailable as e:
-        pytest.skip(str(e))
+pytestmark = pytest.mark.usefixtures("sglang_importable")
 
 
 def _build(config: SubjectConfig = CFG, edits: Sequence[SourceEdit] = ()) -> sglang_spec.SpecSglangSubject:
