@@ -102,6 +102,9 @@ class Capabilities:
     preempt_keeps_pages: bool = False  # a preempted request keeps its pages until resumed or dropped
     chooses_victim: bool = False  # the subject names the request to preempt (`victim`), not the newest
     cache_holds_reference: bool = False  # the prefix cache holds its own reference on each cached page
+    # admission keeps a margin of the pool (SGLang: a page plus the request's decode tokens), so a
+    # request admitted on a prefix hit may never fit an idle pool on its own pages
+    admission_margin: bool = False
     # KV groups with a pool of their own (SGLang's SWA allocator keeps the window's KV apart from
     # the full-attention KV): group_pools[n - 1] the pages of group n's pool, disjoint from `pages`
     # and from each other; a group past its end, or with an empty tuple, draws from `pages`

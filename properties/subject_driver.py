@@ -78,6 +78,7 @@ class SubjectDriver:
         self.preempted_this_step = False
         self.victims: List[int] = []  # preempted in this step, in order
         self.hits: Dict[int, int] = {}  # uid -> the prefix hit of its latest admission
+        self.fit_alone: Set[int] = set()  # admitted once with no prefix hit: the pool held all it needed
         self.on_event = on_event or (lambda name: None)
         self.ops = 0
 
@@ -272,6 +273,8 @@ class SubjectDriver:
         self.admissions += 1
         self.witness.computed[uid] = hit
         self.hits[uid] = hit  # its latest admission's
+        if not hit:
+            self.fit_alone.add(uid)
         return hit
 
     def _allocate(self, uid: int, start: int, end: int) -> bool:
@@ -394,6 +397,7 @@ class SubjectDriver:
         self.live.discard(uid)
         self.witness.computed.pop(uid, None)
         self.preempted.discard(uid)
+        self.fit_alone.discard(uid)
 
 
 def _check_victim(name: str, uid: int, victim: Any, live: Set[int]) -> None:

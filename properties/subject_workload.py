@@ -126,7 +126,8 @@ def drain_steps(
     preempts (optimistic admission: a step that finds no room gives up its newest request instead
     of failing), it is a `liveness` Finding if requests still run after it (preemption going round
     in circles), or if nothing runs and the waiting head is a request the subject preempted: it
-    fit the pool once, and an idle pool holds more. A head never admitted at all is judged only
+    fit the pool once, and an idle pool holds more (for a subject with an admission margin, only if
+    it once fit with no prefix hit). A head never admitted at all is judged only
     for a subject that schedules itself (vLLM's Scheduler keeps no margin: the driver took the
     request because the pool holds all of it, every KV group at once); a call-level subject may
     keep a margin of its pool (SGLang's token ratio), so a request sized to the whole pool can
@@ -144,7 +145,12 @@ def drain_steps(
         if out is not None:
             stalled = stalled_after(stalled, op, out)
             yield
-    stuck = driver.running or (driver.waiting and driver.waiting[0] in driver.preempted)
+    head = driver.waiting[0] if driver.waiting else None
+    stuck = driver.running or head in driver.preempted
+    if head in driver.preempted and driver.caps.admission_margin and head not in driver.fit_alone:
+        # admitted only on a prefix hit whose pages others held: with the subject's margin its
+        # whole need may exceed an idle pool, so an idle subject that leaves it waiting is not stuck
+        stuck = bool(driver.running)
     if driver.caps.schedules and driver.waiting and not driver.running:
         stuck = True  # an idle pool that every waiting request fits, and nothing admitted
     if driver.caps.preempts and stuck:

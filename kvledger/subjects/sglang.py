@@ -203,6 +203,8 @@ class SglangSubject:
             cached_pages_in_free_pool=False,
             chunked_prefill=True,
             prefill_publishes_to_cache=True,
+            # PrefillAdder.add_one_req asks for the rest of the prompt, its decode tokens and a page
+            admission_margin=True,
         )
 
     def begin(self, kind: str, uid: int, call: str) -> bool:

@@ -16,6 +16,7 @@ from kvledger.engine.ledger.trace import read
 from kvledger.properties.subject import SubjectConfig
 from kvledger.properties.subject_driver import SubjectDriver, drive
 from kvledger.properties.subject_events import ABORT_AFTER_CHECKPOINT, EXHAUSTED_AT_DECODE, expected_events
+from kvledger.properties.subject_workload import drain
 from kvledger.properties.target import config_of
 from kvledger.subjects import parse_spec, sglang, sglang_paged
 from kvledger.subjects.edits import edited_function
@@ -171,3 +172,18 @@ def test_zoo_entry_is_caught_on_its_trace_and_the_clean_subject_passes(edit):
     clean, driver = drive(sglang_paged.build(config), config, ops)
     assert clean is None, f"{edit.name}: the unedited subject fails the same trace: {clean}"
     assert driver.ops == len(ops)
+
+
+def test_a_request_retracted_after_a_hit_admission_may_wait_on_an_idle_pool():
+    """A 30-minute hunt's liveness lead: uid 10 (19 prompt tokens, up to 8 new) was admitted on a
+    12-token hit of pages others held and retracted after 5 outputs. Alone on the idle 28-token pool
+    it asks PrefillAdder for 24 + 3 + a page = 31 tokens: SGLang never takes it, by its own margin,
+    so the drain's liveness rule does not judge it (it once fit only on a hit); a request that
+    once fit with no hit still is (tests/properties/test_drain_liveness.py)."""
+    header, ops = read(Path(__file__).parent / "sglang_paged_traces" / "retracted-after-a-hit-admission.jsonl")
+    config = config_of(header)
+    finding, driver = drive(sglang_paged.build(config), config, ops)
+    assert finding is None and 10 in driver.preempted and driver.waiting[0] == 10
+    assert driver.hits[10] > 0 and 10 not in driver.fit_alone
+    drain(driver, driver.apply)  # no liveness finding
+    assert driver.waiting and driver.waiting[0] == 10 and not driver.running
