@@ -19,8 +19,10 @@ from kvledger.engine.distributed.partition import TensorParallelShard
 
 log = logging.getLogger(__name__)
 
-# a rank that died is noticed by its peers' next collective (gloo: the socket closes); this bounds
-# the wait when a rank hangs instead
+# a rank that died is noticed by its peers' next collective (gloo: the socket closes), and a spawned
+# rank that stopped by rank 0's liveness watch (rank_watch.py); this bounds the wait otherwise (a
+# stopped rank under torchrun). Not shorter: a rank other than 0 waits in a collective for rank 0's
+# next step for as long as the server is idle.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
 
@@ -30,6 +32,9 @@ class TensorParallelGroup:
         self.shard = TensorParallelShard(rank, size)
         self._device_group = device_group
         self._control_group = control_group
+        # rank 0: set (from the liveness watch's thread) once a rank failed or was lost; the engine
+        # then stops at its next step, idle or not (engine/distributed/rank_watch.py)
+        self.failure: Optional[BaseException] = None
 
     @classmethod
     def connect(

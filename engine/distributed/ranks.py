@@ -6,9 +6,14 @@ directory. Under `torchrun` the ranks already exist: every process runs the same
 returns from `LLM(...)` as usual, and the other ranks serve rank 0 inside `LLM(...)` and leave the
 process when it shuts down.
 
-Failures: a spawned rank that raises reports its traceback to rank 0 and exits; its peers' next
-collective then fails (gloo sees the socket close; on NCCL rank 0 aborts its communicators), and
-rank 0 raises `RankFailed` with that rank's error. If rank 0 fails, it terminates the others.
+Failures: rank 0 watches the ranks it spawned (engine/distributed/rank_watch.py): a rank that raises
+sends its traceback and exits, one that is killed ends its process, one that is stopped stops its
+heartbeat; the watch then kills and reaps every other rank, and rank 0's step raises `RankFailed`
+(the rank's own error) or `RankLost` (how it went), within STALL_SECONDS for a stopped rank and at
+once otherwise, also when rank 0 was idle (the engine then has work: reporting it). A spawned rank
+whose rank 0 is gone leaves (engine/distributed/heartbeat.py). If rank 0 fails, it terminates the
+others. Under torchrun nothing of this runs: torchrun's agent ends the group when a process dies,
+and a stopped rank is noticed at the process group's timeout only.
 """
 
 from __future__ import annotations
@@ -18,30 +23,27 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 import traceback
-from typing import Any, List, NoReturn, Optional, Tuple
+from multiprocessing.connection import Connection, wait
+from typing import Any, List, NoReturn, Optional
 
 import torch
 import torch.multiprocessing as mp
 
 from kvledger.engine.distributed.group import TensorParallelGroup
+from kvledger.engine.distributed.heartbeat import start_heartbeat
 from kvledger.engine.distributed.rank_agreement import RankDisagreement
+from kvledger.engine.distributed.rank_errors import RankFailed, RankLost
+from kvledger.engine.distributed.rank_watch import RankWatch, kill_and_reap
 from kvledger.engine.distributed.replicated_engine import RankHook, serve_rank
+
+__all__ = ["RankFailed", "RankLost", "RankProcesses", "under_torchrun"]
 
 log = logging.getLogger(__name__)
 
 STARTUP_SECONDS = 300.0  # a spawned rank that has not reported in by then is taken for dead
-REPORT_GRACE_SECONDS = 10.0  # how long rank 0 waits for a failed peer's traceback
-
-
-class RankFailed(RuntimeError):
-    def __init__(self, rank: int, detail: str) -> None:
-        lines = [line for line in detail.strip().splitlines() if line.strip()]
-        summary = lines[-1] if lines else "no detail"  # the exception's own line ends a traceback
-        super().__init__(f"tensor-parallel rank {rank} failed: {summary}\n{detail}")
-        self.rank, self.detail = rank, detail
+REPORT_GRACE_SECONDS = 2.0  # how long rank 0 waits for the watch to name a peer a collective lost
 
 
 def under_torchrun() -> bool:
@@ -49,19 +51,22 @@ def under_torchrun() -> bool:
 
 
 class RankProcesses:
-    """Rank 0's view of the other ranks: their processes (when spawned) and their failure reports."""
+    """Rank 0's view of the other ranks: their processes (when spawned) and the watch over them."""
 
-    def __init__(self, group: TensorParallelGroup, procs: List[Any], reports: Any, workdir: Optional[str]) -> None:
+    def __init__(
+        self,
+        group: TensorParallelGroup,
+        procs: List[Any],
+        reports: Optional[List[Connection]],
+        beats: Any,
+        workdir: Optional[str],
+    ) -> None:
         self.group = group
         self.procs = procs
-        self._reports = reports
         self._workdir = workdir
-        self._failure: Optional[Tuple[int, str]] = None
-        self._failed = threading.Event()
-        self._watch: Optional[threading.Thread] = None
+        self.watch: Optional[RankWatch] = None
         if reports is not None:
-            self._watch = threading.Thread(target=self._watch_reports, name="kvledger-tp-watch", daemon=True)
-            self._watch.start()
+            self.watch = RankWatch(procs, reports, beats, self._on_failure)
 
     # -- starting ------------------------------------------------------------------------------
     @classmethod
@@ -81,11 +86,12 @@ class RankProcesses:
         workdir = tempfile.mkdtemp(prefix="kvledger-tp-")
         init = f"file://{os.path.join(workdir, 'rendezvous')}"
         ctx = mp.get_context("spawn")
-        reports = ctx.SimpleQueue()
+        beats = ctx.Array("Q", size, lock=False)  # beats[r]: rank r's heartbeat counter
+        pipes = [ctx.Pipe(duplex=False) for _ in range(1, size)]
         procs = [
             ctx.Process(
                 target=_spawned_rank,
-                args=(r, size, options, init, reports, hook),
+                args=(r, size, options, init, pipes[r - 1][1], beats, os.getpid(), hook),
                 daemon=True,
                 name=f"kvledger-rank{r}",
             )
@@ -93,14 +99,17 @@ class RankProcesses:
         ]
         for p in procs:
             p.start()
+        reports = [reader for reader, _ in pipes]
+        for _, writer in pipes:
+            writer.close()  # the child holds its own end: ours would keep the pipe open past its exit
         try:
             _await_started(procs, reports)
             group = TensorParallelGroup.connect(0, size, torch.device(device), init)
         except BaseException:
-            _terminate(procs)
+            kill_and_reap(procs)
             shutil.rmtree(workdir, ignore_errors=True)
             raise
-        return cls(group, procs, reports, workdir)
+        return cls(group, procs, reports, beats, workdir)
 
     @classmethod
     def _join_torchrun(cls, options: Any, size: int, hook: Optional[RankHook]) -> RankProcesses:
@@ -112,54 +121,63 @@ class RankProcesses:
         device = rank_device(options.device, local, size)
         group = TensorParallelGroup.connect(rank, size, torch.device(device), "env://")
         if rank == 0:
-            return cls(group, [], None, None)
+            return cls(group, [], None, None, None)
         engine = build_rank(options, group, device, hook=hook)
         serve_rank(engine.engine, engine.rank_coordination())
         group.close()
         _leave(0)
 
     # -- failures ------------------------------------------------------------------------------
-    def _watch_reports(self) -> None:
-        while True:
-            kind, rank, detail = self._reports.get()
-            if kind == "closed":
-                return
-            if kind == "failed" and self._failure is None:
-                self._failure = (rank, detail)
-                self._failed.set()
-                if self.group.shard.size > 1 and _uses_nccl():
-                    self.group.abort()  # NCCL would wait for the dead rank until its timeout
+    @property
+    def failure(self) -> Optional[RankFailed]:
+        """The first rank that failed or was lost, as rank 0 will raise it; None while all run."""
+        return self.watch.failure if self.watch is not None else None
+
+    def _on_failure(self, failure: RankFailed) -> None:
+        # the watch's thread, after it killed and reaped the other ranks
+        self.group.failure = failure
+        if self.group.shard.size > 1 and _uses_nccl():
+            self.group.abort()  # NCCL would wait for the dead rank until its timeout
 
     def explain(self, error: BaseException) -> BaseException:
-        """The error to raise for `error`, which ended rank 0's step: the failed rank's own error
-        when a peer failed (a collective then breaks on rank 0 with a transport error)."""
-        if isinstance(error, (RankDisagreement, KeyboardInterrupt)) or self._reports is None:
+        """The error to raise for `error`, which ended rank 0's step: the failed or lost rank's
+        when a peer went (a collective then breaks on rank 0 with a transport error)."""
+        if isinstance(error, (RankDisagreement, RankFailed, KeyboardInterrupt)) or self.watch is None:
             return error
         dead = any(not p.is_alive() for p in self.procs)
-        if self._failed.wait(REPORT_GRACE_SECONDS if dead or _is_transport_error(error) else 0.0):
-            rank, detail = self._failure  # type: ignore[misc]
-            return RankFailed(rank, detail)
+        if self.watch.failed.wait(REPORT_GRACE_SECONDS if dead or _is_transport_error(error) else 0.0):
+            return self.watch.failure  # type: ignore[return-value]
         return error
 
     # -- stopping ------------------------------------------------------------------------------
     def close(self, clean: bool) -> None:
-        """Join the ranks after a clean shutdown, else terminate them; release the group."""
-        if clean:
+        """Join the ranks after a clean shutdown, else kill them; release the group."""
+        if self.watch is not None:
+            self.watch.stop()  # from here on the ranks leave on purpose
+        if clean and self.failure is None:
             deadline = time.monotonic() + 60.0
             for p in self.procs:
                 p.join(max(0.0, deadline - time.monotonic()))
-        _terminate(self.procs)
-        if self._reports is not None:
-            self._reports.put(("closed", 0, ""))
+        kill_and_reap(self.procs)
         self.group.close()  # the other ranks are gone: nothing can block
         if self._workdir:
             shutil.rmtree(self._workdir, ignore_errors=True)
 
 
-def _spawned_rank(rank: int, size: int, options: Any, init: str, reports: Any, hook: Optional[RankHook]) -> None:
+def _spawned_rank(
+    rank: int,
+    size: int,
+    options: Any,
+    init: str,
+    report: Connection,
+    beats: Any,
+    parent: int,
+    hook: Optional[RankHook],
+) -> None:
     from kvledger.engine.runtime.build import build_rank, rank_device
 
-    reports.put(("started", rank, ""))
+    start_heartbeat(beats, rank, parent)
+    report.send(("started", ""))
     try:
         device = rank_device(options.device, rank, size)
         group = TensorParallelGroup.connect(rank, size, torch.device(device), init)
@@ -167,7 +185,10 @@ def _spawned_rank(rank: int, size: int, options: Any, init: str, reports: Any, h
         serve_rank(engine.engine, engine.rank_coordination())
         group.close()
     except BaseException:
-        reports.put(("failed", rank, traceback.format_exc()))
+        try:
+            report.send(("failed", traceback.format_exc()))
+        except OSError:  # rank 0 is gone
+            pass
         os._exit(1)  # no interpreter teardown: the process group's sockets close now, peers notice
     _leave(0)
 
@@ -187,34 +208,28 @@ def _leave(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _await_started(procs: List[Any], reports: Any) -> None:
+def _await_started(procs: List[Any], reports: List[Connection]) -> None:
     """Wait until every spawned rank runs our code (an import error would otherwise leave rank 0
     waiting at the rendezvous)."""
-    started: set = set()
+    waiting = set(range(1, len(procs) + 1))
     deadline = time.monotonic() + STARTUP_SECONDS
-    while len(started) < len(procs):
-        if not reports.empty():
-            kind, rank, detail = reports.get()
-            if kind == "failed":
-                raise RankFailed(rank, detail)
-            started.add(rank)
-            continue
-        dead = [p for p in procs if p.exitcode is not None]
-        if dead:
-            raise RankFailed(procs.index(dead[0]) + 1, f"exited with code {dead[0].exitcode} while starting")
-        if time.monotonic() > deadline:
-            raise RankFailed(min(set(range(1, len(procs) + 1)) - started), "did not start")
-        time.sleep(0.01)
-
-
-def _terminate(procs: List[Any]) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(10.0)
-        if p.is_alive():
-            p.kill()
+    while waiting:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RankFailed(min(waiting), "did not start")
+        wait([reports[r - 1] for r in waiting] + [procs[r - 1].sentinel for r in waiting], timeout=left)
+        for rank in sorted(waiting):
+            reader, proc = reports[rank - 1], procs[rank - 1]
+            if reader.poll():
+                try:
+                    kind, detail = reader.recv()
+                except EOFError:  # it exited before a word
+                    raise RankFailed(rank, f"exited with code {proc.exitcode} while starting") from None
+                if kind == "failed":
+                    raise RankFailed(rank, detail)
+                waiting.discard(rank)
+            elif proc.exitcode is not None:
+                raise RankFailed(rank, f"exited with code {proc.exitcode} while starting")
 
 
 def _uses_nccl() -> bool:

@@ -72,8 +72,20 @@ class ReplicatedEngine(Engine):
         super().abort(uid)
         self._outbox.append(AbortCall(uid))
 
+    @property
+    def has_work(self) -> bool:
+        # a rank lost while this engine is idle is work: the next step reports it (a server's engine
+        # thread steps when there is work, and so learns of the loss within its idle poll)
+        if self.stopped is None and self.coordination.group.failure is not None:
+            return True
+        return super().has_work
+
     def step(self) -> List[TokenEvent]:
         self._check_running()
+        lost = self.coordination.group.failure
+        if lost is not None:  # the watch saw a rank go: the others are killed already
+            self.stopped = f"{type(lost).__name__}: {str(lost)[:200]}"
+            raise lost
         calls, self._outbox = self._outbox + [StepCall()], []
         try:
             self.coordination.group.broadcast(calls)
@@ -90,7 +102,8 @@ class ReplicatedEngine(Engine):
         """Tell the other ranks to leave their loop (the queued calls are dropped)."""
         if self.stopped is None:
             self.stopped = "shut down"
-            self.coordination.group.broadcast([ShutdownCall()])
+            if self.coordination.group.failure is None:  # nobody left to tell otherwise
+                self.coordination.group.broadcast([ShutdownCall()])
 
     def _check_running(self) -> None:
         if self.stopped is not None:

@@ -1,0 +1,102 @@
+"""A rank lost mid-request (killed or stopped), on the CPU over gloo with two ranks: rank 0 raises
+RankLost naming the rank and how it went, no rank process is left, and an idle engine learns of it
+too. The signals are sent at a chosen step (rank 0's hook), so the test decides by events; the
+timeouts below only guard against a hang."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+from kvledger.engine.distributed.rank_errors import RankFailed, RankLost
+from kvledger.engine.distributed.rank_watch import process_state
+from kvledger.engine.runtime.llm import LLM
+from kvledger.fast import SamplingParams
+from tests.support.models import tiny_config
+
+TINY = tiny_config(
+    vocab_size=307, intermediate_size=99, num_heads=6, num_kv_heads=3, tie_word_embeddings=False, eos_token_ids=(5,)
+)
+PROMPTS = [list(range(20, 52)) + [1, 2, 3], list(range(100, 140)), [3, 1, 4, 1, 5, 9]]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+HANG_GUARD_S = 60.0  # only ends a test that would otherwise hang; nothing is decided by it
+pytestmark = pytest.mark.timeout(300)  # a rank nobody notices would hang a collective for 10 minutes
+
+
+def _rank_children():
+    return [p for p in multiprocessing.active_children() if p.name.startswith("kvledger-rank")]
+
+
+def _signal_rank_1(sig: int) -> None:
+    (child,) = [p for p in _rank_children() if p.name == "kvledger-rank1"]
+    os.kill(child.pid, sig)
+
+
+def kill_rank_1_at_step_3(rank, step, engine):
+    if rank == 0 and step == 3:
+        _signal_rank_1(signal.SIGKILL)
+
+
+def stop_rank_1_at_step_3(rank, step, engine):
+    if rank == 0 and step == 3:
+        _signal_rank_1(signal.SIGSTOP)
+
+
+def _gone(pid: int) -> bool:
+    """Not running and reaped: no /proc entry (a zombie still has one)."""
+    return process_state(pid) is None
+
+
+@pytest.mark.parametrize(
+    "hook,how",
+    [(kill_rank_1_at_step_3, "killed by SIGKILL"), (stop_rank_1_at_step_3, r"stopped \(SIGSTOP\)")],
+    ids=["sigkill", "sigstop"],
+)
+def test_a_rank_killed_or_stopped_mid_generation_ends_the_run_with_rank_lost(hook, how):
+    llm = LLM(TINY, dummy_weights=True, tensor_parallel_size=2, threads=1, page_size=2, rank_hook=hook)
+    (child,) = _rank_children()
+    try:
+        with pytest.raises(RankLost, match=f"tensor-parallel rank 1 lost: {how}") as raised:
+            llm.generate(PROMPTS, PARAMS)
+        assert raised.value.rank == 1 and isinstance(raised.value, RankFailed)
+        assert llm.ranks is not None and llm.ranks.failure is raised.value
+        assert _rank_children() == [] and _gone(child.pid)  # killed (the stopped one too) and reaped at once
+        with pytest.raises(RuntimeError, match="tensor-parallel engine has stopped"):
+            llm.generate(PROMPTS[:1], PARAMS)
+    finally:
+        llm.close()
+    assert _rank_children() == [] and _gone(child.pid)
+
+
+@pytest.mark.parametrize("sig,how", [(signal.SIGKILL, "killed by SIGKILL"), (signal.SIGSTOP, "stopped")])
+def test_an_idle_engine_learns_that_a_rank_was_lost_and_its_next_step_raises(sig, how):
+    llm = LLM(TINY, dummy_weights=True, tensor_parallel_size=2, threads=1, page_size=2)
+    try:
+        assert [len(o.token_ids) for o in llm.generate(PROMPTS[:1], PARAMS)] == [12]
+        assert not llm.engine.has_work
+        (child,) = _rank_children()
+        os.kill(child.pid, sig)
+        deadline = time.monotonic() + HANG_GUARD_S
+        while not llm.engine.has_work and time.monotonic() < deadline:  # the watch's event, polled
+            time.sleep(0.05)
+        assert llm.engine.has_work, "the loss never reached the engine"
+        assert _gone(child.pid)
+        with pytest.raises(RankLost, match=f"rank 1 lost: {how}"):
+            llm.engine.step()
+    finally:
+        llm.close()
+    assert _rank_children() == []
+
+
+def test_a_clean_close_is_no_loss():
+    llm = LLM(TINY, dummy_weights=True, tensor_parallel_size=2, threads=1, page_size=2)
+    (child,) = _rank_children()
+    assert [len(o.token_ids) for o in llm.generate(PROMPTS, PARAMS)] == [12, 12, 12]
+    ranks = llm.ranks
+    llm.close()
+    assert ranks is not None and ranks.failure is None and child.exitcode == 0
+    assert _rank_children() == [] and _gone(child.pid)
