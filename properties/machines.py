@@ -131,6 +131,6 @@ def machine_run(target: Target, progress: Progress, profile: str, examples: Opti
         caps = sample.capabilities
         machine = machine_for(target.factory, progress, target.page_sizes, getattr(caps, "spec_tokens", 0))
         title = f"{target.name} ({target.version})"
-        expected = frozenset(expected_events(caps, len(sample.view().groups)))
+        expected = frozenset(expected_events(caps, len(sample.view().groups))) | getattr(sample, "rare_events", set())
         return MachineRun(machine, progress, expected, chosen, title, target, SUBJECT_CI_SEED)
     raise TypeError(f"no Hypothesis machine checks a {type(target).__name__}")

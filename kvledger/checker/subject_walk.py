@@ -74,6 +74,7 @@ class SubjectWorkload:
 
         sample = self.target.subject(SubjectConfig(num_pages=8, page_size=self.target.page_sizes[0], max_seq_len=16))
         self.expected = set(expected_events(sample.capabilities, len(sample.view().groups)))
+        self.expected |= getattr(sample, "rare_events", set())  # a subject's own (sglang:overlap's)
 
     def case_seed(self, seed: int, worker: int, workers: int, case: int) -> int:
         return seed * 1_000_003 + worker + case * workers

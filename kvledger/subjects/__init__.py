@@ -13,6 +13,7 @@ A spec is one of:
   sglang:paged               page size > 1 with SGLang's decode memory check and retract_decode (`sglang_paged.py`)
   sglang:swa                 the default tree with its sliding-window option: FULL and SWA pools (`sglang_swa.py`)
   sglang:spec                SGLang's speculative decoding allocation, NGRAM at page size 4 (`sglang_spec.py`)
+  sglang:overlap             sglang:spec under SGLang's overlap event loop, with retract (`sglang_overlap.py`)
   minisgl[:PATH]             a mini-sglang checkout or snapshot (default: the shipped peer)
   nanovllm[:PATH]            a nano-vllm checkout or snapshot (nanovllm@f64d821 names a shipped commit)
   package.module:factory     a user's own: `factory(SubjectConfig) -> Subject`
@@ -51,6 +52,7 @@ BUILTINS: Dict[str, str] = {
     "sglang:paged": "kvledger.subjects.sglang_paged",
     "sglang:swa": "kvledger.subjects.sglang_swa",
     "sglang:spec": "kvledger.subjects.sglang_spec",
+    "sglang:overlap": "kvledger.subjects.sglang_overlap",
 }
 
 
