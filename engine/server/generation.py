@@ -69,10 +69,10 @@ class Generation:
             raise _as_api_error(event, self.rid)
         assert isinstance(event, Accepted)
 
-    def abort(self) -> None:
+    def abort(self, reason: str = "abort") -> None:
         if self.open and self.uid is not None:
             self.open = False
-            self._worker.abort(self.uid)
+            self._worker.abort(self.uid, reason)
 
     async def pieces(self) -> AsyncIterator[str]:
         """Text pieces as they become safe to show, until the request finishes. However the
@@ -91,7 +91,7 @@ class Generation:
                     self.finish_reason = event.finish_reason
                 elif self.text.stopped:
                     self.finish_reason = "stop"
-                    self.abort()
+                    self.abort("stop")
                 piece = self.text.flush(final=not self.open)
                 if piece:
                     yield piece

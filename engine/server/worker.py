@@ -24,11 +24,12 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 from kvledger.engine.ledger.cache_scheduler import InvalidOp
 from kvledger.engine.runtime.request_error import RequestError
+from kvledger.engine.server.request_timing import RequestTiming
 from kvledger.fast import SamplingParams
 
 log = logging.getLogger("kvledger.serve")
@@ -68,11 +69,13 @@ class Submit:
     token_ids: List[int]
     params: SamplingParams
     sink: Sink
+    arrival: float = field(default_factory=time.monotonic)  # for the metrics (request_timing.py) only
 
 
 @dataclass
 class Abort:
     uid: int
+    reason: str = "abort"  # the finish reason /metrics counts: "stop" when a stop string ended it
 
 
 @dataclass
@@ -164,6 +167,7 @@ class EngineWorker:
         self.stats = EngineStats()
         pages = self.engine.config.num_pages
         self.integrity = IntegrityReport(True, 0.0, 0, pages, pages, 0, 0, 0)
+        self.timing = RequestTiming(self.limits.max_seq_len)  # the latency histograms of /metrics
         self._publish()
 
     # -- the HTTP side's API (any thread) ------------------------------------------------------
@@ -190,9 +194,9 @@ class EngineWorker:
         self._inbox.put(Submit(uid, list(token_ids), params, sink))
         return uid
 
-    def abort(self, uid: int) -> None:
+    def abort(self, uid: int, reason: str = "abort") -> None:
         """Drop the request (waiting or running) if it is still open; a no-op once it ended."""
-        self._inbox.put(Abort(uid))
+        self._inbox.put(Abort(uid, reason))
 
     # -- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -230,7 +234,11 @@ class EngineWorker:
     def _apply(self, cmd: Command) -> None:
         if isinstance(cmd, Submit):
             self._submit(cmd.uid, cmd.token_ids, cmd.params, cmd.sink)
+            if cmd.uid in self._open:
+                self.timing.submitted(cmd.uid, len(cmd.token_ids), cmd.arrival)
         elif isinstance(cmd, Abort):
+            if cmd.uid in self._open and self.fatal is None:
+                self.timing.ended(cmd.uid, cmd.reason)
             self._abort(cmd.uid)
         elif isinstance(cmd, Drain):  # a second drain can only shorten the window
             until = time.monotonic() + cmd.seconds
@@ -290,10 +298,13 @@ class EngineWorker:
         self.engine.abort(uid)  # raises only if engine and worker disagree: a fault
         prompt_len = self._open.pop(uid).prompt_len
         self._counts[counter] += 1
+        self.timing.ended(uid, "abort" if counter == "aborted" else "error")
         self._ended(prompt_len, None if rec is None else rec.cached_tokens)
 
     def _step(self) -> None:
+        started = time.monotonic()
         events = self.engine.step()
+        self.timing.stepped(events, started, self.engine.requests)
         for ev in events:
             open_ = self._open.get(ev.uid)
             sink = open_.sink if open_ is not None else None
@@ -365,6 +376,7 @@ class EngineWorker:
             self._rate.popleft()
         span = max(1.0, now - self._rate[0][0]) if self._rate else RATE_WINDOW_S
         c = self._counts
+        self.timing.sync(self._open)  # requests failed by a fault or a drain ended in error
         self.stats = EngineStats(
             running=engine.running_requests,
             waiting=engine.waiting_requests,
