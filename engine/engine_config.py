@@ -17,6 +17,7 @@ from kvledger.engine.options import (
     DTYPE_NAMES,
     KV_CACHE_DTYPE_NAMES,
     EngineOptionError,
+    fault_spec,
     validate_engine_options,
 )
 from kvledger.reference.admission_policy import AdmissionPolicy
@@ -132,6 +133,19 @@ class EngineConfig:
     overlap: Optional[bool] = option(
         None, "schedule the next step while the current one runs (default: on for CUDA)", negative="--no-overlap"
     )
+    inject_fault: Optional[str] = option(
+        None,
+        "inject faults to rehearse them: KIND@step=N[,request=UID][,seed=S][,times=K][,seconds=T][,rank=R], "
+        "several separated by ';' (kinds: forward-raise, alloc-refuse, step-stall, cuda-poison, rank-kill, "
+        "rank-stop; engine/runtime/faults.py); default: $KVLEDGER_INJECT_FAULT, else none",
+        metavar="SPEC",
+    )
+    step_timeout: Optional[float] = option(
+        60.0,
+        "the server's watchdog: a step running longer than this many seconds declares the engine stalled "
+        "(its batch and ledger are logged, open requests fail, the server exits 1); 0 turns it off",
+        metavar="SECONDS",
+    )
 
     def __post_init__(self) -> None:
         validate_engine_options(self)
@@ -226,6 +240,7 @@ class EngineConfig:
             max_prefill_tokens=self.max_prefill_tokens,
             seed=self.seed,
             admission=AdmissionPolicy(self.admission, self.reserve_ratio),
+            inject_fault=fault_spec(self.inject_fault),
         )
 
     @classmethod
@@ -247,6 +262,7 @@ class ResolvedConfig:
     max_prefill_tokens: int
     seed: int
     admission: AdmissionPolicy
+    inject_fault: Optional[str] = None  # the fault spec in force (the option's, else the environment's)
 
     @property
     def pool_tokens(self) -> int:

@@ -58,6 +58,39 @@ def validate_engine_options(c: "EngineConfig") -> None:
     _check_int("threads", c.threads, 1, none_ok=True)
     _check_choice("attention", c.attention, ATTENTION_BACKENDS)
     _check_tensor_parallel(c.tensor_parallel_size, c.device)
+    _check_faults(c.inject_fault)
+    _check_step_timeout(c.step_timeout)
+
+
+def fault_spec(option: Optional[str]) -> Optional[str]:
+    """The fault spec in force: the `inject_fault` option's, else $KVLEDGER_INJECT_FAULT's, else None."""
+    from kvledger.engine.runtime.faults import ENV_VAR
+
+    if option is not None and option.strip():
+        return option
+    return os.environ.get(ENV_VAR, "").strip() or None
+
+
+def _check_faults(option: Any) -> None:
+    if option is not None and not isinstance(option, str):
+        raise EngineOptionError("inject_fault", f"must be a fault spec string or None, got {option!r}")
+    from kvledger.engine.runtime.faults import ENV_VAR, FaultPlan
+
+    spec = fault_spec(option)
+    if spec is None:
+        return
+    try:
+        FaultPlan.parse(spec)
+    except ValueError as e:
+        where = "" if option is not None and option.strip() else f" (from ${ENV_VAR})"
+        raise EngineOptionError("inject_fault", f"is not a valid fault spec{where}: {e}") from None
+
+
+def _check_step_timeout(value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= float(value) < float("inf"):
+        raise EngineOptionError("step_timeout", f"must be a number of seconds >= 0 (0: no watchdog), got {value!r}")
 
 
 def validate_for_model(max_seq_len: Optional[int], config: ModelConfig, tensor_parallel_size: int = 1) -> None:

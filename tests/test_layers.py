@@ -129,7 +129,7 @@ ENGINE_PARTS: Dict[str, Set[str]] = {
     "server": {"runtime", "ledger", "engine_config"},
     "distributed": {"ledger", "model", "runtime"},
     "engine_config": {"ledger", "options"},
-    "options": {"model", "distributed", "engine_config"},
+    "options": {"model", "distributed", "engine_config", "runtime.faults"},  # faults: the --inject-fault grammar
 }
 
 

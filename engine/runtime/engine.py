@@ -18,6 +18,7 @@ step N+1. Each collaborator keeps its own state; none calls back into the engine
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
@@ -28,6 +29,7 @@ from kvledger.engine.ledger.cache_scheduler import CacheScheduler, PageStats
 from kvledger.engine.ledger.observer import Observer
 from kvledger.engine.ledger.ops import Abort, CacheOp, Finish, OpRecord, Submit
 from kvledger.engine.model.model import CausalLM
+from kvledger.engine.runtime.faults import FaultPlan
 from kvledger.engine.runtime.host_ranges import host_range
 from kvledger.engine.runtime.model_runner import ModelRunner
 from kvledger.engine.runtime.op_stream import OpStream
@@ -37,6 +39,7 @@ from kvledger.engine.runtime.prefix_sharing import PrefixSharing
 from kvledger.engine.runtime.requests import RequestLimits, Requests, TokenEvent
 from kvledger.engine.runtime.sampling import Sampler
 from kvledger.engine.runtime.scheduler import Batch, Scheduler
+from kvledger.engine.runtime.step_faults import StepFaults, describe_batch
 
 __all__ = ["Engine", "TokenEvent"]
 
@@ -81,6 +84,10 @@ class Engine:
         # host blocked on the GPU), and steps per phase: benchmarks report them
         self.host_seconds: Dict[str, float] = {"schedule": 0.0, "complete": 0.0, "land": 0.0, "wait": 0.0}
         self.steps: Dict[str, int] = {"prefill": 0, "decode": 0}
+        self.batch: Optional[Batch] = None  # the batch of the step in progress (the watchdog's dump)
+        # injected faults (--inject-fault, $KVLEDGER_INJECT_FAULT): None, and free, unless set
+        plan = FaultPlan.parse(config.inject_fault) if config.inject_fault else None
+        self.faults = StepFaults(self, plan, partial(Engine.abort, self)) if plan is not None else None
 
     # -- what callers read --------------------------------------------------------------------
     @property
@@ -132,6 +139,15 @@ class Engine:
 
     def page_stats(self) -> PageStats:
         return self.cache_scheduler.page_stats()
+
+    def describe(self) -> str:
+        """The step in progress and the ledger's state, for a log (the watchdog's dump)."""
+        pages = self.page_stats()
+        return (
+            f"{describe_batch(self.batch)}\nledger: {self.running_requests} running, {self.waiting_requests} waiting; "
+            f"pages {pages.total} total, {pages.free} free, {pages.cached} cached, {pages.owned} owned by live "
+            f"requests, {pages.locked_tokens} cached tokens locked; {self.operations} cache operations"
+        )
 
     def next_uid(self) -> int:
         """A uid no request of this engine has used (uids increase)."""
@@ -189,6 +205,9 @@ class Engine:
                 self.overlap.hold(launched)
         for uid in self.overlap.pop_late_stops():  # not in this step's batch (a prefill, or it was preempted)
             self._do(Finish(uid) if self.cache_scheduler.is_running(uid) else Abort(uid))
+        if self.faults is not None:  # the requests a contained fault ended, with their errors
+            events += self.faults.take_ended()
+        self.batch = None
         if not self.has_work:
             self.check_idle()
         return events
@@ -204,21 +223,32 @@ class Engine:
         """Schedule the next batch and launch the model on it; on CUDA its greedy tokens are
         copied to pinned host memory without waiting."""
         with host_range("kvledger.schedule"):
-            batch = self.scheduler.schedule()
-            if batch is None:
-                return None
-            self._admitted(batch)
-            if batch.preempted:
-                self.overlap.note_preempted(batch.preempted, self.cache_scheduler)
-            if not batch.requests:  # every request of the step was preempted: nothing to compute
-                return None
-            logits, tokens = self.runner.forward(batch, self.sharing_possible)
-            if self.device.type != "cuda":
-                return LaunchedStep(batch, logits, tokens)
-            step = LaunchedStep(batch, logits, torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True))
-            step.host.copy_(tokens, non_blocking=True)
-            step.ready = torch.cuda.Event()
-            step.ready.record()
+            if self.faults is not None:  # faults injected: the step may fail on purpose (step_faults.py)
+                return self.faults.launch(self._schedule, self._run_model)
+            batch = self._schedule()
+            return None if batch is None else self._run_model(batch)
+
+    def _schedule(self) -> Optional[Batch]:
+        """The next batch with its pages, or None when it computes nothing."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return None
+        self._admitted(batch)
+        if batch.preempted:
+            self.overlap.note_preempted(batch.preempted, self.cache_scheduler)
+        if not batch.requests:  # every request of the step was preempted: nothing to compute
+            return None
+        self.batch = batch
+        return batch
+
+    def _run_model(self, batch: Batch) -> LaunchedStep:
+        logits, tokens = self.runner.forward(batch, self.sharing_possible)
+        if self.device.type != "cuda":
+            return LaunchedStep(batch, logits, tokens)
+        step = LaunchedStep(batch, logits, torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True))
+        step.host.copy_(tokens, non_blocking=True)
+        step.ready = torch.cuda.Event()
+        step.ready.record()
         return step
 
     def _admitted(self, batch: Batch) -> None:

@@ -45,6 +45,7 @@ RANK_KILL = "rank-kill"
 RANK_STOP = "rank-stop"
 KINDS: Tuple[str, ...] = (FORWARD_RAISE, ALLOC_REFUSE, STEP_STALL, CUDA_POISON, RANK_KILL, RANK_STOP)
 RANK_KINDS = frozenset({RANK_KILL, RANK_STOP})
+CONTAINED_KINDS = frozenset({FORWARD_RAISE, ALLOC_REFUSE})  # the step is rolled back, its requests end
 _KEYS = ("step", "request", "seed", "times", "seconds", "rank")
 
 
@@ -87,9 +88,10 @@ class InjectedFault(RuntimeError):
     """Raised where an injected fault strikes, carrying it. The engine contains it when the kind is
     containable; `UncontainableFault` marks the ones that end the engine."""
 
-    def __init__(self, fault: Fault, message: str) -> None:
+    def __init__(self, fault: Fault, message: str, touched: Sequence[int] = ()) -> None:
         super().__init__(message)
         self.fault = fault
+        self.touched: Tuple[int, ...] = tuple(touched)  # the requests it ends, when contained
 
 
 class UncontainableFault(InjectedFault):
@@ -113,6 +115,10 @@ class FaultPlan:
     def wants(self, kind: str) -> bool:
         """Whether a fault of `kind` may still fire."""
         return any(f.kind == kind and n < f.times for f, n in zip(self.faults, self._fired))
+
+    def may_fire(self, kinds: frozenset[str], step: int) -> bool:
+        """Whether a fault of one of `kinds` may fire at `step` (due for it, not fired out)."""
+        return any(f.kind in kinds and step >= f.step and n < f.times for f, n in zip(self.faults, self._fired))
 
     def due(self, kind: str, step: int, request: Optional[int] = None) -> Optional[Fault]:
         """The fault of `kind` that fires at `step` (and for `request`, when the fault names one; a

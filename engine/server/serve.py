@@ -94,7 +94,8 @@ def _serve(config: EngineConfig, options: ServerOptions, sock: socket.socket) ->
         if server is not None:
             server.should_exit = True
 
-    worker = EngineWorker(llm, max_waiting=options.max_waiting, on_fault=on_fault)
+    # after an engine fault the process ends within 4 s even if shutting down hangs (a stalled step)
+    worker = EngineWorker(llm, max_waiting=options.max_waiting, on_fault=on_fault, exit_deadline=4.0)
     name = options.served_model_name or model_name_for(config.model)
     app = create_app(worker, model_name=name, api_key=options.api_key, body_timeout=options.timeout_body)
     level = options.log_level

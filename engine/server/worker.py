@@ -7,10 +7,19 @@ thread applies every queued command, so an abort frees its request's slot and pa
 next forward. Whenever the engine goes idle it proves the page partition (no page leaked, no lock
 held) and publishes the result.
 
-Failures: a request the engine cannot finish (its sampling failed) fails alone, as a `Failed` to
-its sink. An exception inside a step is an engine fault: the scheduler's state can no longer be
+Failures: a request the engine cannot finish (its sampling failed, or an injected fault that the
+engine contained ended it: engine/runtime/step_faults.py) fails alone, as a `Failed` to its sink.
+Any other exception inside a step is an engine fault: the scheduler's state can no longer be
 trusted, so every open request fails, the fault is logged with its traceback, `alive` turns false
-and `on_fault` is called (the server then exits non-zero for a supervisor to restart it).
+and `on_fault` is called (the server then exits non-zero for a supervisor to restart it; with
+`exit_deadline` the process is ended that many seconds later if it has not exited by itself).
+
+Watchdog: with the engine option `step_timeout` > 0, a step that has not returned after that many
+seconds is a stall, the same kind of fault: `alive` turns false at once, the step's batch and the
+ledger's state are logged, every open request fails, `on_fault` is called. The engine thread cannot
+be interrupted; whatever it does after it returns is dropped. Faults are counted by kind
+(`EngineStats.faults`: faults_forward_raise, faults_alloc_refuse, faults_step_stall,
+faults_cuda_poison, faults_stall (the watchdog's), faults_internal (any other exception)).
 
 Shutdown: `drain(seconds)` refuses new requests and lets open ones run for at most that long; the
 rest then fail with status 503 ("shutting down"), and `drained` is set.
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -28,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 from kvledger.engine.ledger.cache_scheduler import InvalidOp
+from kvledger.engine.runtime.faults import InjectedFault
 from kvledger.engine.runtime.request_error import RequestError
 from kvledger.engine.server.request_timing import RequestTiming
 from kvledger.fast import SamplingParams
@@ -134,10 +145,18 @@ class EngineStats:
     verified_ops: Optional[int] = None  # operations mirrored in the reference model (--verify)
     preemptions: int = 0  # requests preempted to make room (optimistic admission only)
     recomputed_tokens: int = 0  # KV positions computed again after a preemption
+    faults: Dict[str, int] = field(default_factory=dict)  # faults_<kind> -> how many struck (the module doc)
 
 
 class EngineWorker:
-    def __init__(self, llm, *, max_waiting: int = 1024, on_fault: Optional[Callable[[str], None]] = None) -> None:
+    def __init__(
+        self,
+        llm,
+        *,
+        max_waiting: int = 1024,
+        on_fault: Optional[Callable[[str], None]] = None,
+        exit_deadline: Optional[float] = None,
+    ) -> None:
         self.llm = llm
         self.engine = llm.engine
         self.limits = self.engine.limits
@@ -155,12 +174,20 @@ class EngineWorker:
             "prefix_hit_tokens": 0,
             "generated_tokens": 0,
         }
+        self._faults: Dict[str, int] = {}  # faults_<kind> -> count
         self._rate: Deque[Tuple[float, int]] = deque()
         self._dirty = False  # something ran since the last idle check
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvledger-engine", daemon=True)
+        # the engine thread and the watchdog both end requests: whoever touches _open holds this
+        self._lock = threading.RLock()
         self.fatal: Optional[str] = None
         self.on_fault = on_fault
+        self.exit_deadline = exit_deadline
+        timeout = getattr(llm.engine_config, "step_timeout", None)
+        self.step_timeout: Optional[float] = float(timeout) if timeout else None
+        self._step_began: Optional[float] = None  # time.monotonic() when the step in progress began
+        self._watchdog = threading.Thread(target=self._watch, name="kvledger-watchdog", daemon=True)
         self._drain_until: Optional[float] = None  # time.monotonic() after which open requests are failed
         self.draining = False  # set at once by drain(), for /health
         self.drained = threading.Event()
@@ -173,11 +200,14 @@ class EngineWorker:
     # -- the HTTP side's API (any thread) ------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
+        if self.step_timeout is not None:
+            self._watchdog.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._inbox.put(Wake())
-        self._thread.join(timeout)
+        # a stalled engine thread never returns: do not wait for it
+        self._thread.join(timeout if self.fatal is None else min(timeout, 0.5))
 
     def drain(self, seconds: float) -> None:
         """Refuse new requests; give open ones `seconds` to finish, then fail them. Sets `drained`."""
@@ -186,7 +216,13 @@ class EngineWorker:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.fatal is None
+        return self._thread.is_alive() and self.fatal is None and not self.stalled
+
+    @property
+    def stalled(self) -> bool:
+        """Whether the step in progress has run past the step timeout (before the watchdog's next look)."""
+        began, limit = self._step_began, self.step_timeout
+        return began is not None and limit is not None and time.monotonic() - began > limit
 
     def submit(self, token_ids: Sequence[int], params: SamplingParams, sink: Sink) -> int:
         """Queue a request; `sink` gets Accepted or Failed, then its tokens. Returns its uid."""
@@ -204,6 +240,7 @@ class EngineWorker:
             try:
                 self._iterate()
             except Exception as e:  # a fault in the engine: fail every open request rather than hang it
+                self._step_began = None
                 self._fault(e)
             self._publish()
             if self._drain_until is not None and not self.drained.is_set():
@@ -225,7 +262,8 @@ class EngineWorker:
         except queue.Empty:
             return
         while True:
-            self._apply(cmd)
+            with self._lock:
+                self._apply(cmd)
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
@@ -245,6 +283,10 @@ class EngineWorker:
             self._drain_until = until if self._drain_until is None else min(self._drain_until, until)
 
     def _check_drained(self) -> None:
+        with self._lock:
+            self._check_drained_locked()
+
+    def _check_drained_locked(self) -> None:
         # the drain window is the one place wall-clock time decides: it only chooses when the
         # remaining requests are aborted at shutdown, never what a running request computes
         if self._open and self._drain_until is not None and time.monotonic() < self._drain_until:
@@ -330,18 +372,62 @@ class EngineWorker:
 
     def _fault(self, exc: BaseException) -> None:
         # the scheduler's state can no longer be trusted, so the engine stops serving
-        first = self.fatal is None
-        self.fatal = self.fatal or f"{type(exc).__name__}: {exc}"
-        log.error("engine fault, failing %d open request(s) and stopping the engine", len(self._open), exc_info=exc)
-        self._fail_all(f"engine fault: {self.fatal}", 500)
-        if first and self.on_fault is not None:
+        # an injected one is counted where it struck (the engine's StepFaults)
+        kind = None if isinstance(exc, InjectedFault) else "internal"
+        self._die(f"{type(exc).__name__}: {exc}", kind, exc)
+
+    def _die(self, why: str, kind: Optional[str], exc: Optional[BaseException] = None) -> None:
+        """An uncontained fault: out of service at once, every open request failed, `on_fault`."""
+        with self._lock:
+            first = self.fatal is None
+            self.fatal = self.fatal or why
+            if first and kind is not None:
+                self._count_fault(kind)
+            log.error("engine fault, failing %d open request(s) and stopping the engine", len(self._open), exc_info=exc)
+            self._fail_all(f"engine fault: {self.fatal}", 500)
+        if not first:
+            return
+        if self.exit_deadline is not None:  # the supervisor's restart must not wait on a stuck shutdown
+            timer = threading.Timer(self.exit_deadline, _exit_now, args=(self.fatal,))
+            timer.daemon = True
+            timer.start()
+        if self.on_fault is not None:
             self.on_fault(self.fatal)
 
+    def _count_fault(self, kind: str) -> None:
+        name = "faults_" + kind.replace("-", "_")
+        self._faults[name] = self._faults.get(name, 0) + 1
+
+    def _watch(self) -> None:
+        """The watchdog: declares the engine stalled once a step runs past `step_timeout`."""
+        limit = self.step_timeout
+        assert limit is not None
+        poll = min(1.0, limit / 4)
+        while not self._stop.wait(poll):
+            if self.fatal is not None:
+                return
+            if self.stalled:
+                limit_s = f"{limit:g}"
+                log.critical(
+                    "watchdog: a step has not returned after %s s; the engine is stalled. The step:\n%s",
+                    limit_s,
+                    self._describe(),
+                )
+                self._die(f"stall: a step did not return within the step timeout ({limit_s} s)", "stall")
+                return
+
+    def _describe(self) -> str:
+        try:
+            return self.engine.describe()
+        except Exception as e:  # read from another thread while the engine is stuck: best effort
+            return f"(the engine's state could not be read: {type(e).__name__}: {e})"
+
     def _fail_all(self, message: str, status: int, code: Optional[str] = None) -> None:
-        for o in list(self._open.values()):
-            self._counts["failed"] += 1
-            _send(o.sink, Failed(message, status, code=code))
-        self._open.clear()
+        with self._lock:
+            for o in list(self._open.values()):
+                self._counts["failed"] += 1
+                _send(o.sink, Failed(message, status, code=code))
+            self._open.clear()
 
     def _check_idle(self) -> None:
         self._dirty = False
@@ -397,7 +483,22 @@ class EngineWorker:
             verified_ops=self.llm.shadow.steps if self.llm.shadow is not None else None,
             preemptions=engine.preemptions,
             recomputed_tokens=engine.recomputed_tokens,
+            faults=self._fault_counts(),
         )
+
+    def _fault_counts(self) -> Dict[str, int]:
+        counts = dict(self._faults)
+        steps = self.engine.faults
+        for kind, n in (steps.struck if steps is not None else {}).items():  # the injected ones that struck
+            name = "faults_" + kind.replace("-", "_")
+            counts[name] = counts.get(name, 0) + n
+        return counts
+
+
+def _exit_now(why: str) -> None:
+    log.critical("the process did not exit after the engine fault (%s): exiting now with status 1", why)
+    logging.shutdown()
+    os._exit(1)
 
 
 def _send(sink: Sink, event: Event) -> None:
