@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -58,7 +58,6 @@ def create_app(
     tokenizer = llm.tokenizer
     limits = worker.limits
     responses: Counter = Counter()
-    exposition = metrics.ServerMetrics(worker, responses)  # this server's own registry
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -103,16 +102,15 @@ def create_app(
     @app.get("/health")
     async def health() -> JSONResponse:
         if not worker.alive:
-            return JSONResponse(
-                {"status": "error", "fault": worker.fatal or "the engine thread is not running"}, status_code=503
-            )
+            return JSONResponse({"status": "error", "fault": worker.fatal or _not_alive(worker)}, status_code=503)
         if worker.draining:  # load balancers stop sending; open requests still finish
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(exposition.render(), media_type=metrics.CONTENT_TYPE)
+    async def prometheus() -> PlainTextResponse:
+        text = metrics.render(worker.stats, worker.integrity, worker.alive, responses)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     v1 = APIRouter(dependencies=[Depends(authorize)])
 
@@ -191,6 +189,12 @@ def create_app(
 
 
 # -- helpers ----------------------------------------------------------------------------------
+def _not_alive(worker: EngineWorker) -> str:
+    if worker.stalled:
+        return f"stall: a step has run past the step timeout ({worker.step_timeout:g} s)"
+    return "the engine thread is not running"
+
+
 def _model_card(name: str, max_seq_len: int) -> Dict[str, Any]:
     return {"id": name, "object": "model", "created": 0, "owned_by": "kvledger", "max_model_len": max_seq_len}
 
