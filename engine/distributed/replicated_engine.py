@@ -18,6 +18,7 @@ from kvledger import fast
 from kvledger.engine.distributed.calls import AbortCall, EngineCall, ShutdownCall, StepCall, SubmitCall
 from kvledger.engine.distributed.group import TensorParallelGroup
 from kvledger.engine.distributed.rank_agreement import RankAgreement
+from kvledger.engine.distributed.rank_faults import RankFaults
 from kvledger.engine.runtime.engine import Engine, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -27,24 +28,29 @@ RankHook = Callable[[int, int, Engine], None]
 
 
 class RankCoordination:
-    """What every rank adds to its engine: the group, the optional agreement check, the hook."""
+    """What every rank adds to its engine: the group, the optional agreement check, the hook, and
+    the rank faults of the engine's fault spec (engine/distributed/rank_faults.py)."""
 
     def __init__(self, group: TensorParallelGroup, verify: bool, hook: Optional[RankHook] = None) -> None:
         self.group = group
         self.agreement = RankAgreement(group) if verify else None
         self.hook = hook
         self.steps = 0
+        self.faults: Optional[RankFaults] = None
         # rank 0: the error to raise for one that broke a step (the failed peer's, see ranks.py)
         self.explain: Callable[[BaseException], BaseException] = lambda error: error
 
     def attach(self, engine: Engine) -> None:
         if self.agreement is not None:
             engine.observers.append(self.agreement)
+        self.faults = RankFaults.for_engine(engine, self.group.rank, self.group.size)
 
     def step(self, engine: Engine, run: Callable[[], List[TokenEvent]]) -> List[TokenEvent]:
         if self.hook is not None:
             self.hook(self.group.rank, self.steps, engine)
         self.steps += 1
+        if self.faults is not None:
+            self.faults.before_step(self.steps)
         events = run()
         if self.agreement is not None:
             self.agreement.compare()

@@ -100,3 +100,34 @@ def test_a_clean_close_is_no_loss():
     llm.close()
     assert ranks is not None and ranks.failure is None and child.exitcode == 0
     assert _rank_children() == [] and _gone(child.pid)
+
+
+# -- the fault facility's rank kinds ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "spec,how,through",
+    [
+        ("rank-kill@step=3,rank=1", "killed by SIGKILL", "option"),
+        ("rank-stop@step=3,rank=1", r"stopped \(SIGSTOP\)", "environment"),
+    ],
+)
+def test_an_injected_rank_fault_takes_the_rank_out_at_its_step(spec, how, through, monkeypatch):
+    options = dict(dummy_weights=True, tensor_parallel_size=2, threads=1, page_size=2)
+    if through == "option":
+        options["inject_fault"] = spec
+    else:
+        monkeypatch.setenv("KVLEDGER_INJECT_FAULT", spec)  # the spawned rank inherits it
+    llm = LLM(TINY, **options)
+    (child,) = _rank_children()
+    try:
+        with pytest.raises(RankLost, match=f"rank 1 lost: {how}"):
+            llm.generate(PROMPTS, PARAMS)
+        assert llm.engine.coordination.steps == 3  # rank 1 went at the step the spec names, not before
+    finally:
+        llm.close()
+    assert _rank_children() == [] and _gone(child.pid)
+
+
+def test_a_rank_fault_naming_a_rank_that_does_not_exist_is_refused_at_startup():
+    with pytest.raises(ValueError, match=r"names rank 2, but the ranks are 0\.\.1"):
+        LLM(TINY, dummy_weights=True, tensor_parallel_size=2, threads=1, inject_fault="rank-kill@step=1,rank=2")
+    assert _rank_children() == []
