@@ -261,6 +261,12 @@ class SubjectDriver:
                 f"uid {uid} was admitted with a hit of {hit!r} tokens, but its prompt "
                 f"has {len(tokens)}: a hit must leave the last prompt token to compute",
             )
+        # KV a subject copied into the hit from a tier of its own (SGLang's host cache), as its KV
+        # buffer holds it: (location, hash of the prefix it encodes, that prefix's length)
+        landed = getattr(self.subject, "landed", None)
+        while landed:
+            location, prefix_hash, length = landed.pop()
+            self.witness.written[int(location)] = (int(prefix_hash), int(length))
         if hit and before is not None:
             mid_prefill = {u for u in self.live if u in self.waiting and u != uid}
             for event in hit_events(uid, hit, before, self.view(), self.witness, mid_prefill, self.caps.page_size):

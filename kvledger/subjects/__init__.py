@@ -14,6 +14,7 @@ A spec is one of:
   sglang:swa                 the default tree with its sliding-window option: FULL and SWA pools (`sglang_swa.py`)
   sglang:spec                SGLang's speculative decoding allocation, NGRAM at page size 4 (`sglang_spec.py`)
   sglang:overlap             sglang:spec under SGLang's overlap event loop, with retract (`sglang_overlap.py`)
+  sglang:hicache             sglang:paged with SGLang's host-memory tier behind the device pool (`sglang_hicache.py`)
   minisgl[:PATH]             a mini-sglang checkout or snapshot (default: the shipped peer)
   nanovllm[:PATH]            a nano-vllm checkout or snapshot (nanovllm@f64d821 names a shipped commit)
   package.module:factory     a user's own: `factory(SubjectConfig) -> Subject`
@@ -53,6 +54,7 @@ BUILTINS: Dict[str, str] = {
     "sglang:swa": "kvledger.subjects.sglang_swa",
     "sglang:spec": "kvledger.subjects.sglang_spec",
     "sglang:overlap": "kvledger.subjects.sglang_overlap",
+    "sglang:hicache": "kvledger.subjects.sglang_hicache",
 }
 
 
