@@ -37,8 +37,8 @@ large as the full one (`--swa-full-tokens-ratio 1.0`), SGLANG_SWA_EVICTION_INTER
 size (default 128, so that small pools reach a decode that frees SWA slots: a server setting, set
 only while this subject runs SGLang's code), and SGLANG_INIT_NEW_TOKEN_RATIO 0.05 (default 0.7), so
 that admission leaves a small pool to fill in decode: a decode that needs a page on an exhausted
-pool, answered by a retraction (`preempt`: sglang.py's release_req path; the victim is the
-driver's newest request, where `sglang:paged` follows retract_decode's own order).
+pool, answered as `sglang:paged` answers it: check_decode_mem, then retract_decode in its own
+order (`PagedSglangSubject`), over both pools.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from typing import Any, Dict, Iterator, List, Sequence, Tuple, cast
 from kvledger.properties.subject import CachedEntry, Capabilities, GroupView, SubjectConfig, View
 from kvledger.subjects.edits import SourceEdit
 from kvledger.subjects.sglang import SglangSubject, load, probe, read_view
+from kvledger.subjects.sglang_paged import PagedSglangSubject
 from kvledger.subjects.sglang_scheduler import SchedulerState
 from kvledger.subjects.sglang_swa_zoo import SWA_ZOO
 
@@ -72,8 +73,9 @@ def build(config: SubjectConfig, path: str | None = None, edits: Sequence[Source
     return SglangSwaSubject(config, load(), edits)
 
 
-class SglangSwaSubject(SglangSubject):
-    """`SglangSubject` over SGLang's SWA pools and a (FULL, SWA) UnifiedRadixCache."""
+class SglangSwaSubject(PagedSglangSubject):
+    """`PagedSglangSubject` (the decode memory check and retract_decode) over SGLang's SWA pools and
+    a (FULL, SWA) UnifiedRadixCache."""
 
     name = NAME
 
@@ -114,8 +116,9 @@ class SglangSwaSubject(SglangSubject):
 
     def build_scheduler_state(self) -> SchedulerState:
         # NewTokenRatioTracker.from_config reads SGLANG_INIT_NEW_TOKEN_RATIO at the scheduler's start
+        # (this deployment's knobs, not sglang:paged's)
         with self.s.envs.SGLANG_INIT_NEW_TOKEN_RATIO.override(INIT_NEW_TOKEN_RATIO):
-            return super().build_scheduler_state()
+            return SglangSubject.build_scheduler_state(self)
 
     def build_capabilities(self, config: SubjectConfig) -> Capabilities:
         first = config.num_pages + 1  # where the SWA pool's page 0 is shown, past the full pool

@@ -152,3 +152,22 @@ def test_a_decode_that_frees_inside_the_window_is_caught_at_its_read():
     (edit,) = [e for e in sglang_swa.ZOO if e.name == "sglang-swa-decode-window-a-page-short"]
     with pytest.raises(Finding, match="the step computes position"):
         _replay([edit], TRACES / f"{edit.name}.jsonl")
+
+
+def test_a_decode_that_does_not_fit_retracts_in_retract_decodes_order():
+    """Two requests of up to 12 tokens in 10 pages: uid 1 (12-token prompt) admitted alone, uid 2
+    (8 tokens) at the next step, charged for uid 1's decode at the 0.05 ratio. Both have one output
+    when they decode; at the page neither pool can give, check_decode_mem fails and retract_decode
+    pops the longest prompt of equal outputs: uid 1, the older one, not the driver's newest."""
+    config = SubjectConfig(num_pages=10, page_size=PS, max_seq_len=32)
+    subject, driver, events = _driver(config=config)
+    driver.apply({"op": "submit", "uid": 1, "tokens": list(range(1, 13)), "max_tokens": 12})
+    driver.apply({"op": "submit", "uid": 2, "tokens": list(range(21, 29)), "max_tokens": 12})
+    assert driver.apply({"op": "prefill", "budget": 12}).batch == (1,)
+    assert driver.apply({"op": "prefill", "budget": 64}).batch == (2,)
+    preempted: List[int] = []
+    while not preempted and driver.running:
+        preempted = list(driver.apply({"op": "decode"}).preempted or ())
+    assert preempted == [1] and driver.running == [2], preempted
+    assert subject.requests[1].phase == "waiting" and subject.requests[1].req.is_retracted
+    assert "preempt: the subject chose a victim other than the newest" in events
