@@ -19,11 +19,15 @@ dim 128, 16-token pages on scattered pages, a head-major pool as the engine keep
   FA3 is a benchmark-only peer, never a dependency: `--fa3-library` names the `_vllm_fa3_C.abi3.so`
   of a vLLM wheel (`pip download --no-deps vllm==0.26.0`, then unzip
   `vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so`), loaded with `torch.ops.load_library`. FA3's FP8
-  path takes the query in e4m3 too (with per-head descales), as vLLM runs it.
+  path takes the query in e4m3 too (with per-head descales), as vLLM runs it;
+- `peers`: the same with FlashInfer's paged decode as well (`kvledger.bench.flashinfer_peer`; its
+  CUDA-core kernel, and with `--tensor-cores` its FA2 tensor-core kernel) and FA3 where
+  `--fa3-library` is given; each timed over CUDA-graph replays, its bandwidth set against the
+  device-to-device copy's. FlashInfer comes from `kvledger.bench.flashinfer_pack`'s archive.
 
 The raw outputs: results/gpu/decode-stage-sweep.txt, results/gpu/shared-prefix/cascade-kernel-sweep.txt,
-results/gpu/launch-order/decode-per-layer-order.txt, results/gpu/fp8-blocks/decode-per-layer-blocks.txt
-and results/gpu/fp8-blocks/decode-fa3-side-by-side.txt.
+results/gpu/launch-order/decode-per-layer-order.txt, results/gpu/fp8-blocks/decode-per-layer-blocks.txt,
+results/gpu/fp8-blocks/decode-fa3-side-by-side.txt and results/gpu/flashinfer/decode-peers.txt.
 """
 
 from __future__ import annotations
@@ -273,21 +277,61 @@ def sweep_blocks(seed: int) -> None:
                 )
 
 
-def _fa3_decode(q, k_pages, v_pages, block_table, seq_lens, descales=None):
+def _fa3_decode(q, k_pages, v_pages, block_table, seq_lens, descales=None, cu_q=None, max_seqlen=None):
     """FA3's paged decode: q [B, heads, D] (one token per request) over pages [n, PAGE, kv_heads, D].
-    The positional arguments are those of the `fwd` op of vLLM 0.26.0's _vllm_fa3_C."""
+    The positional arguments are those of the `fwd` op of vLLM 0.26.0's _vllm_fa3_C. Under CUDA-graph
+    capture, pass `cu_q` (arange(B + 1), int32) and `max_seqlen`, which otherwise cost a launch and a
+    host sync."""
     batch = q.shape[0]
-    cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) if cu_q is None else cu_q
+    max_seqlen = int(seq_lens.max()) if max_seqlen is None else max_seqlen
     q_descale, k_descale, v_descale = descales or (None, None, None)
     out, *_ = torch.ops._vllm_fa3_C.fwd(
-        q, k_pages, v_pages, None, None, None, None, cu_q, None, None, None, seq_lens, 1, int(seq_lens.max()),
+        q, k_pages, v_pages, None, None, None, None, cu_q, None, None, None, seq_lens, 1, max_seqlen,
         block_table, None, None, None, None, None, q_descale, k_descale, v_descale, q.shape[-1] ** -0.5, True,
         -1, -1, 0.0, True, None, 0, None, 0, None, 1, 0, None,
     )  # fmt: skip
     return out
 
 
-def side_by_side_fa3(library: str) -> None:
+def graph_us(fn: Callable[[], object], calls: int = 20, replays: int = 10) -> float:
+    """Median microseconds per call over `replays` replays of a CUDA graph of `calls` calls (after 3
+    eager warm-up calls): the kernels' time without the host's launch gaps, as the engine runs them."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except RuntimeError as e:  # a peer that syncs with the host cannot be captured: say so, time nothing
+        print(f"  (CUDA-graph capture failed: {str(e).splitlines()[0][:160]})")
+        return float("nan")
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_gbps(nbytes: int = 2**31) -> float:
+    """Device-to-device copy bandwidth, bytes read plus bytes written: the ceiling a decode kernel's
+    KV bytes per second is compared with."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    return 2 * nbytes / graph_us(lambda: dst.copy_(src), calls=5) / 1e3
+
+
+def side_by_side(fa3_library: str | None, flashinfer: bool, tensor_cores: bool, profile: bool = False) -> None:
+    """kvledger's decode kernels (the engine's launch, split count and longest-first order) against
+    FlashInfer's paged decode and/or FlashAttention-3's on one token-major pool, at FA3_SHAPES.
+    profile: call each peer twice (its error check and once more) and time nothing, for a profiler
+    (`ncu -k regex:...`) to take one launch of each kernel at each shape."""
     from kvledger.engine.attention.triton_decode import (
         DecodeWorkspace,
         decode_attention,
@@ -296,10 +340,22 @@ def side_by_side_fa3(library: str) -> None:
         num_splits_for,
     )
 
-    torch.ops.load_library(library)
+    fi = None
+    if flashinfer:
+        from kvledger.bench.flashinfer_peer import FlashInferDecode, import_flashinfer
+
+        fi = import_flashinfer()
+        print(f"FlashInfer {fi.__version__} from {fi.__file__}")
+    if fa3_library:
+        torch.ops.load_library(fa3_library)
     fp8 = torch.float8_e4m3fn
-    print("decode attention, kvledger vs FlashAttention-3 (paged), one layer, token-major pool shared by both;")
-    print("GB/s counts the KV bytes read (K and V of every context token) over the kernel's time")
+    ceiling = copy_gbps()
+    print(f"device-to-device copy: {ceiling:.0f} GB/s (bytes read plus written), {torch.cuda.get_device_name()}")
+    print("decode attention per layer (16 query heads, 8 KV heads, head dim 128, 16-token pages), one token-major")
+    print("pool shared by all; 'graph' is the median per call over CUDA-graph replays of 20 calls, 'eager' the mean")
+    print("of 30 launches; GB/s counts the KV bytes read (K and V of every context token) over the graph time;")
+    print("'copy' is that over the copy bandwidth; error: relative to float32 attention over the dequantized pool")
+    table_rows = []
     for label, batch, low, high in FA3_SHAPES:
         lens = [low] * batch if high is None else torch.randint(low, high + 1, (batch,)).tolist()
         pages_of = [-(-n // PAGE) for n in lens]
@@ -311,47 +367,89 @@ def side_by_side_fa3(library: str) -> None:
         block_table = torch.tensor(rows_pages, dtype=torch.int32, device="cuda")
         table = (block_table[:, :, None] * PAGE + torch.arange(PAGE, device="cuda")).flatten(1).to(torch.int32)
         seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        rows = torch.arange(batch, device="cuda")
         q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         kf, vf = (torch.randn(len(perm) * PAGE, KV_HEADS, HEAD_DIM, device="cuda") for _ in range(2))
         ws = DecodeWorkspace(batch, HEADS, HEAD_DIM, 16, "cuda")
-        splits = num_splits_for(batch, KV_HEADS)
-        order = longest_first(seq)
+        splits, order = num_splits_for(batch, KV_HEADS), longest_first(seq)
+        rows_b = torch.arange(batch, device="cuda")
+        cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
         for dtype in (torch.bfloat16, fp8):
             ks = float(kf.abs().max() / 448) if dtype == fp8 else 1.0
             vs = float(vf.abs().max() / 448) if dtype == fp8 else 1.0
             k, v = (kf / ks).to(dtype), (vf / vs).to(dtype)
             nbytes = sum(lens) * KV_HEADS * HEAD_DIM * 2 * k.element_size()
             launch = decode_launch_config(batch, KV_HEADS, dtype, HEAD_DIM)
-
-            def ours():
-                return decode_attention(
-                    q, k, v, 0, table, rows, seq, ws, splits, k_scale=ks, v_scale=vs, order=order,
-                    **launch.kernel_args(),
-                )  # fmt: skip
-
             pages_k, pages_v = (x.view(-1, PAGE, KV_HEADS, HEAD_DIM) for x in (k, v))
-            descales, q_fa3 = None, q
-            if dtype == fp8:
-                qs = float(q.float().abs().max() / 448)
-                q_fa3 = (q.float() / qs).to(fp8)
-                descales = tuple(torch.full((batch, KV_HEADS), x, device="cuda") for x in (qs, ks, vs))
-            truth = _gathered_attention(q, k.float() * ks, v.float() * vs, table, lens)
-            results = {}
-            for name, fn in (
-                ("kvledger", ours),
-                ("FA3", lambda: _fa3_decode(q_fa3, pages_k, pages_v, block_table, seq, descales)),
-            ):
-                err = float((fn().float()[:4] - truth).norm() / truth.norm())
-                results[name] = time_us(fn)
-                print(
-                    f"  {label:18s} {str(dtype).split('.')[-1]:14s} {name:9s} {results[name]:8.1f} us "
-                    f"{nbytes / results[name] / 1e3:6.0f} GB/s  relative error {err:.1e}"
+            peers: list[tuple[str, Callable[[], torch.Tensor]]] = [
+                (
+                    "kvledger",
+                    lambda: decode_attention(
+                        q,
+                        k,
+                        v,
+                        0,
+                        table,
+                        rows_b,
+                        seq,
+                        ws,
+                        splits,
+                        k_scale=ks,
+                        v_scale=vs,
+                        order=order,
+                        **launch.kernel_args(),
+                    ),  # fmt: skip
                 )
-            print(f"  {'':18s} {'':14s} kvledger takes {results['kvledger'] / results['FA3']:.2f}x FA3's time")
+            ]
+            if fi is not None:
+                for cores in (False, True) if tensor_cores else (False,):
+                    plan = FlashInferDecode(fi, block_table, lens, HEADS, KV_HEADS, HEAD_DIM, PAGE, dtype, cores)
+                    name = "FlashInfer" + (" TC" if cores else "")
+                    peers.append((name, lambda plan=plan: plan(q, pages_k, pages_v, ks, vs)))
+            if fa3_library:
+                descales, q_fa3 = None, q
+                if dtype == fp8:  # FA3's FP8 path takes the query in e4m3 too, as vLLM runs it
+                    qs = float(q.float().abs().max() / 448)
+                    q_fa3 = (q.float() / qs).to(fp8)
+                    descales = tuple(torch.full((batch, KV_HEADS), x, device="cuda") for x in (qs, ks, vs))
+                peers.append(
+                    (
+                        "FA3",
+                        lambda q_fa3=q_fa3, d=descales: _fa3_decode(
+                            q_fa3, pages_k, pages_v, block_table, seq, d, cu_q, max(lens)
+                        ),
+                    )
+                )
+            truth = _gathered_attention(q, k.float() * ks, v.float() * vs, table, lens, CHECKED_ROWS)
+            base = None
+            for name, fn in peers:
+                got = fn().float()[:CHECKED_ROWS]
+                err = float((got - truth).norm() / truth.norm())
+                if profile:
+                    fn()
+                    torch.cuda.synchronize()
+                    print(f"  {label:18s} {dtype} {name:14s} error {err:.1e} (profiled: not timed)")
+                    continue
+                us, eager = graph_us(fn), time_us(fn)
+                base = us if base is None else base
+                gbps = nbytes / us / 1e3
+                dname = "bf16" if dtype == torch.bfloat16 else "fp8 e4m3"
+                table_rows.append((label, dname, name, us, gbps, gbps / ceiling, err, us / base))
+                print(
+                    f"  {label:18s} {dname:9s} {name:14s} graph {us:7.1f} us  eager {eager:7.1f} us  "
+                    f"{gbps:5.0f} GB/s  copy {gbps / ceiling:4.0%}  error {err:.1e}  x kvledger {us / base:4.2f}"
+                )
+    print(
+        "\n| batch x context | KV | kernel | us per layer | GB/s | share of copy | relative error | time / kvledger's |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for label, dname, name, us, gbps, share, err, ratio in table_rows:
+        print(f"| {label} | {dname} | {name} | {us:.1f} | {gbps:.0f} | {share:.0%} | {err:.1e} | {ratio:.2f} |")
 
 
-def _gathered_attention(q, k, v, table, lens, rows: int = 4) -> torch.Tensor:
+CHECKED_ROWS = 16
+
+
+def _gathered_attention(q, k, v, table, lens, rows: int) -> torch.Tensor:
     """float32 attention of the first `rows` requests over their gathered tokens ([tokens, kv_heads, D])."""
     outs = []
     for b in range(rows):
@@ -363,15 +461,21 @@ def _gathered_attention(q, k, v, table, lens, rows: int = 4) -> torch.Tensor:
     return torch.stack(outs)
 
 
+SWEEPS = ("plain", "cascade", "order", "blocks", "fa3", "peers")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvledger.bench.decode_kernels", description=__doc__.splitlines()[0])
-    p.add_argument("sweeps", nargs="*", help="plain, cascade, order, blocks and/or fa3 (default: plain and cascade)")
+    p.add_argument(
+        "sweeps", nargs="*", help="plain, cascade, order, blocks, fa3 and/or peers (default: plain and cascade)"
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fa3-library", default=None, metavar="SO", help="for fa3: the _vllm_fa3_C.abi3.so to load")
+    p.add_argument("--fa3-library", default=None, metavar="SO", help="for fa3 and peers: the _vllm_fa3_C.abi3.so")
+    p.add_argument("--tensor-cores", action="store_true", help="for peers: also FlashInfer's tensor-core (FA2) decode")
     args = p.parse_args(argv)
-    bad = [s for s in args.sweeps if s not in ("plain", "cascade", "order", "blocks", "fa3")]
+    bad = [s for s in args.sweeps if s not in SWEEPS]
     if bad:
-        p.error(f"unknown sweep {bad[0]!r}: choose plain, cascade, order, blocks and/or fa3")
+        p.error(f"unknown sweep {bad[0]!r}: choose plain, cascade, order, blocks, fa3 and/or peers")
     if "fa3" in args.sweeps and not args.fa3_library:
         p.error("the fa3 side by side needs --fa3-library (the _vllm_fa3_C.abi3.so of a vLLM wheel)")
     if not torch.cuda.is_available():
@@ -388,7 +492,9 @@ def main(argv=None) -> int:
     if "blocks" in sweeps:
         sweep_blocks(args.seed)
     if "fa3" in sweeps:
-        side_by_side_fa3(args.fa3_library)
+        side_by_side(args.fa3_library, flashinfer=False, tensor_cores=False)
+    if "peers" in sweeps:
+        side_by_side(args.fa3_library, flashinfer=True, tensor_cores=args.tensor_cores, profile=args.profile)
     return 0
 
 
