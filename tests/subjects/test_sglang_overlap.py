@@ -183,3 +183,17 @@ def test_zoo_bug_is_caught_and_the_clean_subject_passes(edit: SourceEdit):
     assert found is not None and found.kind == CAUGHT_AS[edit.name], found
     clean = _replay([], path)
     assert clean is None, f"{edit.name}: the unedited subject fails the same trace: {clean}"
+
+
+def test_seeded_cases_find_nothing_and_reach_every_overlap_state():
+    """The fuzzer's cases 0-13 (page 4): no finding, and every rare state of the overlap loop, the
+    exhausted-pool decode and its retraction among them (measured: case 13 is the first to retract a
+    request whose result is queued)."""
+    from kvledger.checker.subject_walk import run_case
+
+    events: set = set()
+    for seed in range(14):
+        result = run_case(lambda config: sglang_overlap.build(config), seed, (4,))
+        assert result.finding is None, f"seed {seed}: {result.finding}\n{result.finding.detail}"
+        events |= set(result.events)
+    assert sglang_overlap.OVERLAP_EVENTS | {EXHAUSTED_AT_DECODE, "preempt: a running request preempted"} <= events
