@@ -65,9 +65,9 @@ from typing import Any, Dict, FrozenSet, Iterator, List, Sequence, Tuple
 
 from kvledger.engine.ledger.invariants import prefix_hashes
 from kvledger.properties.subject import Capabilities, DriverMismatch, SubjectConfig, View
-from kvledger.subjects.edits import SourceEdit
+from kvledger.subjects.edits import SourceEdit, bind_to_instances
 from kvledger.subjects.sglang import load
-from kvledger.subjects.sglang_hicache_zoo import HOST_MHA, HOST_POOL_COMMON, ZOO
+from kvledger.subjects.sglang_hicache_zoo import CACHE_CONTROLLER, HOST_MHA, HOST_POOL_COMMON, ZOO
 from kvledger.subjects.sglang_import import PACKAGE, VERSION, SglangNames
 from kvledger.subjects.sglang_paged import PagedSglangSubject
 
@@ -142,9 +142,12 @@ class HiCacheSglangSubject(PagedSglangSubject):
         self.reached: List[str] = []  # rare states reached since the driver last looked
         self.landed: List[Tuple[int, int, int]] = []  # (location, prefix hash, length) a load filled
         self._host_only = 0
+        # edits of the host tier's controller and host pool, bound on this subject's own
+        host_side = [e for e in edits if e.target.split(":")[0] in (CACHE_CONTROLLER, HOST_MHA)]
         with self._sglang(constructing=True):
-            super().__init__(config, s, edits)
-        self.controller = self.tree.cache_controller
+            super().__init__(config, s, [e for e in edits if e not in host_side])
+            self.controller = self.tree.cache_controller
+            bind_to_instances(host_side, [self.controller, self.controller.mem_pool_host.anchor_entry.host_pool], NAME)
 
     @contextlib.contextmanager
     def _sglang(self, constructing: bool = False) -> Iterator[None]:
