@@ -6,8 +6,11 @@ process group's timeout (minutes), and a rank that dies while rank 0 is idle is 
 step only. So a thread of rank 0 waits on three things at once (`multiprocessing.connection.wait`):
 each rank's report pipe (a traceback when it raised), each rank's process sentinel (ready the
 moment the process ends, whatever ended it), and a tick of TICK_SECONDS at which it reads each
-rank's heartbeat counter (engine/distributed/heartbeat.py). A counter that has stood still for
-STALL_SECONDS is a lost rank: stopped, or frozen with its GIL held.
+rank's state in /proc and its heartbeat counter (engine/distributed/heartbeat.py). A rank stopped
+by a signal (state T: SIGSTOP, SIGTSTP) for STOPPED_SECONDS is lost; the state says so directly, so
+this need not wait long, and load cannot fake it. A counter that has stood still for STALL_SECONDS
+is a lost rank too: frozen with its GIL held, stuck in the kernel, or stopped where /proc cannot be
+read.
 
 On the first failure the watch records it (`failure`, `failed`), SIGKILLs every rank still running
 (a stopped one too: SIGKILL ends a stopped process) and reaps them, then calls `on_failure`. With
@@ -31,7 +34,8 @@ from kvledger.engine.distributed.rank_errors import RankFailed, RankLost
 log = logging.getLogger(__name__)
 
 TICK_SECONDS = 0.1
-STALL_SECONDS = 2.0  # a heartbeat that has not moved for this long: the rank is lost
+STOPPED_SECONDS = 0.5  # stopped by a signal for this long: the rank is lost (a brief stop and SIGCONT is not)
+STALL_SECONDS = 3.0  # a heartbeat that has not moved for this long: the rank is lost
 REAP_SECONDS = 5.0
 
 
@@ -67,6 +71,7 @@ class RankWatch:
     def _run(self) -> None:
         running = {r + 1: p for r, p in enumerate(self._procs)}
         seen = {rank: (self._beats[rank], time.monotonic()) for rank in running}
+        stopped: Dict[int, float] = {}  # since when each stopped rank has been seen stopped
         while not self._stop.is_set() and running:
             waitables: List[Any] = [p.sentinel for p in running.values()]
             waitables += [c for r, c in self._reports.items() if c is not None and r in running]
@@ -85,6 +90,12 @@ class RankWatch:
                         self._fail(RankLost(rank, _exit_how(proc.exitcode)))
             now = time.monotonic()
             for rank, proc in running.items():
+                if process_state(proc.pid) == "T":
+                    since = stopped.setdefault(rank, now)
+                    if now - since >= STOPPED_SECONDS:
+                        self._fail(RankLost(rank, f"stopped (SIGSTOP) for {now - since:.1f} s"))
+                else:
+                    stopped.pop(rank, None)
                 beat, since = seen[rank]
                 if self._beats[rank] != beat:
                     seen[rank] = (self._beats[rank], now)
@@ -139,8 +150,8 @@ def _exit_how(code: Optional[int]) -> str:
 
 def _stall_how(pid: Optional[int], seconds: float) -> str:
     state = process_state(pid) if pid is not None else None
-    if state in ("T", "t"):  # stopped by a signal, or by a debugger
-        return f"stopped (SIGSTOP), no heartbeat for {seconds:.1f} s"
+    if state in ("T", "t"):  # stopped by a signal (seen in between ticks), or by a debugger
+        return f"stopped (state {state}), no heartbeat for {seconds:.1f} s"
     return f"no heartbeat for {seconds:.1f} s (process state {state or 'unknown'})"
 
 

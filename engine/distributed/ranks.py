@@ -7,13 +7,14 @@ returns from `LLM(...)` as usual, and the other ranks serve rank 0 inside `LLM(.
 process when it shuts down.
 
 Failures: rank 0 watches the ranks it spawned (engine/distributed/rank_watch.py): a rank that raises
-sends its traceback and exits, one that is killed ends its process, one that is stopped stops its
-heartbeat; the watch then kills and reaps every other rank, and rank 0's step raises `RankFailed`
-(the rank's own error) or `RankLost` (how it went), within STALL_SECONDS for a stopped rank and at
-once otherwise, also when rank 0 was idle (the engine then has work: reporting it). A spawned rank
-whose rank 0 is gone leaves (engine/distributed/heartbeat.py). If rank 0 fails, it terminates the
-others. Under torchrun nothing of this runs: torchrun's agent ends the group when a process dies,
-and a stopped rank is noticed at the process group's timeout only.
+sends its traceback and exits, one that is killed ends its process, one that is stopped shows it in
+/proc, and one that is frozen stops its heartbeat. The watch then kills and reaps every other rank,
+and rank 0's step raises `RankFailed` (the rank's own error) or `RankLost` (how it went): at once
+for a rank that ended, within STOPPED_SECONDS for a stopped one and STALL_SECONDS for a frozen one,
+also when rank 0 was idle (the engine then has work: reporting it). A spawned rank whose rank 0 is
+gone leaves (engine/distributed/heartbeat.py). If rank 0 fails, it kills the others. Under torchrun
+nothing of this runs: torchrun's agent ends the group when a process dies, and a stopped rank is
+noticed at the process group's timeout only (docs/tensor-parallelism.md, "When a rank is lost").
 """
 
 from __future__ import annotations

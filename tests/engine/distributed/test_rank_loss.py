@@ -5,6 +5,7 @@ timeouts below only guard against a hang."""
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import signal
@@ -46,6 +47,11 @@ def stop_rank_1_at_step_3(rank, step, engine):
         _signal_rank_1(signal.SIGSTOP)
 
 
+def freeze_rank_1_at_step_3(rank, step, engine):
+    if rank == 1 and step == 3:  # libc's sleep through PyDLL keeps the GIL: the heartbeat thread stops too
+        ctypes.PyDLL(None).sleep(600)
+
+
 def _gone(pid: int) -> bool:
     """Not running and reaped: no /proc entry (a zombie still has one)."""
     return process_state(pid) is None
@@ -53,8 +59,12 @@ def _gone(pid: int) -> bool:
 
 @pytest.mark.parametrize(
     "hook,how",
-    [(kill_rank_1_at_step_3, "killed by SIGKILL"), (stop_rank_1_at_step_3, r"stopped \(SIGSTOP\)")],
-    ids=["sigkill", "sigstop"],
+    [
+        (kill_rank_1_at_step_3, "killed by SIGKILL"),
+        (stop_rank_1_at_step_3, r"stopped \(SIGSTOP\)"),
+        (freeze_rank_1_at_step_3, r"no heartbeat for 3\.\d s \(process state S\)"),
+    ],
+    ids=["sigkill", "sigstop", "frozen"],
 )
 def test_a_rank_killed_or_stopped_mid_generation_ends_the_run_with_rank_lost(hook, how):
     llm = LLM(TINY, dummy_weights=True, tensor_parallel_size=2, threads=1, page_size=2, rank_hook=hook)
