@@ -154,20 +154,23 @@ class HiCacheSglangSubject(PagedSglangSubject):
         """This subject's runtime context and stand-ins, for the length of one call."""
         from sglang.srt.runtime_context import use_context
 
-        mha = importlib.import_module(HOST_MHA)
+        mha: Any = importlib.import_module(HOST_MHA)
         common = importlib.import_module(HOST_POOL_COMMON)
-        had = "transfer_kv_direct" in vars(mha)
-        mha.transfer_kv_direct = _copy_pages
-        if constructing:
+        # where SGLang bound its own (an accelerator's build), it is left in place
+        copy = "transfer_kv_direct" not in vars(mha)
+        unpinned = constructing and "cpu" not in common.ALLOC_MEMORY_FUNCS
+        if copy:
+            mha.transfer_kv_direct = _copy_pages
+        if unpinned:
             common.ALLOC_MEMORY_FUNCS["cpu"] = _unpinned(common.alloc_with_host_register)
         try:
             with use_context(self._runtime):
                 yield
         finally:
-            if constructing:
+            if unpinned:
                 del common.ALLOC_MEMORY_FUNCS["cpu"]
-            if not had:
-                del mha.transfer_kv_direct
+            if copy:
+                delattr(mha, "transfer_kv_direct")
 
     # -- what is built differently ------------------------------------------------------------------
     def build_allocator(self, config: SubjectConfig) -> Any:
