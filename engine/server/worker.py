@@ -344,9 +344,15 @@ class EngineWorker:
         self._ended(prompt_len, None if rec is None else rec.cached_tokens)
 
     def _step(self) -> None:
-        started = time.monotonic()
+        started = self._step_began = time.monotonic()
         events = self.engine.step()
-        self.timing.stepped(events, started, self.engine.requests)
+        self._step_began = None
+        with self._lock:
+            if self.fatal is None:  # else the watchdog declared the engine stalled meanwhile: dropped
+                self.timing.stepped(events, started, self.engine.requests)
+                self._deliver(events)
+
+    def _deliver(self, events) -> None:
         for ev in events:
             open_ = self._open.get(ev.uid)
             sink = open_.sink if open_ is not None else None
@@ -462,7 +468,9 @@ class EngineWorker:
             self._rate.popleft()
         span = max(1.0, now - self._rate[0][0]) if self._rate else RATE_WINDOW_S
         c = self._counts
-        self.timing.sync(self._open)  # requests failed by a fault or a drain ended in error
+        with self._lock:  # the watchdog may be failing them meanwhile
+            open_now = list(self._open)
+        self.timing.sync(open_now)  # requests failed by a fault or a drain ended in error
         self.stats = EngineStats(
             running=engine.running_requests,
             waiting=engine.waiting_requests,
