@@ -320,11 +320,13 @@ def graph_us(fn: Callable[[], object], calls: int = 20, replays: int = 10) -> fl
 
 
 def copy_gbps(nbytes: int = 2**31) -> float:
-    """Device-to-device copy bandwidth, bytes read plus bytes written: the ceiling a decode kernel's
-    KV bytes per second is compared with."""
+    """Device-to-device copy bandwidth (`copy_`), bytes read plus bytes written: the ceiling a decode
+    kernel's KV bytes per second is compared with."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    return 2 * nbytes / graph_us(lambda: dst.copy_(src), calls=5) / 1e3
+    # eager, as the project's copy ceiling was measured: the same copy replayed in a CUDA graph (a
+    # memcpy node) moved only 2,712 GB/s on the H200 (results/gpu/flashinfer/decode-peers-first-run.txt)
+    return 2 * nbytes / time_us(lambda: dst.copy_(src), reps=10) / 1e3
 
 
 def side_by_side(fa3_library: str | None, flashinfer: bool, tensor_cores: bool, profile: bool = False) -> None:
@@ -472,6 +474,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fa3-library", default=None, metavar="SO", help="for fa3 and peers: the _vllm_fa3_C.abi3.so")
     p.add_argument("--tensor-cores", action="store_true", help="for peers: also FlashInfer's tensor-core (FA2) decode")
+    p.add_argument("--profile", action="store_true", help="for peers: one untimed call of each kernel, for ncu")
     args = p.parse_args(argv)
     bad = [s for s in args.sweeps if s not in SWEEPS]
     if bad:

@@ -1,0 +1,272 @@
+"""FP8 decode variants against the engine's kernel (CUDA only): `python -m kvledger.bench.fp8_decode_lab`.
+
+The engine's FP8 decode kernel reads e4m3 at about 2.7 TB/s at batch 256 x 600 (62% of DRAM's
+rate by ncu, 12 warps per multiprocessor), and an earlier lab kernel with 40% fewer instructions
+per block ran no faster: the kernel waits for its loads. FlashInfer's FP8 decode (CUDA cores, 72
+registers, 44% occupancy) reads at 40% of DRAM's rate, so the comparison offers no faster scheme
+to copy. This lab tries two ways to keep more bytes in flight per multiprocessor, one split per
+request (the engine's choice at batch 256), on the engine's head-major pool:
+
+- `kv_heads_per_program` (HP): one program reads HP KV heads' tiles at each block of tokens, as one
+  [BLOCK_N, HP * 128] tile, against a block-diagonal query tile (query row r holds its head's
+  vector in its KV head's 128 columns, zeros elsewhere), so the scores of every row are its own
+  head's; the output row keeps its KV head's columns. Per byte read: the same tensor-core work,
+  half (HP=2) the table loads, softmax and loop overhead.
+- `prefetch`: the loop issues the next block's K/V loads (their token locations loaded a block
+  earlier still) before computing on the current block, from registers, with Triton's own
+  pipelining off; the whole blocks run unmasked, the last partial block masked.
+
+Each variant is checked against float32 attention over the dequantized pool and timed over
+CUDA-graph replays; the engine's launch is the first row of each shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 8, 128, 16
+ROWS = 16  # the query tile's rows: the tensor cores' smallest M
+
+if triton is not None:
+
+    @triton.jit
+    def _block(q, K, V, loc, col_off, stride_kn, sm_scale, m_i, l_i, acc, n_mask, MASKED: tl.constexpr):
+        kv = loc[:, None] * stride_kn + col_off[None, :]
+        if MASKED:
+            k = tl.load(K + kv, mask=n_mask[:, None], other=0.0)
+            v = tl.load(V + kv, mask=n_mask[:, None], other=0.0)
+        else:
+            k = tl.load(K + kv)
+            v = tl.load(V + kv)
+        return _attend(q, k, v, sm_scale, m_i, l_i, acc, n_mask, MASKED)
+
+    @triton.jit
+    def _attend(q, k, v, sm_scale, m_i, l_i, acc, n_mask, MASKED: tl.constexpr):
+        s = tl.dot(q, tl.trans(k.to(tl.float16))).to(tl.float32) * sm_scale
+        if MASKED:
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16)).to(tl.float32)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _fp8_decode_lab_kernel(
+        Q,
+        K,
+        V,
+        TABLE,
+        SEQ_LEN,
+        ORDER,
+        OUT,
+        stride_qb,
+        stride_qh,
+        stride_kn,
+        stride_kh,
+        stride_tr,
+        stride_ob,
+        stride_oh,
+        sm_scale,
+        v_scale,
+        GROUP: tl.constexpr,
+        HP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        ROWS: tl.constexpr,
+        PREFETCH: tl.constexpr,
+    ):
+        first_kv = tl.program_id(0) * HP
+        b = tl.load(ORDER + tl.program_id(1))
+        seq_len = tl.load(SEQ_LEN + b)
+        table_row = TABLE + b.to(tl.int64) * stride_tr
+        r = tl.arange(0, ROWS)
+        c = tl.arange(0, HP * HEAD_DIM)
+        own = (r[:, None] < HP * GROUP) & (r[:, None] // GROUP == c[None, :] // HEAD_DIM)
+        head = first_kv * GROUP + r
+        c_d = c % HEAD_DIM
+        q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + c_d[None, :], mask=own, other=0.0)
+        q = q.to(tl.float16)
+        col_off = (first_kv + c // HEAD_DIM) * stride_kh + c_d
+        offs = tl.arange(0, BLOCK_N)
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, HP * HEAD_DIM], tl.float32)
+        whole = seq_len // BLOCK_N * BLOCK_N
+        if PREFETCH:
+            ok = offs < whole
+            loc = tl.load(table_row + offs, mask=ok, other=0)
+            k = tl.load(K + loc[:, None] * stride_kn + col_off[None, :], mask=ok[:, None], other=0.0)
+            v = tl.load(V + loc[:, None] * stride_kn + col_off[None, :], mask=ok[:, None], other=0.0)
+            loc_next = tl.load(table_row + BLOCK_N + offs, mask=BLOCK_N + offs < whole, other=0)
+            for n0 in range(0, whole, BLOCK_N):
+                ok_next = n0 + BLOCK_N + offs < whole
+                kv_next = loc_next[:, None] * stride_kn + col_off[None, :]
+                k_next = tl.load(K + kv_next, mask=ok_next[:, None], other=0.0)
+                v_next = tl.load(V + kv_next, mask=ok_next[:, None], other=0.0)
+                ahead = n0 + 2 * BLOCK_N + offs
+                loc_after = tl.load(table_row + ahead, mask=ahead < whole, other=0)
+                m_i, l_i, acc = _attend(q, k, v, sm_scale, m_i, l_i, acc, ok, False)
+                k, v, loc_next = k_next, v_next, loc_after
+        else:
+            for n0 in range(0, whole, BLOCK_N):
+                loc = tl.load(table_row + n0 + offs)
+                m_i, l_i, acc = _block(q, K, V, loc, col_off, stride_kn, sm_scale, m_i, l_i, acc, offs < BLOCK_N, False)
+        if whole < seq_len:
+            n_mask = whole + offs < seq_len
+            loc = tl.load(table_row + whole + offs, mask=n_mask, other=0)
+            m_i, l_i, acc = _block(q, K, V, loc, col_off, stride_kn, sm_scale, m_i, l_i, acc, n_mask, True)
+        out = acc * v_scale / l_i[:, None]
+        tl.store(OUT + b * stride_ob + head[:, None] * stride_oh + c_d[None, :], out.to(OUT.dtype.element_ty), mask=own)
+
+
+@dataclass(frozen=True)
+class LabLaunch:
+    kv_heads_per_program: int
+    block_n: int
+    num_warps: int
+    num_stages: int | None
+    prefetch: bool
+    max_registers: int | None = None
+
+    def label(self) -> str:
+        regs = f", maxnreg {self.max_registers}" if self.max_registers else ""
+        return (
+            f"HP {self.kv_heads_per_program} block {self.block_n} warps {self.num_warps} "
+            f"stages {self.num_stages} prefetch {int(self.prefetch)}{regs}"
+        )
+
+
+def lab_decode(q, k, v, table, seq, order, k_scale: float, v_scale: float, launch: LabLaunch) -> torch.Tensor:
+    """q [B, heads, D] bf16 over a head-major FP8 pool [kv_heads, tokens, D]; one split."""
+    batch, heads, head_dim = q.shape
+    kv_heads = k.shape[0]
+    out = torch.empty_like(q)
+    options = {"num_warps": launch.num_warps}
+    if launch.num_stages is not None:
+        options["num_stages"] = launch.num_stages
+    if launch.max_registers is not None:
+        options["maxnreg"] = launch.max_registers
+    hp = launch.kv_heads_per_program
+    _fp8_decode_lab_kernel[(kv_heads // hp, batch)](
+        q, k, v, table, seq, order, out,
+        q.stride(0), q.stride(1), k.stride(1), k.stride(0), table.stride(0), out.stride(0), out.stride(1),
+        head_dim**-0.5 * k_scale, v_scale,
+        GROUP=heads // kv_heads, HP=hp, HEAD_DIM=head_dim, BLOCK_N=launch.block_n, ROWS=ROWS,
+        PREFETCH=launch.prefetch, **options,
+    )  # fmt: skip
+    return out
+
+
+LAUNCHES = [
+    LabLaunch(1, 64, 2, None, False, 168),  # the engine's block, warps and cap, in this lab's kernel
+    LabLaunch(1, 64, 4, 1, True),
+    LabLaunch(1, 32, 2, 1, True),
+    LabLaunch(1, 64, 2, 1, True, 168),
+    LabLaunch(2, 64, 4, None, False),
+    LabLaunch(2, 64, 4, 2, False),
+    LabLaunch(2, 32, 4, None, False),
+    LabLaunch(2, 64, 4, 1, True),
+    LabLaunch(2, 32, 4, 1, True),
+    LabLaunch(2, 64, 8, 1, True),
+    LabLaunch(4, 32, 4, None, False),
+    LabLaunch(4, 64, 8, None, False),
+    LabLaunch(4, 32, 8, 1, True),
+]
+SHAPES = (("256 x 600", 256, 600, None), ("256 x U(100,1500)", 256, 100, 1500))
+
+
+def run_lab(seed: int) -> None:
+    from kvledger.bench.decode_kernels import _gathered_attention, copy_gbps, graph_us
+    from kvledger.engine.attention.triton_decode import (
+        DecodeWorkspace,
+        decode_attention,
+        decode_launch_config,
+        longest_first,
+    )
+
+    fp8 = torch.float8_e4m3fn
+    g = torch.Generator().manual_seed(seed)
+    ceiling = copy_gbps()
+    print(f"device-to-device copy {ceiling:.0f} GB/s; FP8 e4m3 KV, head-major pool, one split, longest-first order")
+    for label, batch, low, high in SHAPES:
+        lens = [low] * batch if high is None else torch.randint(low, high + 1, (batch,), generator=g).tolist()
+        per_row = -(-max(lens) // PAGE)
+        pages = torch.randperm(batch * per_row + 8, generator=g)[: batch * per_row].view(batch, per_row)
+        table = (pages[:, :, None] * PAGE + torch.arange(PAGE)).flatten(1).to(torch.int32).cuda().contiguous()
+        seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        order = longest_first(seq)
+        q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        tokens = (batch * per_row + 8) * PAGE
+        kf, vf = (torch.randn(KV_HEADS, tokens, HEAD_DIM, device="cuda") for _ in range(2))
+        ks, vs = float(kf.abs().max() / 448), float(vf.abs().max() / 448)
+        k, v = (kf / ks).to(fp8), (vf / vs).to(fp8)
+        nbytes = sum(lens) * KV_HEADS * HEAD_DIM * 2
+        rows = 16
+        truth = _gathered_attention(
+            q, k.float().transpose(0, 1) * ks, v.float().transpose(0, 1) * vs, table, lens, rows
+        )
+        ws = DecodeWorkspace(batch, HEADS, HEAD_DIM, 16, "cuda")
+        launch = decode_launch_config(batch, KV_HEADS, fp8, HEAD_DIM)
+        arange = torch.arange(batch, device="cuda")
+        variants = [
+            (
+                "engine kernel (decode_attention)",
+                lambda: decode_attention(
+                    q,
+                    k,
+                    v,
+                    1,
+                    table,
+                    arange,
+                    seq,
+                    ws,
+                    1,
+                    k_scale=ks,
+                    v_scale=vs,
+                    order=order,
+                    **launch.kernel_args(),
+                ),  # fmt: skip
+            )
+        ]
+        for lab in LAUNCHES:
+            variants.append((lab.label(), lambda lab=lab: lab_decode(q, k, v, table, seq, order, ks, vs, lab)))
+        print(f"{label}: {nbytes / 1e6:.0f} MB of e4m3 per layer")
+        for name, fn in variants:
+            try:
+                got = fn().float()[:rows]
+            except Exception as e:  # a launch Triton cannot compile (resources): say so, go on
+                print(f"  {name:52s} failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+                continue
+            err = float((got - truth).norm() / truth.norm())
+            us = graph_us(fn)
+            gbps = nbytes / us / 1e3
+            print(f"  {name:52s} {us:7.1f} us {gbps:5.0f} GB/s copy {gbps / ceiling:4.0%} error {err:.1e}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvledger.bench.fp8_decode_lab", description=__doc__.splitlines()[0])
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if triton is None or not torch.cuda.is_available():
+        print("python -m kvledger.bench.fp8_decode_lab: needs a CUDA device and Triton", file=sys.stderr)
+        return 2
+    torch.manual_seed(args.seed)
+    run_lab(args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
