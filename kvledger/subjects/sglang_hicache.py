@@ -30,7 +30,11 @@ The scheduler's calls, in its order:
   `tree_cache.init_load_back` (unified_radix_cache.py:3586) allocates device pages for the host
   part (evicting if needed) and queues the copy; a load it declines (fewer than
   `load_back_threshold` tokens, no room) is re-admitted without the host hit (:1548); the loaded
-  tokens join the prefix (`req.prefix_len += host_loaded_length`, `cache_protected_len`);
+  tokens join the prefix (`req.prefix_len += host_loaded_length`, `cache_protected_len`). An
+  admission that passed the budget check always has room for its load (the check asks for the
+  prompt past the device hit, its decode tokens and a page, of the same free and evictable pages
+  the load evicts from), so a load is declined only under the threshold, before it evicts anything,
+  and a refused admission changes nothing (the subject does not declare `evicts_before_admit`);
 - `get_new_batch_prefill` (scheduler.py:4353): `ready_to_load_host_cache()` starts the queued
   loads, and the forward pass waits for each layer (`LayerDoneCounter.wait_until`);
 - result processing ends with `flush_pending_backups()` (scheduler.py:5106): the backups queued by
@@ -53,7 +57,8 @@ subject's calls run (`_sglang`):
 - `transfer_kv_direct` (bound in pool_host/mha.py only on CUDA, HIP and XPU, from sgl_kernel's
   kvcacheio, which is not installed here): sgl_kernel's op is a host loop that copies, for each
   layer, each page of `src_indices` to the page of `dst_indices` with `Tensor.copy_`; `_copy_pages`
-  does that copy with tensor indexing.
+  does that copy token by token with tensor indexing (the same copy where each page's indices run
+  contiguously, as the paged allocator and the host pool hand them out).
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ from array import array
 from typing import Any, Dict, FrozenSet, Iterator, List, Sequence, Tuple
 
 from kvledger.engine.ledger.invariants import prefix_hashes
-from kvledger.properties.subject import Capabilities, DriverMismatch, SubjectConfig, View
+from kvledger.properties.subject import DriverMismatch, SubjectConfig, View
 from kvledger.subjects.edits import SourceEdit, bind_to_instances
 from kvledger.subjects.sglang import load
 from kvledger.subjects.sglang_hicache_zoo import CACHE_CONTROLLER, HOST_MHA, HOST_POOL_COMMON, ZOO
@@ -199,12 +204,6 @@ class HiCacheSglangSubject(PagedSglangSubject):
         tree.init_hicache(self.server_args, params)
         return tree
 
-    def build_capabilities(self, config: SubjectConfig) -> Capabilities:
-        caps = super().build_capabilities(config)
-        # init_load_back evicts device pages for the load, and a load it then declines leaves the
-        # request re-admitted without its host hit, which may be refused
-        return Capabilities(**{**caps.__dict__, "evicts_before_admit": True})
-
     # -- the scheduler's hicache calls ---------------------------------------------------------------
     def begin(self, kind: str, uid: int, call: str) -> bool:
         state = self.scheduler
@@ -301,7 +300,7 @@ class HiCacheSglangSubject(PagedSglangSubject):
             tree.unlock(pin)
             tree.dec_host_lock_ref(node, host_pin)
         req.host_loaded_length, req.last_node = loaded, last_node
-        if 0 < loaded < promised:
+        if 0 < loaded < promised:  # add_one_req's own check (schedule_policy.py:1527)
             raise RuntimeError(f"HiCache load-back must commit all promised tokens or none: {loaded} of {promised}")
         req.prefix_len += loaded
         if tree.load_back_is_cache_owned():
@@ -332,8 +331,9 @@ class HiCacheSglangSubject(PagedSglangSubject):
         with self._sglang():
             req = self.requests[uid].req
             tokens = [*req.origin_input_ids, *req.output_ids][:end]
-            if len(tokens) == end and req.kv.holds_kv:
-                self._write_kv(req, tokens, start, end)
+            if len(tokens) != end or not req.kv.holds_kv:
+                raise DriverMismatch(f"uid {uid}: computed [{start}, {end}) of {len(tokens)} tokens")
+            self._write_kv(req, tokens, start, end)
             super().computed(uid, start, end, token)
             self.tree.flush_pending_backups()  # the end of process_batch_result (scheduler.py:5106)
             self._reap()
