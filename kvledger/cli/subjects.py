@@ -44,6 +44,8 @@ def add_coverage(sub: argparse._SubParsersAction) -> None:
 
 
 def _coverage(args: argparse.Namespace) -> int:
+    import coverage  # noqa: F401  (here, not only in the run's subprocess: a missing 'tools' extra is named)
+
     from kvledger.checker.audit.coverage_report import main_coverage
 
     return main_coverage(args.examples)
