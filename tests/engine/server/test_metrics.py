@@ -199,3 +199,33 @@ def test_aborts_and_faults_end_in_their_reason(dummy, monkeypatch):
     assert histogram(m, "kvledger:request_queue_time_seconds")["count"] == 1
     assert histogram(m, "kvledger:time_to_first_token_seconds")["count"] == 1
     assert histogram(m, "kvledger:request_prompt_tokens") == {"count": 4, "sum": 3 * 10 + 20}
+
+
+def test_an_injected_fault_is_counted_by_kind_and_its_requests_end_in_error():
+    from kvledger.engine.runtime.llm import LLM
+
+    # forward-raise at the second step: the first request's prefill ran, the step that fails holds both
+    llm = LLM(dummy_weights=True, kv_cache_tokens=512, max_seq_len=128, inject_fault="forward-raise@step=2")
+    w = EngineWorker(llm)
+    metrics = ServerMetrics(w, {})
+    inboxes = [Inbox(), Inbox()]
+    for inbox in inboxes:
+        w.submit(list(range(10, 22)), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), inbox)
+    w.start()
+    try:
+        ends = []
+        for inbox in inboxes:
+            while not isinstance(event := inbox.get(), Failed) and not (isinstance(event, Token) and event.finished):
+                pass
+            ends.append(event)
+        deadline = time.monotonic() + 30
+        while w.stats.failed + w.stats.finished < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        m = scrape(metrics.render().decode())
+    finally:
+        w.stop()
+    failed = sum(isinstance(e, Failed) for e in ends)
+    assert failed >= 1
+    assert m["kvledger_faults"]["kvledger_faults_total{kind=forward_raise}"] == 1
+    assert reasons(m)["error"] == failed and reasons(m)["length"] == 2 - failed
+    assert histogram(m, "kvledger:e2e_request_latency_seconds")["count"] == 2
