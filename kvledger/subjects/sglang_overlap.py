@@ -18,22 +18,26 @@ What the adapter keeps of the loop (the batch launched and not yet processed liv
 - a decode step's first allocation runs `Scheduler.update_running_batch` for the running batch
   (scheduler.py:4459): `check_decode_mem`, `retract_decode` when it does not fit, then
   `prepare_for_decode` -> `eagle_prepare_for_decode` for the whole batch, reading
-  kv_committed_len as it stands: without the previous decode step's accepted runs, which wait in
-  the result queue (`_queue`). The step's results, as the driver hands them (`computed`), are
-  held (`_launched`); at the next step's top they become the queue;
+  kv_committed_len as it stands: without the previous step's accepted runs, which wait in the
+  result queue (`_queue`). A step's results, as the driver hands them (`computed`), are held
+  (`_launched`); at the next step's first allocation (its batch scheduled) they become the queue;
 - the queue is processed at the first result of the next step (by then that step is scheduled
   and launched), or before any call that is not part of a step (finish, abort, evict), as
   `process_batch_result_decode` (batch_result_processor.py:952) does: inside
   `free_group_begin()`/`free_group_end()` (:998/:1100), `_resolve_spec_v2_tokens` (:770) commits
   each accepted run (it skips a request retracted meanwhile, :819), then output_ids and
   update_finish_state;
+- a prompt's last chunk waits the same way: the next step's `get_next_batch_to_run` merges the
+  request into the running batch (its first decode is allocated from kv_committed_len = the
+  prompt) before `process_batch_result_prefill` (:258, grouped at :264/:501) appends its first
+  token and checkpoints it into the tree (`checkpoint_kv_cache`); a middle chunk's result changes
+  nothing in the cache, its checkpoint comes at the next step's top (`stash_chunked_request`);
 - a request the driver ends (finish, or abort of a running one) leaves through that processing:
   its result and everything received before it are processed, and `release_kv_cache` (common.py:400)
   runs inside the free group, freeing [cache_protected_len, owned) and the tail held ahead,
   [ceil_page(owned), kv_allocated_len) (`_release_overallocated_kv_indices`, :447). Frees inside a
   group are only recorded (`free_group`, `free_page_ids_group`: allocator/paged.py:328-390) and
-  reach the free list at its end; a prefill result is processed the same way
-  (`process_batch_result_prefill`, :264/:501), in its own step;
+  reach the free list at its end;
 - a chunked request aborted mid-prefill: `abort_request` marks `_pending_chunked_abort_req`, and
   `process_pending_chunked_abort` (scheduler.py:3778) releases it at the top of the next step,
   before the stash of its chunk; the driver's abort comes between steps, so it runs there.
@@ -48,7 +52,11 @@ Where the protocol makes the adapter differ from SGLang's loop (each a state SGL
   has already handed those tokens out, so the adapter appends them to its output_ids, as its
   resumed prompt;
 - a free group spans one release (or one queue's processing) here, where SGLang's spans a
-  batch's result processing: the free list's order may differ, its pages do not.
+  batch's result processing: the free list's order may differ, its pages do not;
+- a step that only refused an admission leaves the results where they were (SGLang's loop,
+  finding no batch, processes them in that iteration): the driver holds a refused admission to
+  changing nothing, and a refusal changes nothing, so the next step sees what it would have seen
+  had the refused one not run.
 The one stub is `sglang:spec`'s (`assign_req_to_token_pool_func`, a Triton kernel).
 """
 
@@ -56,12 +64,12 @@ from __future__ import annotations
 
 import contextlib
 import types
-from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Sequence, Set, Tuple
 
 from kvledger.properties.subject import DriverMismatch, SubjectConfig
 from kvledger.subjects.edits import SourceEdit
 from kvledger.subjects.sglang import SglangSubject, load
-from kvledger.subjects.sglang_import import PACKAGE, VERSION, SglangNames
+from kvledger.subjects.sglang_import import COMMON, PACKAGE, VERSION, SglangNames
 from kvledger.subjects.sglang_overlap_zoo import ZOO
 from kvledger.subjects.sglang_paged import PagedSglangSubject
 from kvledger.subjects.sglang_spec import NUM_DRAFT_TOKENS, PAGE_SIZE, SpecSglangSubject, _function
@@ -81,7 +89,10 @@ GROUP_RELEASED = "overlap: a free group ended with pages in it"
 ENDED_AHEAD = "overlap: a request ended holding a page allocated ahead"
 RETRACTED_QUEUED = "overlap: a request retracted while its last result was queued"
 CHUNK_ABORT = "overlap: a chunked abort released before its chunk was stashed"
-OVERLAP_EVENTS: FrozenSet[str] = frozenset({LAGGED, GROUP_RELEASED, ENDED_AHEAD, RETRACTED_QUEUED, CHUNK_ABORT})
+PREFILL_LAGGED = "overlap: a prefill's result processed after the next step was scheduled"
+OVERLAP_EVENTS: FrozenSet[str] = frozenset(
+    {LAGGED, GROUP_RELEASED, ENDED_AHEAD, RETRACTED_QUEUED, CHUNK_ABORT, PREFILL_LAGGED}
+)
 
 
 def probe(path: str | None = None) -> Tuple[bool, str, str]:
@@ -102,6 +113,8 @@ class OverlapSglangSubject(PagedSglangSubject, SpecSglangSubject):
     def __init__(self, config: SubjectConfig, s: SglangNames, edits: Sequence[SourceEdit] = ()) -> None:
         self._launched: Dict[int, List[int]] = {}  # this step's decode results (its batch is in flight)
         self._queue: Dict[int, List[int]] = {}  # the previous step's, not yet processed (result_queue)
+        self._prefilled: Set[int] = set()  # uids whose held result is their prompt's first token
+        self._fresh = False  # a step has begun and has not allocated yet
         self.reached: List[str] = []  # rare states reached since the driver last looked
         mine = [e for e in edits if e.target in OVERLAP_FUNCTIONS]
         super().__init__(config, s, [e for e in edits if e not in mine])
@@ -122,10 +135,15 @@ class OverlapSglangSubject(PagedSglangSubject, SpecSglangSubject):
 
     # -- the loop's order ---------------------------------------------------------------------------------
     def begin(self, kind: str, uid: int, call: str) -> bool:
-        """At a step's top the last step's results join the queue (a queue nobody processed, after
-        a step that ran nothing, is processed first: the loop pops it when it has no batch)."""
+        """At a step's first allocation (its batch is scheduled) the last step's results join the
+        queue. A queue still unprocessed then (its step allocated and computed nothing) is processed
+        first, as the loop pops it when it has no batch. A step that only refused an admission
+        changed nothing: it leaves the results where they were, as if it had not run."""
         started = super().begin(kind, uid, call)
         if started:
+            self._fresh = True
+        if call == "allocate" and self._fresh:
+            self._fresh = False
             if self._queue:
                 self._process(self._queue)
             self._queue, self._launched = self._launched, {}
@@ -181,12 +199,25 @@ class OverlapSglangSubject(PagedSglangSubject, SpecSglangSubject):
     def computed(self, uid: int, start: int, end: int, token: int | None) -> None:
         with self._sglang():
             if self._queue:  # the step is launched: pop_and_process of the one before
+                if self._prefilled & set(self._queue):
+                    self.reached.append(PREFILL_LAGGED)
                 self._process(self._queue)
                 self._queue = {}
             r = self.requests[uid]
+            if r.phase == "admitted" and token is not None:
+                # the prompt's last chunk: its result waits for the next step, as a decode's does;
+                # the next step's get_next_batch_to_run merges the request into the running batch
+                # (scheduler.py:3894) before that result is processed
+                req = r.req
+                if end != req.extend_end or end != len(req.full_untruncated_fill_ids):
+                    raise DriverMismatch(f"uid {uid}: a token after [{start}, {end}), extend ends at {req.extend_end}")
+                self.scheduler.step = None
+                r.phase = "running"
+                self._launched[uid] = [int(token)]
+                self._prefilled.add(uid)
+                return
             if r.phase != "running":
-                with self._group():  # process_batch_result_prefill
-                    SglangSubject.computed(self, uid, start, end, token)
+                SglangSubject.computed(self, uid, start, end, token)  # a middle chunk: stashed at the next top
                 return
             self.scheduler.step = None
             drafts = self._drafts.pop(uid, None)
@@ -202,9 +233,12 @@ class OverlapSglangSubject(PagedSglangSubject, SpecSglangSubject):
         self._queue, self._launched = {}, {}
 
     def _process(self, results: Dict[int, List[int]]) -> None:
-        """process_batch_result_decode of one step's results, in batch order."""
+        """process_batch_result_decode (or _prefill) of one step's results, in batch order."""
         uids = [u for u in results if u in self.requests]
         if not uids:
+            return
+        if self._prefilled & set(uids):
+            self._process_prefill(uids, results)
             return
         reqs = [self.requests[u].req for u in uids]
         batch = self.batch_of(reqs)
@@ -220,6 +254,24 @@ class OverlapSglangSubject(PagedSglangSubject, SpecSglangSubject):
                     continue
                 req.output_ids.extend(run)
                 req.update_finish_state(len(run))
+
+    def _process_prefill(self, uids: List[int], results: Dict[int, List[int]]) -> None:
+        """process_batch_result_prefill (batch_result_processor.py:258) of the prompts' last chunks:
+        the first token, update_finish_state, and checkpoint_kv_cache of a request that goes on (one
+        that finished is released by the driver's finish, in this processing)."""
+        with self._group():
+            for uid in uids:
+                self._prefilled.discard(uid)
+                r = self.requests[uid]
+                req = r.req
+                if req.is_retracted:  # skipped (:346); its resumed prompt is the driver's tokens
+                    req.output_ids.extend(results[uid])
+                    continue
+                r.phase = "running"
+                req.output_ids.extend(results[uid])
+                req.update_finish_state()
+                if not req.finished():
+                    self.functions[f"{COMMON}:checkpoint_kv_cache"](req, self.tree)
 
     @contextlib.contextmanager
     def _group(self) -> Iterator[None]:
