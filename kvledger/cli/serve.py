@@ -10,6 +10,7 @@ port that cannot be bound.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import fields
 from typing import Any, Callable, Dict, Tuple
@@ -86,9 +87,16 @@ def serve_command(args: argparse.Namespace) -> int:
         return option_error(PROG, e)
     options = ServerOptions(**{f.name: getattr(args, f.name) for f in fields(ServerOptions)})
     try:
-        return serve(config, options)
+        status = serve(config, options)
     except StartupError as e:
         if isinstance(e.__cause__, EngineOptionError):
             return option_error(PROG, e.__cause__)
         print(f"{PROG}: {'--port: ' if e.what == 'port' else ''}{e}", file=sys.stderr)
         return 2
+    if status == 1:  # an engine fault, its requests answered: no interpreter teardown (seconds of
+        # garbage collection on a busy host, which no exit timer can cut short), a supervisor restarts now
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    return status
