@@ -45,6 +45,7 @@ from kvledger.fast import SamplingParams
 
 log = logging.getLogger("kvledger.serve")
 RATE_WINDOW_S = 10.0
+ENGINE_DOWN = "the engine stopped after an internal error; the server is restarting"
 
 
 # -- what the engine thread sends back ---------------------------------------------------------
@@ -226,8 +227,12 @@ class EngineWorker:
 
     def submit(self, token_ids: Sequence[int], params: SamplingParams, sink: Sink) -> int:
         """Queue a request; `sink` gets Accepted or Failed, then its tokens. Returns its uid."""
-        uid = next(self._uids)
-        self._inbox.put(Submit(uid, list(token_ids), params, sink))
+        with self._lock:
+            uid = next(self._uids)
+            if self.fatal is not None:  # the engine thread may be stuck: nobody would answer it
+                self._reject(sink, Failed(ENGINE_DOWN, 503))
+            else:
+                self._inbox.put(Submit(uid, list(token_ids), params, sink))
         return uid
 
     def abort(self, uid: int, reason: str = "abort") -> None:
@@ -307,9 +312,7 @@ class EngineWorker:
 
     def _submit(self, uid: int, ids: List[int], params: SamplingParams, sink: Sink) -> None:
         if self.fatal is not None:
-            return self._reject(
-                sink, Failed("the engine stopped after an internal error; the server is restarting", 503)
-            )
+            return self._reject(sink, Failed(ENGINE_DOWN, 503))
         if self._drain_until is not None:
             return self._reject(sink, Failed("the server is shutting down", 503, code="shutting_down"))
         if self.engine.waiting_requests >= self.max_waiting:
@@ -391,6 +394,7 @@ class EngineWorker:
                 self._count_fault(kind)
             log.error("engine fault, failing %d open request(s) and stopping the engine", len(self._open), exc_info=exc)
             self._fail_all(f"engine fault: {self.fatal}", 500)
+            self._refuse_queued()
         if not first:
             return
         if self.exit_deadline is not None:  # the supervisor's restart must not wait on a stuck shutdown
@@ -399,6 +403,16 @@ class EngineWorker:
             timer.start()
         if self.on_fault is not None:
             self.on_fault(self.fatal)
+
+    def _refuse_queued(self) -> None:
+        """Requests queued for an engine thread that may never read them again: refused now."""
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, Submit):
+                self._reject(cmd.sink, Failed(ENGINE_DOWN, 503))
 
     def _count_fault(self, kind: str) -> None:
         name = "faults_" + kind.replace("-", "_")

@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
@@ -200,6 +201,18 @@ def run_kind(
         args += ["--step-timeout", str(STEP_TIMEOUT_S)]
     srv = ServerProcess(args)
     srv.start()
+    exit_at: List[float] = []  # when the process exited, as its waiter saw it
+    assert srv.proc is not None
+    proc = srv.proc
+
+    def wait_exit() -> None:
+        try:
+            proc.wait(EXIT_WAIT_S + 300)
+            exit_at.append(time.monotonic())
+        except Exception:
+            pass
+
+    threading.Thread(target=wait_exit, daemon=True).start()
     try:
         seen: List[str] = []
 
@@ -228,7 +241,7 @@ def run_kind(
         if kind in CONTAINED:
             _after_contained(srv, report)
         else:
-            _after_fatal(srv, report, streams, seen)
+            _after_fatal(srv, report, streams, seen, exit_at)
         return streams, report
     finally:
         srv.stop()
@@ -254,15 +267,19 @@ def _after_contained(srv: ServerProcess, report: KindReport) -> None:
     report.served_after = r.status_code == 200
 
 
-def _after_fatal(srv: ServerProcess, report: KindReport, streams: List[Stream], seen: List[str]) -> None:
+def _after_fatal(
+    srv: ServerProcess, report: KindReport, streams: List[Stream], seen: List[str], exit_at: List[float]
+) -> None:
     assert srv.proc is not None
     try:
         report.exit_code = srv.proc.wait(EXIT_WAIT_S)
     except Exception:
         report.exit_code = None  # it hung
-    exited = time.monotonic()
+    deadline = time.monotonic() + 5
+    while not exit_at and time.monotonic() < deadline:
+        time.sleep(0.01)
     ends = [s.ended_at for s in streams if s.error is not None and s.ended_at is not None]
-    report.exit_s = exited - min(ends) if ends and report.exit_code is not None else None
+    report.exit_s = exit_at[0] - min(ends) if ends and exit_at else None
     report.health_while_dying = seen[0] if seen else "never seen other than 200"
 
 
