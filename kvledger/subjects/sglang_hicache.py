@@ -71,7 +71,7 @@ from typing import Any, Dict, FrozenSet, Iterator, List, Sequence, Tuple
 from kvledger.engine.ledger.invariants import prefix_hashes
 from kvledger.properties.subject import DriverMismatch, SubjectConfig, View
 from kvledger.subjects.edits import SourceEdit, bind_to_instances
-from kvledger.subjects.sglang import load
+from kvledger.subjects.sglang import FULL_INDEX, load
 from kvledger.subjects.sglang_hicache_zoo import CACHE_CONTROLLER, HOST_MHA, HOST_POOL_COMMON, ZOO
 from kvledger.subjects.sglang_import import PACKAGE, VERSION, SglangNames
 from kvledger.subjects.sglang_paged import PagedSglangSubject
@@ -93,7 +93,8 @@ LAYERS = 2  # the device pool's layers: a copy must move each of them
 LOADED = "hicache: a prefix loaded back from host"
 KEPT_ON_HOST = "hicache: evicted from device, kept on host"
 BOTH_TIERS = "hicache: a hit on device continued on host"
-HICACHE_EVENTS: FrozenSet[str] = frozenset({LOADED, KEPT_ON_HOST, BOTH_TIERS})
+HOST_EVICTED = "hicache: a prefix kept on host only evicted from host"
+HICACHE_EVENTS: FrozenSet[str] = frozenset({LOADED, KEPT_ON_HOST, BOTH_TIERS, HOST_EVICTED})
 
 
 def probe(path: str | None = None) -> Tuple[bool, str, str]:
@@ -146,7 +147,9 @@ class HiCacheSglangSubject(PagedSglangSubject):
         self._runtime = create_context(self.server_args, role="scheduler")
         self.reached: List[str] = []  # rare states reached since the driver last looked
         self.landed: List[Tuple[int, int, int]] = []  # (location, prefix hash, length) a load filled
-        self._host_only = 0
+        # the ids of the tree's nodes whose KV is on host only, and of those whose KV is on device
+        self._host_only: set[int] = set()
+        self._on_device: set[int] = set()
         # edits of the host tier's controller and host pool, bound on this subject's own
         host_side = [e for e in edits if e.target.split(":")[0] in (CACHE_CONTROLLER, HOST_MHA)]
         with self._sglang(constructing=True):
@@ -215,10 +218,14 @@ class HiCacheSglangSubject(PagedSglangSubject):
     def _reap(self) -> None:
         """check_hicache_events for the transfers this call finished, and the host-only nodes."""
         self.tree.check_hicache_events()
-        host_only = sum(1 for node in self._nodes() if _host_only(node))
-        if host_only > self._host_only:
+        nodes = list(self._nodes())
+        host_only = {node.id for node in nodes if _host_only(node)}
+        if host_only & self._on_device:
             self.reached.append(KEPT_ON_HOST)
+        if self._host_only - {node.id for node in nodes}:  # gone from the tree: evicted from host
+            self.reached.append(HOST_EVICTED)
         self._host_only = host_only
+        self._on_device = {node.id for node in nodes if node.component_data[FULL_INDEX].value is not None}
 
     def _nodes(self) -> Iterator[Any]:
         stack = list(self.tree.root_node.children.values())
@@ -394,5 +401,5 @@ class HiCacheSglangSubject(PagedSglangSubject):
 
 def _host_only(node: Any) -> bool:
     """A node whose device KV was evicted and whose host copy stays."""
-    data = node.component_data[0]
+    data = node.component_data[FULL_INDEX]
     return data.value is None and data.host_value is not None

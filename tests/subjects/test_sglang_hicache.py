@@ -112,6 +112,25 @@ def test_a_host_hit_below_the_load_back_threshold_is_recomputed():
     assert driver.hits[2] == 0 and sglang_hicache.LOADED not in events
 
 
+def test_backups_past_the_host_pool_evict_host_only_prefixes():
+    """Eight distinct 16-token prompts through an 8-page device pool whose host pool holds twice
+    that: each is backed up as it is cached and pushed to host by the next; once the host pool is
+    full, a backup evicts the least recent host-only prefix from host (and the tree), and the device
+    pool's ledger stays whole throughout (the judge runs after every operation)."""
+    s, driver, events = _built()
+    host = s.controller.mem_pool_host.anchor_entry.host_pool
+    capacity = host.available_size()
+    for uid in range(8):
+        driver.apply(_submit(uid, [1000 * (uid + 1) + t for t in range(16)], 1))
+        driver.apply(PREFILL)
+    assert {sglang_hicache.KEPT_ON_HOST, sglang_hicache.HOST_EVICTED} <= set(events)
+    assert 8 * 16 > capacity >= host.available_size() >= 0
+    first = [1000 + t for t in range(16)]  # the least recent: gone from both tiers
+    driver.apply(_submit(9, first + [1], 1))
+    driver.apply(PREFILL)
+    assert driver.hits[9] == 0
+
+
 # each zoo entry's failing trace, as `kvledger zoo --subject sglang:hicache` found and minimized it
 TRACES = Path(__file__).parent / "sglang_hicache_traces"
 KINDS = {
