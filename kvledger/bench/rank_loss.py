@@ -231,7 +231,7 @@ async def _load_and_lose(
         await asyncio.wait_for(load.streaming.wait(), 300.0)
         os.kill(rank.pid, signal.SIGKILL if out.loss == "kill" else signal.SIGSTOP)
     else:  # rank 1 takes itself out at its step: the loss is when its process ends or stops
-        while not _gone_or_stopped(rank):
+        while not _gone_or_stopped(rank) and not running.done():
             await asyncio.sleep(0.005)
     t0, wall = time.monotonic(), time.time()
     health.t0 = t0
