@@ -31,6 +31,11 @@ The calls, in the order a request sees them:
                                      the driver then calls preempt on it
   view() -> View                     the subject's raw state, read from its own structures
 
+A subject may also reach rare states of its own (SGLang's overlap loop, its host tier): it
+declares their names in `rare_events` and appends each as it reaches it to a list `reached`,
+which the driver empties after every operation (reported as `kvledger check` and fuzz report
+the judge's own rare states).
+
 A subject that schedules itself (vLLM's real `Scheduler`: capability `schedules`) is driven one
 step at a time instead, through `properties/scheduling_subject.py`; its View is the same.
 
