@@ -63,6 +63,7 @@ subject's calls run (`_sglang`):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 from array import array
@@ -205,6 +206,9 @@ class HiCacheSglangSubject(PagedSglangSubject):
         params = self.cache_init_params(config)
         tree = self.s.UnifiedRadixCache(params)
         tree.init_hicache(self.server_args, params)
+        # init_hicache registers the tree's storage detach to run at exit; with no storage backend
+        # it does nothing, and the registration would keep every subject a long fuzz builds alive
+        atexit.unregister(tree.shutdown)
         return tree
 
     # -- the scheduler's hicache calls ---------------------------------------------------------------

@@ -63,6 +63,17 @@ def test_the_spec_builds_the_default_tree_with_a_host_tier_and_leaves_the_proces
         sglang_hicache.build(SubjectConfig(num_pages=6, page_size=1, max_seq_len=32))
 
 
+def test_a_subject_nobody_holds_is_freed():
+    """init_hicache registers the tree's storage detach at exit; unregistered (there is no storage
+    backend), a fuzz's thousands of subjects do not stay alive until the process ends."""
+    import gc
+    import weakref
+
+    trees = [weakref.ref(_built()[0].tree) for _ in range(3)]
+    gc.collect()
+    assert [t() for t in trees] == [None, None, None]
+
+
 def test_a_prefix_evicted_to_host_is_loaded_back_with_the_kv_it_had():
     """uid 1's 20-token prompt is backed up to host as it is cached (write-through), evicted from
     device (kept on host), and uid 2's admission loads it back: a 20-token hit on freshly allocated
