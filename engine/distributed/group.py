@@ -35,6 +35,7 @@ class TensorParallelGroup:
         # rank 0: set (from the liveness watch's thread) once a rank failed or was lost; the engine
         # then stops at its next step, idle or not (engine/distributed/rank_watch.py)
         self.failure: Optional[BaseException] = None
+        self.leaving = False  # rank 0 told the other ranks to shut down: their exits are no loss
 
     @classmethod
     def connect(

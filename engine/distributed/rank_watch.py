@@ -48,9 +48,13 @@ class RankWatch:
         reports: Sequence[Connection],
         beats: Any,
         on_failure: Callable[[RankFailed], None],
+        leaving: Callable[[], bool] = lambda: False,
         stall_seconds: float = STALL_SECONDS,
     ) -> None:
+        """`beats`: None where the ranks have no heartbeat (torchrun's: foreign_ranks.py);
+        `leaving()`: whether rank 0 has told the ranks to shut down (their exits are no loss then)."""
         self._procs = list(procs)
+        self._leaving = leaving
         self._reports: Dict[int, Optional[Connection]] = {r + 1: c for r, c in enumerate(reports)}
         self._beats = beats
         self._on_failure = on_failure
@@ -70,7 +74,7 @@ class RankWatch:
     # -- the watch's thread ----------------------------------------------------------------------
     def _run(self) -> None:
         running = {r + 1: p for r, p in enumerate(self._procs)}
-        seen = {rank: (self._beats[rank], time.monotonic()) for rank in running}
+        seen = {rank: (self._beats[rank] if self._beats else 0, time.monotonic()) for rank in running}
         stopped: Dict[int, float] = {}  # since when each stopped rank has been seen stopped
         while not self._stop.is_set() and running:
             waitables: List[Any] = [p.sentinel for p in running.values()]
@@ -86,8 +90,9 @@ class RankWatch:
                     self._read(rank, self._reports.get(rank))  # a traceback sent just before it exited
                     del running[rank]
                     proc.join(REAP_SECONDS)  # the sentinel is ready a moment before the exit status
-                    if proc.exitcode != 0:
-                        self._fail(RankLost(rank, _exit_how(proc.exitcode)))
+                    if proc.exitcode != 0 and not self._leaving():
+                        how = getattr(proc, "how_ended", None) or _exit_how(proc.exitcode)
+                        self._fail(RankLost(rank, how))
             now = time.monotonic()
             for rank, proc in running.items():
                 if process_state(proc.pid) == "T":
@@ -96,6 +101,8 @@ class RankWatch:
                         self._fail(RankLost(rank, f"stopped (SIGSTOP) for {now - since:.1f} s"))
                 else:
                     stopped.pop(rank, None)
+                if self._beats is None:
+                    continue
                 beat, since = seen[rank]
                 if self._beats[rank] != beat:
                     seen[rank] = (self._beats[rank], now)

@@ -13,8 +13,10 @@ and rank 0's step raises `RankFailed` (the rank's own error) or `RankLost` (how 
 for a rank that ended, within STOPPED_SECONDS for a stopped one and STALL_SECONDS for a frozen one,
 also when rank 0 was idle (the engine then has work: reporting it). A spawned rank whose rank 0 is
 gone leaves (engine/distributed/heartbeat.py). If rank 0 fails, it kills the others. Under torchrun
-nothing of this runs: torchrun's agent ends the group when a process dies, and a stopped rank is
-noticed at the process group's timeout only (docs/tensor-parallelism.md, "When a rank is lost").
+on one host rank 0 watches the other ranks' pids for their end and their stop the same way
+(engine/distributed/foreign_ranks.py), without a heartbeat; across hosts a dead rank is noticed by
+the next collective and a stopped one by the server's step watchdog only (docs/tensor-parallelism.md,
+"When a rank is lost").
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any, List, NoReturn, Optional
 import torch
 import torch.multiprocessing as mp
 
+from kvledger.engine.distributed.foreign_ranks import torchrun_peers
 from kvledger.engine.distributed.group import TensorParallelGroup
 from kvledger.engine.distributed.heartbeat import start_heartbeat
 from kvledger.engine.distributed.rank_agreement import RankDisagreement
@@ -67,7 +70,7 @@ class RankProcesses:
         self._workdir = workdir
         self.watch: Optional[RankWatch] = None
         if reports is not None:
-            self.watch = RankWatch(procs, reports, beats, self._on_failure)
+            self.watch = RankWatch(procs, reports, beats, self._on_failure, lambda: group.leaving)
 
     # -- starting ------------------------------------------------------------------------------
     @classmethod
@@ -121,8 +124,9 @@ class RankProcesses:
             raise ValueError(f"tensor_parallel_size is {size} but torchrun started {world} processes")
         device = rank_device(options.device, local, size)
         group = TensorParallelGroup.connect(rank, size, torch.device(device), "env://")
+        peers = torchrun_peers(group)  # every rank takes part; rank 0 gets them on one host
         if rank == 0:
-            return cls(group, [], None, None, None)
+            return cls(group, peers or [], None if peers is None else [], None, None)
         engine = build_rank(options, group, device, hook=hook)
         serve_rank(engine.engine, engine.rank_coordination())
         group.close()

@@ -108,8 +108,10 @@ class ReplicatedEngine(Engine):
         """Tell the other ranks to leave their loop (the queued calls are dropped)."""
         if self.stopped is None:
             self.stopped = "shut down"
-            if self.coordination.group.failure is None:  # nobody left to tell otherwise
-                self.coordination.group.broadcast([ShutdownCall()])
+            group = self.coordination.group
+            if group.failure is None:  # nobody left to tell otherwise
+                group.leaving = True
+                group.broadcast([ShutdownCall()])
 
     def _check_running(self) -> None:
         if self.stopped is not None:

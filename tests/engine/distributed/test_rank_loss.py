@@ -141,3 +141,20 @@ def test_a_rank_fault_naming_a_rank_that_does_not_exist_is_refused_at_startup():
     with pytest.raises(ValueError, match=r"names rank 2, but the ranks are 0\.\.1"):
         LLM(TINY, dummy_weights=True, tensor_parallel_size=2, threads=1, inject_fault="rank-kill@step=1,rank=2")
     assert _rank_children() == []
+
+
+# -- torchrun's ranks -----------------------------------------------------------------------------------
+def test_under_torchrun_on_one_host_a_stopped_rank_is_lost_and_killed():
+    import subprocess
+    import sys
+
+    generate = ["generate", "The capital of France is", "--max-tokens", "16", "--threads", "1", "--max-seq-len", "256"]
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "kvledger"]
+        + [*generate, "--tp", "2", "--inject-fault", "rank-stop@step=3,rank=1"],
+        capture_output=True,
+        text=True,
+        timeout=600,  # without the watch rank 0 would wait in a collective for the group's 10 minutes
+    )
+    assert run.returncode != 0
+    assert "tensor-parallel rank 1 lost: stopped (SIGSTOP)" in run.stderr, run.stderr[-3000:]
