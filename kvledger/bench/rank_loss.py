@@ -29,10 +29,9 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import httpx
-import psutil
 
 from kvledger.engine.server.launch import ServerProcess
 
@@ -156,36 +155,77 @@ class Clients:
 
 
 # -- the server's processes ---------------------------------------------------------------------------
-def _tree(pid: int) -> List[psutil.Process]:
+@dataclass(frozen=True)
+class Proc:
+    """A process, by pid and start time (so a reused pid is not taken for it)."""
+
+    pid: int
+    started: str
+
+    def stat(self) -> Optional[List[str]]:
+        fields = _stat(self.pid)
+        return fields if fields is not None and fields[19] == self.started else None
+
+    def state(self) -> Optional[str]:
+        """R, S, T, Z, ...; None once it is gone and reaped."""
+        fields = self.stat()
+        return fields[0] if fields else None
+
+    def cmdline(self) -> str:
+        try:
+            with open(f"/proc/{self.pid}/cmdline", "rb") as f:
+                return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            return ""
+
+
+def _stat(pid: int) -> Optional[List[str]]:
+    """The fields of /proc/PID/stat after the command name (state, ppid, ...; [19] is the start
+    time); None when there is no such process."""
     try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.rfind(")") + 2 :].split()
 
 
-def _rank_process(server_pid: int) -> psutil.Process:
-    ranks = [p for p in _tree(server_pid) if "spawn_main" in " ".join(p.cmdline())]
+def _tree(pid: int) -> List[Proc]:
+    """Every descendant of process `pid`, from /proc."""
+    parents: Dict[int, Tuple[int, str]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat(int(entry))
+            if fields is not None:
+                parents[int(entry)] = (int(fields[1]), fields[19])
+    out: List[Proc] = []
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, (ppid, started) in parents.items():
+            if ppid == parent:
+                out.append(Proc(child, started))
+                frontier.append(child)
+    return out
+
+
+def _rank_process(server_pid: int) -> Proc:
+    ranks = [p for p in _tree(server_pid) if "spawn_main" in p.cmdline()]
     if len(ranks) != 1:
         raise RuntimeError(f"expected one spawned rank under the server, found {[p.pid for p in ranks]}")
     return ranks[0]
 
 
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+def _alive(p: Proc) -> bool:
+    return p.state() not in (None, "Z")
 
 
-def _gone_or_stopped(p: psutil.Process) -> bool:
-    try:
-        return not _alive(p) or p.status() == psutil.STATUS_STOPPED
-    except psutil.NoSuchProcess:
-        return True
+def _gone_or_stopped(p: Proc) -> bool:
+    return p.state() in (None, "Z", "T")
 
 
 class HealthWatch:
-    """Polls /health every 50 ms until nobody answers (or `stop`); keeps each change of answer, in
+    """Polls /health every 20 ms until nobody answers (or `stop`); keeps each change of answer, in
     seconds from `t0` once it is set."""
 
     def __init__(self, url: str) -> None:
@@ -214,7 +254,7 @@ class HealthWatch:
                 last = answer
                 if self.t0 is not None and answer[0] == 0:
                     return  # nobody answers any more
-                time.sleep(0.05)
+                time.sleep(0.02)
 
 
 # -- one run ------------------------------------------------------------------------------------------
@@ -256,7 +296,12 @@ def run_once(loss: str, via: str, clients: int, non_stream: int, max_tokens: int
     tree = _tree(proc.pid)
     try:
         exited: List[float] = []
-        waiter = threading.Thread(target=lambda: (proc.wait(), exited.append(time.monotonic())), daemon=True)
+
+        def wait_for_exit() -> None:
+            proc.wait()
+            exited.append(time.monotonic())
+
+        waiter = threading.Thread(target=wait_for_exit, daemon=True)
         waiter.start()
         health = HealthWatch(server.url)
         t0, wall = asyncio.run(_load_and_lose(server, out, max_tokens, health))
@@ -267,14 +312,14 @@ def run_once(loss: str, via: str, clients: int, non_stream: int, max_tokens: int
         if exited:
             out.exit_code, out.exit_s = proc.returncode, exited[0] - t0
         time.sleep(0.5)  # what the server's exit left has been reaped by now, or is an orphan
-        out.orphans = [f"{p.pid} {' '.join(p.cmdline())[:80]}" for p in tree if _alive(p)]
+        out.orphans = [f"{p.pid} {p.cmdline()[:80]}" for p in tree if _alive(p)]
         log = server.log(tail=None).splitlines()
         out.log_lines = [line for line in log if " lost" in line or "engine fault" in line]
         out.detected_s = _detected(log, wall)
     finally:
         for p in tree:  # nothing is left behind by the script either
             if _alive(p):
-                p.kill()
+                os.kill(p.pid, signal.SIGKILL)
         server.stop()
     return out
 
