@@ -158,3 +158,36 @@ def test_under_torchrun_on_one_host_a_stopped_rank_is_lost_and_killed():
     )
     assert run.returncode != 0
     assert "tensor-parallel rank 1 lost: stopped (SIGSTOP)" in run.stderr, run.stderr[-3000:]
+
+
+# -- rank 0 lost ------------------------------------------------------------------------------------------
+RANK_0 = """
+import sys, time
+from kvledger.engine.runtime.llm import LLM
+from tests.engine.distributed.test_rank_loss import TINY, _rank_children
+if __name__ == "__main__":
+    llm = LLM(TINY, dummy_weights=True, tensor_parallel_size=2, threads=1, page_size=2)
+    print(_rank_children()[0].pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_the_ranks_of_a_rank_0_that_was_killed_leave():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    rank_0 = subprocess.Popen([sys.executable, "-c", RANK_0], cwd=root, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        rank_1 = int(rank_0.stdout.readline())  # rank 0 is up, rank 1 waits for its next step
+        rank_0.kill()
+        rank_0.wait(30)
+        deadline = time.monotonic() + HANG_GUARD_S
+        while process_state(rank_1) not in (None, "Z") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert process_state(rank_1) in (None, "Z"), "rank 1 outlived its rank 0"
+    finally:
+        if rank_0.poll() is None:
+            rank_0.kill()
