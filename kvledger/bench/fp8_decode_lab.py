@@ -4,17 +4,16 @@ The engine's FP8 decode kernel reads e4m3 at about 2.7 TB/s at batch 256 x 600 (
 rate by ncu, 12 warps per multiprocessor), and an earlier lab kernel with 40% fewer instructions
 per block ran no faster: the kernel waits for its loads. FlashInfer's FP8 decode (CUDA cores, 72
 registers, 44% occupancy) reads at 40% of DRAM's rate, so the comparison offers no faster scheme
-to copy. This lab tries two ways to keep more bytes in flight per multiprocessor, one split per
-request (the engine's choice at batch 256), on the engine's head-major pool:
+to copy. This lab tries to keep more bytes in flight per multiprocessor with fewer programs, one
+split per request (the engine's choice at batch 256), on the engine's head-major pool:
 
-- `kv_heads_per_program` (HP): one program reads HP KV heads' tiles at each block of tokens, as one
-  [BLOCK_N, HP * 128] tile, against a block-diagonal query tile (query row r holds its head's
-  vector in its KV head's 128 columns, zeros elsewhere), so the scores of every row are its own
-  head's; the output row keeps its KV head's columns. Per byte read: the same tensor-core work,
-  half (HP=2) the table loads, softmax and loop overhead.
-- `prefetch`: the loop issues the next block's K/V loads (their token locations loaded a block
-  earlier still) before computing on the current block, from registers, with Triton's own
-  pipelining off; the whole blocks run unmasked, the last partial block masked.
+`kv_heads_per_program` (HP): one program reads HP KV heads' tiles at each block of tokens, as one
+[BLOCK_N, HP * 128] tile, against a block-diagonal query tile (query row r holds its head's
+vector in its KV head's 128 columns, zeros elsewhere), so the scores of every row are its own
+head's; the output row keeps its KV head's columns. Per byte read: the same tensor-core work,
+half (HP=2) the table loads, softmax and loop overhead. (The first version also tried prefetching
+the next block into registers with Triton's pipelining off: 1.6x to 17x slower, dropped;
+results/gpu/flashinfer/fp8-decode-lab-first.txt.)
 
 Each variant is checked against float32 attention over the dequantized pool and timed over
 CUDA-graph replays; the engine's launch is the first row of each shape.
@@ -41,17 +40,13 @@ if triton is not None:
 
     @triton.jit
     def _block(q, K, V, loc, col_off, stride_kn, sm_scale, m_i, l_i, acc, n_mask, MASKED: tl.constexpr):
+        """One block of keys, in the engine's order: K, the scores and their softmax, then V (loading V
+        earlier keeps its tile live across the scores: more registers under the cap)."""
         kv = loc[:, None] * stride_kn + col_off[None, :]
         if MASKED:
             k = tl.load(K + kv, mask=n_mask[:, None], other=0.0)
-            v = tl.load(V + kv, mask=n_mask[:, None], other=0.0)
         else:
             k = tl.load(K + kv)
-            v = tl.load(V + kv)
-        return _attend(q, k, v, sm_scale, m_i, l_i, acc, n_mask, MASKED)
-
-    @triton.jit
-    def _attend(q, k, v, sm_scale, m_i, l_i, acc, n_mask, MASKED: tl.constexpr):
         s = tl.dot(q, tl.trans(k.to(tl.float16))).to(tl.float32) * sm_scale
         if MASKED:
             s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -60,6 +55,10 @@ if triton is not None:
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(V + kv, mask=n_mask[:, None], other=0.0)
+        else:
+            v = tl.load(V + kv)
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16)).to(tl.float32)
         return m_new, l_i, acc
 
@@ -86,7 +85,6 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         BLOCK_N: tl.constexpr,
         ROWS: tl.constexpr,
-        PREFETCH: tl.constexpr,
     ):
         first_kv = tl.program_id(0) * HP
         b = tl.load(ORDER + tl.program_id(1))
@@ -105,25 +103,9 @@ if triton is not None:
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, HP * HEAD_DIM], tl.float32)
         whole = seq_len // BLOCK_N * BLOCK_N
-        if PREFETCH:
-            ok = offs < whole
-            loc = tl.load(table_row + offs, mask=ok, other=0)
-            k = tl.load(K + loc[:, None] * stride_kn + col_off[None, :], mask=ok[:, None], other=0.0)
-            v = tl.load(V + loc[:, None] * stride_kn + col_off[None, :], mask=ok[:, None], other=0.0)
-            loc_next = tl.load(table_row + BLOCK_N + offs, mask=BLOCK_N + offs < whole, other=0)
-            for n0 in range(0, whole, BLOCK_N):
-                ok_next = n0 + BLOCK_N + offs < whole
-                kv_next = loc_next[:, None] * stride_kn + col_off[None, :]
-                k_next = tl.load(K + kv_next, mask=ok_next[:, None], other=0.0)
-                v_next = tl.load(V + kv_next, mask=ok_next[:, None], other=0.0)
-                ahead = n0 + 2 * BLOCK_N + offs
-                loc_after = tl.load(table_row + ahead, mask=ahead < whole, other=0)
-                m_i, l_i, acc = _attend(q, k, v, sm_scale, m_i, l_i, acc, ok, False)
-                k, v, loc_next = k_next, v_next, loc_after
-        else:
-            for n0 in range(0, whole, BLOCK_N):
-                loc = tl.load(table_row + n0 + offs)
-                m_i, l_i, acc = _block(q, K, V, loc, col_off, stride_kn, sm_scale, m_i, l_i, acc, offs < BLOCK_N, False)
+        for n0 in range(0, whole, BLOCK_N):
+            loc = tl.load(table_row + n0 + offs)
+            m_i, l_i, acc = _block(q, K, V, loc, col_off, stride_kn, sm_scale, m_i, l_i, acc, offs < BLOCK_N, False)
         if whole < seq_len:
             n_mask = whole + offs < seq_len
             loc = tl.load(table_row + whole + offs, mask=n_mask, other=0)
@@ -137,15 +119,13 @@ class LabLaunch:
     kv_heads_per_program: int
     block_n: int
     num_warps: int
-    num_stages: int | None
-    prefetch: bool
+    num_stages: int | None = None
     max_registers: int | None = None
 
     def label(self) -> str:
         regs = f", maxnreg {self.max_registers}" if self.max_registers else ""
         return (
-            f"HP {self.kv_heads_per_program} block {self.block_n} warps {self.num_warps} "
-            f"stages {self.num_stages} prefetch {int(self.prefetch)}{regs}"
+            f"HP {self.kv_heads_per_program} block {self.block_n} warps {self.num_warps} stages {self.num_stages}{regs}"
         )
 
 
@@ -164,26 +144,26 @@ def lab_decode(q, k, v, table, seq, order, k_scale: float, v_scale: float, launc
         q, k, v, table, seq, order, out,
         q.stride(0), q.stride(1), k.stride(1), k.stride(0), table.stride(0), out.stride(0), out.stride(1),
         head_dim**-0.5 * k_scale, v_scale,
-        GROUP=heads // kv_heads, HP=hp, HEAD_DIM=head_dim, BLOCK_N=launch.block_n, ROWS=ROWS,
-        PREFETCH=launch.prefetch, **options,
+        GROUP=heads // kv_heads, HP=hp, HEAD_DIM=head_dim, BLOCK_N=launch.block_n, ROWS=ROWS, **options,
     )  # fmt: skip
     return out
 
 
 LAUNCHES = [
-    LabLaunch(1, 64, 2, None, False, 168),  # the engine's block, warps and cap, in this lab's kernel
-    LabLaunch(1, 64, 4, 1, True),
-    LabLaunch(1, 32, 2, 1, True),
-    LabLaunch(1, 64, 2, 1, True, 168),
-    LabLaunch(2, 64, 4, None, False),
-    LabLaunch(2, 64, 4, 2, False),
-    LabLaunch(2, 32, 4, None, False),
-    LabLaunch(2, 64, 4, 1, True),
-    LabLaunch(2, 32, 4, 1, True),
-    LabLaunch(2, 64, 8, 1, True),
-    LabLaunch(4, 32, 4, None, False),
-    LabLaunch(4, 64, 8, None, False),
-    LabLaunch(4, 32, 8, 1, True),
+    LabLaunch(1, 64, 2, None, 168),  # the engine's launch, in this lab's kernel
+    LabLaunch(2, 64, 2, None, 168),
+    LabLaunch(2, 64, 2),
+    LabLaunch(2, 64, 4),
+    LabLaunch(2, 64, 4, None, 128),
+    LabLaunch(2, 64, 4, 2),
+    LabLaunch(2, 64, 4, 4),
+    LabLaunch(2, 32, 2),
+    LabLaunch(2, 32, 4),
+    LabLaunch(2, 128, 4),
+    LabLaunch(2, 128, 8),
+    LabLaunch(4, 32, 4),
+    LabLaunch(4, 64, 4),
+    LabLaunch(4, 64, 8),
 ]
 SHAPES = (("256 x 600", 256, 600, None), ("256 x U(100,1500)", 256, 100, 1500))
 
