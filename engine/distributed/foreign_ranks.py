@@ -54,4 +54,7 @@ def torchrun_peers(group: TensorParallelGroup) -> Optional[List[Any]]:
     host = everyone[0][0]
     if any(h != host for h, _ in everyone):
         return None
-    return [ForeignRank(pid) for _, pid in everyone[1:]]
+    try:
+        return [ForeignRank(pid) for _, pid in everyone[1:]]
+    except OSError:  # a rank already gone (its next collective will say so), or no pidfds here
+        return None

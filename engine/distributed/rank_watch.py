@@ -27,7 +27,7 @@ import signal
 import threading
 import time
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from kvledger.engine.distributed.rank_errors import RankFailed, RankLost
 
@@ -61,6 +61,8 @@ class RankWatch:
         self.stall_seconds = stall_seconds
         self.failure: Optional[RankFailed] = None
         self.failed = threading.Event()
+        self._seen: Dict[int, Tuple[int, float]] = {}  # each rank's last heartbeat and when it moved
+        self._stopped: Dict[int, float] = {}  # since when each stopped rank has been seen stopped
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvledger-tp-watch", daemon=True)
         self._thread.start()
@@ -74,9 +76,8 @@ class RankWatch:
     # -- the watch's thread ----------------------------------------------------------------------
     def _run(self) -> None:
         running = {r + 1: p for r, p in enumerate(self._procs)}
-        seen = {rank: (self._beats[rank] if self._beats else 0, time.monotonic()) for rank in running}
-        stopped: Dict[int, float] = {}  # since when each stopped rank has been seen stopped
-        while not self._stop.is_set() and running:
+        self._seen = {rank: (self._beats[rank] if self._beats else 0, time.monotonic()) for rank in running}
+        while not self._stop.is_set() and running and self.failure is None:
             waitables: List[Any] = [p.sentinel for p in running.values()]
             waitables += [c for r, c in self._reports.items() if c is not None and r in running]
             ready = set(wait(waitables, timeout=TICK_SECONDS))
@@ -87,29 +88,33 @@ class RankWatch:
                 if reader is not None and reader in ready:
                     self._read(rank, reader)
                 if proc.sentinel in ready:
-                    self._read(rank, self._reports.get(rank))  # a traceback sent just before it exited
                     del running[rank]
-                    proc.join(REAP_SECONDS)  # the sentinel is ready a moment before the exit status
-                    if proc.exitcode != 0 and not self._leaving():
-                        how = getattr(proc, "how_ended", None) or _exit_how(proc.exitcode)
-                        self._fail(RankLost(rank, how))
+                    self._ended(rank, proc)
             now = time.monotonic()
             for rank, proc in running.items():
-                if process_state(proc.pid) == "T":
-                    since = stopped.setdefault(rank, now)
-                    if now - since >= STOPPED_SECONDS:
-                        self._fail(RankLost(rank, f"stopped (SIGSTOP) for {now - since:.1f} s"))
-                else:
-                    stopped.pop(rank, None)
-                if self._beats is None:
-                    continue
-                beat, since = seen[rank]
-                if self._beats[rank] != beat:
-                    seen[rank] = (self._beats[rank], now)
-                elif now - since >= self.stall_seconds:
-                    self._fail(RankLost(rank, _stall_how(proc.pid, now - since)))
-            if self.failure is not None:
-                return  # every rank was killed and reaped
+                self._check_silent(rank, proc, now)
+
+    def _ended(self, rank: int, proc: Any) -> None:
+        self._read(rank, self._reports.get(rank))  # a traceback sent just before it exited
+        proc.join(REAP_SECONDS)  # the sentinel is ready a moment before the exit status
+        if proc.exitcode != 0 and not self._leaving():
+            self._fail(RankLost(rank, getattr(proc, "how_ended", None) or _exit_how(proc.exitcode)))
+
+    def _check_silent(self, rank: int, proc: Any, now: float) -> None:
+        """A running rank that is stopped, or whose heartbeat stands still, is lost."""
+        if process_state(proc.pid) == "T":
+            since = self._stopped.setdefault(rank, now)
+            if now - since >= STOPPED_SECONDS:
+                self._fail(RankLost(rank, f"stopped (SIGSTOP) for {now - since:.1f} s"))
+        else:
+            self._stopped.pop(rank, None)
+        if self._beats is None:
+            return
+        beat, since = self._seen[rank]
+        if self._beats[rank] != beat:
+            self._seen[rank] = (self._beats[rank], now)
+        elif now - since >= self.stall_seconds:
+            self._fail(RankLost(rank, _stall_how(proc.pid, now - since)))
 
     def _read(self, rank: int, reader: Optional[Connection]) -> None:
         """Take every report waiting on `reader`; a "failed" one is the rank's failure."""
