@@ -95,7 +95,7 @@ async def _stream(client: httpx.AsyncClient, url: str, model: str, s: Stream, ma
                 s.text += event["choices"][0].get("text", "")
                 s.tokens += 1
                 s.first_token.set()
-    except httpx.HTTPError as e:
+    except (httpx.HTTPError, ValueError, LookupError) as e:  # a broken connection, or an event not understood
         s.failure = f"{type(e).__name__}: {e}"
     finally:
         s.ended_at = time.monotonic()
