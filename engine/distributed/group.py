@@ -19,10 +19,10 @@ from kvledger.engine.distributed.partition import TensorParallelShard
 
 log = logging.getLogger(__name__)
 
-# a rank that died is noticed by its peers' next collective (gloo: the socket closes), and a spawned
-# rank that stopped by rank 0's liveness watch (rank_watch.py); this bounds the wait otherwise (a
-# stopped rank under torchrun). Not shorter: a rank other than 0 waits in a collective for rank 0's
-# next step for as long as the server is idle.
+# a rank that died is noticed by its peers' next collective (gloo: the socket closes), one that
+# stopped by rank 0's liveness watch (rank_watch.py), which kills it; this bounds the wait where no
+# watch runs (torchrun across hosts). Not shorter: a rank other than 0 waits in a collective for
+# rank 0's next step for as long as the server is idle.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
 
