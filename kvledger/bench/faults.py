@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import httpx
 
@@ -176,16 +176,16 @@ def _health(url: str) -> str:
         return f"no answer ({type(e).__name__})"
 
 
-async def _poll_health(url: str, seen: List[str], stop: asyncio.Event) -> None:
+async def _poll_health(url: str, polls: List[Tuple[float, int, str]], stop: asyncio.Event) -> None:
+    """Ask /health every 50 ms until stopped: (asked at, status or 0 for no answer, body)."""
     async with httpx.AsyncClient(timeout=2) as client:
         while not stop.is_set():
+            asked = time.monotonic()
             try:
                 r = await client.get(f"{url}/health")
-                if r.status_code != 200:
-                    seen.append(f"{r.status_code} {r.text}")
-                    return
+                polls.append((asked, r.status_code, r.text))
             except httpx.HTTPError:
-                pass
+                polls.append((asked, 0, ""))
             await asyncio.sleep(0.05)
 
 
@@ -214,13 +214,19 @@ def run_kind(
 
     threading.Thread(target=wait_exit, daemon=True).start()
     try:
-        seen: List[str] = []
+        polls: List[Tuple[float, int, str]] = []
 
         async def load() -> List[Stream]:
             stop = asyncio.Event()
-            watch = asyncio.create_task(_poll_health(srv.url, seen, stop))
+            watch = asyncio.create_task(_poll_health(srv.url, polls, stop))
             try:
-                return await run_load(srv.url, clients, max_tokens)
+                streams = await run_load(srv.url, clients, max_tokens)
+                waited = time.monotonic()
+                while kind not in (None, *CONTAINED) and proc.poll() is None:  # /health until the exit
+                    if time.monotonic() - waited > EXIT_WAIT_S:
+                        break
+                    await asyncio.sleep(0.02)
+                return streams
             finally:
                 stop.set()
                 await watch
@@ -241,7 +247,7 @@ def run_kind(
         if kind in CONTAINED:
             _after_contained(srv, report)
         else:
-            _after_fatal(srv, report, streams, seen, exit_at)
+            _after_fatal(srv, report, streams, polls, exit_at)
         return streams, report
     finally:
         srv.stop()
@@ -268,7 +274,11 @@ def _after_contained(srv: ServerProcess, report: KindReport) -> None:
 
 
 def _after_fatal(
-    srv: ServerProcess, report: KindReport, streams: List[Stream], seen: List[str], exit_at: List[float]
+    srv: ServerProcess,
+    report: KindReport,
+    streams: List[Stream],
+    polls: List[Tuple[float, int, str]],
+    exit_at: List[float],
 ) -> None:
     assert srv.proc is not None
     try:
@@ -280,7 +290,14 @@ def _after_fatal(
         time.sleep(0.01)
     ends = [s.ended_at for s in streams if s.error is not None and s.ended_at is not None]
     report.exit_s = exit_at[0] - min(ends) if ends and exit_at else None
-    report.health_while_dying = seen[0] if seen else "never seen other than 200"
+    first = min(ends) if ends else float("inf")
+    after = [(status, body) for asked, status, body in polls if asked > first]
+    dying = [body for _, status, body in polls if status not in (0, 200)]
+    report.health_while_dying = (
+        f"asked {len(after)} times after the first error event: {sum(st == 200 for st, _ in after)} x 200, "
+        f"{sum(st == 503 for st, _ in after)} x 503, {sum(st == 0 for st, _ in after)} x no answer (exited); "
+        f"first non-200: {dying[0] if dying else 'none'}"
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
