@@ -4,8 +4,9 @@
 Every rank reads the same spec and counts the same steps (each step the ranks take together,
 from 1); at step N rank R sends itself SIGKILL or SIGSTOP before its share of the step, so its peers
 are left inside the step's collectives, as with a rank the OOM killer or an operator takes out
-mid-request. Rank 0 is the server's own process: killing it ends the server; its ranks then leave
-(engine/distributed/heartbeat.py). How rank 0 notices the others: engine/distributed/rank_watch.py.
+mid-request. Rank 0 is the server's own process: killing it ends the server and its ranks then
+leave (engine/distributed/heartbeat.py); stopping it freezes the server whole, for an outside probe
+to see. How rank 0 notices the others: engine/distributed/rank_watch.py.
 """
 
 from __future__ import annotations
