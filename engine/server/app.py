@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -58,6 +58,7 @@ def create_app(
     tokenizer = llm.tokenizer
     limits = worker.limits
     responses: Counter = Counter()
+    exposition = metrics.ServerMetrics(worker, responses)  # this server's own registry
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -108,9 +109,8 @@ def create_app(
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def prometheus() -> PlainTextResponse:
-        text = metrics.render(worker.stats, worker.integrity, worker.alive, responses)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+    async def prometheus() -> Response:
+        return Response(exposition.render(), media_type=metrics.CONTENT_TYPE)
 
     v1 = APIRouter(dependencies=[Depends(authorize)])
 
