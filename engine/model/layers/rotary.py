@@ -7,8 +7,11 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies. On the
+        # CPU even under `torch.device("meta")` (from_state_dict): meta arithmetic imports torch._dynamo
+        # and sympy, seconds of every start; cos_sin moves it to the positions' device.
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+        self.inv_freq = 1.0 / (theta ** (exponents / head_dim))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T] positions -> cos, sin of shape [T, 1, head_dim]; computed once per step, shared by all layers."""
