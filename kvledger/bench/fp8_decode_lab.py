@@ -4,16 +4,22 @@ The engine's FP8 decode kernel reads e4m3 at about 2.7 TB/s at batch 256 x 600 (
 rate by ncu, 12 warps per multiprocessor), and an earlier lab kernel with 40% fewer instructions
 per block ran no faster: the kernel waits for its loads. FlashInfer's FP8 decode (CUDA cores, 72
 registers, 44% occupancy) reads at 40% of DRAM's rate, so the comparison offers no faster scheme
-to copy. This lab tries to keep more bytes in flight per multiprocessor with fewer programs, one
-split per request (the engine's choice at batch 256), on the engine's head-major pool:
+to copy. This lab tried to keep more bytes in flight per multiprocessor with fewer, wider
+programs, one split per request (the engine's choice at batch 256), on the engine's head-major
+pool:
 
 `kv_heads_per_program` (HP): one program reads HP KV heads' tiles at each block of tokens, as one
 [BLOCK_N, HP * 128] tile, against a block-diagonal query tile (query row r holds its head's
 vector in its KV head's 128 columns, zeros elsewhere), so the scores of every row are its own
 head's; the output row keeps its KV head's columns. Per byte read: the same tensor-core work,
-half (HP=2) the table loads, softmax and loop overhead. (The first version also tried prefetching
-the next block into registers with Triton's pipelining off: 1.6x to 17x slower, dropped;
-results/gpu/flashinfer/fp8-decode-lab-first.txt.)
+half (HP=2) the table loads, softmax and loop overhead. On the H200 every HP 2 and HP 4 launch
+was slower than HP 1 (134 against 114 us at 256 x 600 at best), in this lab's kernel and in the
+engine's kernel extended the same way (results/gpu/flashinfer/fp8-decode-lab.txt). The first
+version also tried prefetching the next block into registers with Triton's pipelining off: 1.6x
+to 17x slower (results/gpu/flashinfer/fp8-decode-lab-first.txt).
+
+`--splits`: the engine's kernel and launch at 1 to 16 splits at few, long requests, FP8 and bf16
+(the lab's one-split kernel took 91.9 us at 64 x 2000 where the engine's two splits took 103.7).
 
 Each variant is checked against float32 attention over the dequantized pool and timed over
 CUDA-graph replays; the engine's launch is the first row of each shape.
@@ -152,20 +158,14 @@ def lab_decode(q, k, v, table, seq, order, k_scale: float, v_scale: float, launc
 LAUNCHES = [
     LabLaunch(1, 64, 2, None, 168),  # the engine's launch, in this lab's kernel
     LabLaunch(2, 64, 2, None, 168),
-    LabLaunch(2, 64, 2),
     LabLaunch(2, 64, 4),
     LabLaunch(2, 64, 4, None, 128),
-    LabLaunch(2, 64, 4, 2),
     LabLaunch(2, 64, 4, 4),
-    LabLaunch(2, 32, 2),
     LabLaunch(2, 32, 4),
-    LabLaunch(2, 128, 4),
     LabLaunch(2, 128, 8),
-    LabLaunch(4, 32, 4),
-    LabLaunch(4, 64, 4),
     LabLaunch(4, 64, 8),
 ]
-SHAPES = (("256 x 600", 256, 600, None), ("256 x U(100,1500)", 256, 100, 1500))
+SHAPES = (("256 x 600", 256, 600, None), ("256 x U(100,1500)", 256, 100, 1500), ("64 x 2000", 64, 2000, None))
 
 
 def run_lab(seed: int) -> None:
@@ -175,6 +175,7 @@ def run_lab(seed: int) -> None:
         decode_attention,
         decode_launch_config,
         longest_first,
+        num_splits_for,
     )
 
     fp8 = torch.float8_e4m3fn
@@ -201,9 +202,10 @@ def run_lab(seed: int) -> None:
         ws = DecodeWorkspace(batch, HEADS, HEAD_DIM, 16, "cuda")
         launch = decode_launch_config(batch, KV_HEADS, fp8, HEAD_DIM)
         arange = torch.arange(batch, device="cuda")
+        splits = num_splits_for(batch, KV_HEADS)
         variants = [
             (
-                "engine kernel (decode_attention)",
+                f"engine kernel, {splits} split(s)",
                 lambda: decode_attention(
                     q,
                     k,
@@ -213,7 +215,7 @@ def run_lab(seed: int) -> None:
                     arange,
                     seq,
                     ws,
-                    1,
+                    splits,
                     k_scale=ks,
                     v_scale=vs,
                     order=order,
@@ -236,15 +238,67 @@ def run_lab(seed: int) -> None:
             print(f"  {name:52s} {us:7.1f} us {gbps:5.0f} GB/s copy {gbps / ceiling:4.0%} error {err:.1e}")
 
 
+SPLIT_SHAPES = ((64, 2000, None), (64, 100, 2048), (128, 500, 2048), (32, 500, 2048), (16, 4000, None))
+
+
+def sweep_splits(seed: int) -> None:
+    """The engine's kernel and launch at every split count, FP8 and bf16, at few and long requests
+    (`num_splits_for` aims at 1,024 programs; the lab's one-split kernel beat two splits at 64 x 2000)."""
+    from kvledger.bench.decode_kernels import graph_us
+    from kvledger.engine.attention.triton_decode import (
+        DecodeWorkspace,
+        decode_attention,
+        decode_launch_config,
+        longest_first,
+        num_splits_for,
+    )
+
+    g = torch.Generator().manual_seed(seed)
+    for batch, low, high in SPLIT_SHAPES:
+        lens = [low] * batch if high is None else torch.randint(low, high + 1, (batch,), generator=g).tolist()
+        per_row = -(-max(lens) // PAGE)
+        pages = torch.randperm(batch * per_row + 8, generator=g)[: batch * per_row].view(batch, per_row)
+        table = (pages[:, :, None] * PAGE + torch.arange(PAGE)).flatten(1).to(torch.int32).cuda().contiguous()
+        seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        order, arange = longest_first(seq), torch.arange(batch, device="cuda")
+        q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        ws = DecodeWorkspace(batch, HEADS, HEAD_DIM, 16, "cuda")
+        tokens = (batch * per_row + 8) * PAGE
+        for dtype in (torch.float8_e4m3fn, torch.bfloat16):
+            k, v = (torch.randn(KV_HEADS, tokens, HEAD_DIM, device="cuda").to(dtype) for _ in range(2))
+            launch = decode_launch_config(batch, KV_HEADS, dtype, HEAD_DIM)
+            nbytes = sum(lens) * KV_HEADS * HEAD_DIM * 2 * k.element_size()
+            first, cells = None, []
+            for splits in (1, 2, 4, 8, 16):
+                out = decode_attention(
+                    q, k, v, 1, table, arange, seq, ws, splits, order=order, **launch.kernel_args()
+                )  # fmt: skip
+                first = out.float() if first is None else first
+                assert float((out.float() - first).norm() / first.norm()) < 1e-2
+                us = graph_us(
+                    lambda splits=splits: decode_attention(
+                        q, k, v, 1, table, arange, seq, ws, splits, order=order, **launch.kernel_args()
+                    )
+                )  # fmt: skip
+                cells.append(f"{splits}: {us:6.1f} us {nbytes / us / 1e3:5.0f} GB/s")
+            shape = f"{batch} x {low}" if high is None else f"{batch} x U({low},{high})"
+            engine = num_splits_for(batch, KV_HEADS)
+            print(f"  {shape:18s} {str(dtype).split('.')[-1]:14s} engine {engine:2d} | " + " | ".join(cells))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvledger.bench.fp8_decode_lab", description=__doc__.splitlines()[0])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--splits", action="store_true", help="the split-count sweep instead of the variants")
     args = p.parse_args(argv)
     if triton is None or not torch.cuda.is_available():
         print("python -m kvledger.bench.fp8_decode_lab: needs a CUDA device and Triton", file=sys.stderr)
         return 2
     torch.manual_seed(args.seed)
-    run_lab(args.seed)
+    if args.splits:
+        sweep_splits(args.seed)
+    else:
+        run_lab(args.seed)
     return 0
 
 
