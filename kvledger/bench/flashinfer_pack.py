@@ -7,16 +7,16 @@ package index and takes 64 MiB per call, so this script, run on a development bo
 compiler (no GPU needed):
 
 1. unpacks the wheel's `flashinfer/` package;
-2. compiles the paged-decode modules the side by side uses (bf16 query and output; bf16 or FP8
-   e4m3 KV; head dim 128; `BatchDecodeWithPagedKVCacheWrapper`'s CUDA-core kernel and, with
-   `--tensor-cores`, the FA2 tensor-core kernel that vLLM's FlashInfer backend decodes with) through
+2. compiles the paged-decode modules of `BatchDecodeWithPagedKVCacheWrapper`'s CUDA-core kernel
+   that the side by side uses (bf16 query and output; bf16 or FP8 e4m3 KV; head dim 128) through
    FlashInfer's own JIT specs, for sm_90a, and installs each as an AOT module
    (`flashinfer/data/aot/<name>/<name>.so`, the place FlashInfer loads prebuilt modules from before
    it would compile);
 3. writes `flashinfer.tar.xz`: the Python package, the AOT modules, and the headers and top-level
-   sources a JIT build of the decode and FA2 modules needs (so a module missing from the AOT set
-   still builds on the device), without the rest of `data/` (CUTLASS and the other kernels'
-   sources, 300 MB);
+   sources a JIT build of the decode and FA2 modules needs, without the rest of `data/` (CUTLASS
+   and the other kernels' sources, 300 MB). The FA2 tensor-core modules (`use_tensor_cores=True`,
+   the path vLLM's FlashInfer backend decodes with) build from these on the device, in under 30 s
+   each on its 16 cores with MAX_JOBS=16;
 4. copies the `apache-tvm-ffi` wheel given (FlashInfer's binding layer, a compiled library:
    the device's Python is 3.12, so its cp312 manylinux wheel) and, if given, compresses
    FlashAttention-3's library for the `fa3` comparison.
@@ -47,9 +47,9 @@ JIT_DATA = ("include", "spdlog", "cccl/cub", "cccl/thrust", "cccl/libcudacxx/inc
 HEAD_DIM = 128
 
 
-def build_specs(tensor_cores: bool) -> None:
-    """In the build subprocess: compile the side by side's modules with FlashInfer's JIT specs and
-    print each module's name and library path."""
+def build_specs() -> None:
+    """In the build subprocess: compile the side by side's decode modules with FlashInfer's JIT
+    specs and print each module's name and library path."""
     import torch
     from flashinfer.jit.attention.modules import gen_batch_decode_module
 
@@ -57,15 +57,6 @@ def build_specs(tensor_cores: bool) -> None:
         gen_batch_decode_module(torch.bfloat16, kv, torch.bfloat16, torch.int32, HEAD_DIM, HEAD_DIM, 0, False, False)
         for kv in (torch.bfloat16, torch.float8_e4m3fn)
     ]
-    if tensor_cores:
-        from flashinfer.jit.attention.modules import (
-            _gen_batch_prefill_independent_paged_module,
-            _gen_batch_prefill_primary_module,
-        )
-
-        for kv in (torch.bfloat16, torch.float8_e4m3fn):
-            args = ("fa2", torch.bfloat16, kv, torch.bfloat16, torch.int32, HEAD_DIM, HEAD_DIM, 0, False, False, False)
-            specs += [_gen_batch_prefill_primary_module(*args), _gen_batch_prefill_independent_paged_module(*args)]
     for spec in specs:
         spec.build(verbose=False)
         print(f"BUILT {spec.name} {spec.jit_library_path}", flush=True)
@@ -92,9 +83,7 @@ def stub_cuda_home(staging: Path) -> Path:
     return home
 
 
-def build_modules(
-    package_root: Path, staging: Path, workspace: Path, build_path: str, tensor_cores: bool, stub: bool
-) -> list[Path]:
+def build_modules(package_root: Path, staging: Path, workspace: Path, build_path: str, stub: bool) -> list[Path]:
     """Compile the modules in a subprocess (FlashInfer's JIT cache under `workspace`: a rerun
     rebuilds nothing); install each as an AOT module of the unpacked package."""
     env = dict(os.environ)
@@ -105,8 +94,6 @@ def build_modules(
     if stub:
         env["CUDA_HOME"] = str(stub_cuda_home(staging))
     cmd = [sys.executable, "-m", "kvledger.bench.flashinfer_pack", "--build-only"]
-    if tensor_cores:
-        cmd.append("--tensor-cores")
     done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
     installed = []
     for line in done.stdout.splitlines():
@@ -150,12 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--staging", default="/tmp/flashinfer-pack", help="where the wheel is unpacked and built")
     p.add_argument("--workspace", default=None, help="FlashInfer's JIT cache (default: STAGING/workspace)")
     p.add_argument("--build-path", default="", help="PYTHONPATH entries for the build: tvm_ffi, pynvml")
-    p.add_argument("--tensor-cores", action="store_true", help="also build the FA2 tensor-core decode modules")
     p.add_argument("--stub-libcuda", action="store_true", help="link against an empty libcuda.so (no driver here)")
     p.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.build_only:
-        build_specs(args.tensor_cores)
+        build_specs()
         return 0
     if not args.wheel or not args.tvm_ffi_wheel:
         p.error("--wheel and --tvm-ffi-wheel are required")
@@ -165,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         with zipfile.ZipFile(args.wheel) as wheel:
             wheel.extractall(package_root, [n for n in wheel.namelist() if n.startswith("flashinfer/")])
     workspace = Path(args.workspace).resolve() if args.workspace else staging / "workspace"
-    modules = build_modules(package_root, staging, workspace, args.build_path, args.tensor_cores, args.stub_libcuda)
+    modules = build_modules(package_root, staging, workspace, args.build_path, args.stub_libcuda)
     out.mkdir(parents=True, exist_ok=True)
     written = [write_archive(package_root, out), Path(shutil.copy2(args.tvm_ffi_wheel, out))]
     if args.fa3_library:
