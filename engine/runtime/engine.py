@@ -29,7 +29,7 @@ from kvledger.engine.ledger.cache_scheduler import CacheScheduler, PageStats
 from kvledger.engine.ledger.observer import Observer
 from kvledger.engine.ledger.ops import Abort, CacheOp, Finish, OpRecord, Submit
 from kvledger.engine.model.model import CausalLM
-from kvledger.engine.runtime.faults import FaultPlan
+from kvledger.engine.runtime.faults import RANK_KINDS, FaultPlan
 from kvledger.engine.runtime.host_ranges import host_range
 from kvledger.engine.runtime.model_runner import ModelRunner
 from kvledger.engine.runtime.op_stream import OpStream
@@ -86,8 +86,10 @@ class Engine:
         self.steps: Dict[str, int] = {"prefill": 0, "decode": 0}
         self.batch: Optional[Batch] = None  # the batch of the step in progress (the watchdog's dump)
         # injected faults (--inject-fault, $KVLEDGER_INJECT_FAULT): None, and free, unless set
+        # (the rank kinds are the tensor-parallel ranks': engine/distributed/rank_faults.py)
         plan = FaultPlan.parse(config.inject_fault) if config.inject_fault else None
-        self.faults = StepFaults(self, plan, partial(Engine.abort, self)) if plan is not None else None
+        in_steps = plan is not None and plan.kinds - RANK_KINDS
+        self.faults = StepFaults(self, plan, partial(Engine.abort, self)) if plan is not None and in_steps else None
 
     # -- what callers read --------------------------------------------------------------------
     @property

@@ -98,8 +98,9 @@ def test_cuda_poison_raises_out_of_the_step():
         llm.generate(PROMPTS, GREEDY)
 
 
-def test_without_a_plan_the_engine_holds_none():
+def test_without_a_plan_for_its_steps_the_engine_holds_none():
     assert build(None).engine.faults is None
+    assert build("rank-kill@step=3,rank=1").engine.faults is None  # the ranks' (engine/distributed)
 
 
 def test_a_step_not_rolled_back_is_caught_by_the_ledger(monkeypatch):
