@@ -18,7 +18,7 @@ PROMPTS = [[10 + 7 * i + j for j in range(5 + 3 * i)] for i in range(6)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
-def build(spec: Optional[str]) -> LLM:
+def build(spec: Optional[str], overlap: bool = False) -> LLM:
     # a prefill budget of 24 tokens admits the six prompts over several steps, so a step holds some
     return LLM(
         dummy_weights=True,
@@ -27,11 +27,12 @@ def build(spec: Optional[str]) -> LLM:
         max_prefill_tokens=24,
         verify=True,
         inject_fault=spec,
+        overlap=overlap,
     )
 
 
-def outputs(llm: LLM):
-    outs = llm.generate(PROMPTS, GREEDY)
+def outputs(llm: LLM, params=GREEDY):
+    outs = llm.generate(PROMPTS, params)
     llm.engine.check_idle()
     assert llm.shadow is not None
     llm.shadow.model.check()  # the reference's own invariants, on the same operations
@@ -90,6 +91,23 @@ def test_a_short_step_stall_only_delays(reference):
     llm = build("step-stall@step=2,seconds=0.01")
     assert [o.token_ids for o in outputs(llm)] == reference
     assert llm.engine.faults is not None and llm.engine.faults.struck == {"step-stall": 1}
+
+
+def test_with_overlap_the_step_in_flight_lands_and_the_rollback_holds():
+    """Overlap (the CUDA default, here on the CPU): the failing step is launched while the previous
+    one is in flight, on placeholders; it rolls back, the previous lands, sampled rows included."""
+    sampled = [SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True, seed=i) for i in range(6)]
+    mixed = [GREEDY if i % 2 else sampled[i] for i in range(6)]
+    reference = [o.token_ids for o in outputs(build(None, overlap=True), mixed)]
+    for spec, hit in (("forward-raise@step=3", None), ("alloc-refuse@step=7,times=2,seed=4", 2)):
+        llm = build(spec, overlap=True)
+        outs = outputs(llm, mixed)
+        gone = ended(outs)
+        assert gone and len(gone) < len(PROMPTS) and (hit is None or len(gone) == hit)
+        assert all(o.token_ids == reference[i] for i, o in enumerate(outs) if i not in gone)
+        assert all(o.token_ids == reference[i][: len(o.token_ids)] for i, o in enumerate(outs))
+        assert llm.engine.page_stats().owned == 0
+        assert llm.shadow is not None and llm.shadow.steps == llm.engine.operations
 
 
 def test_cuda_poison_raises_out_of_the_step():
