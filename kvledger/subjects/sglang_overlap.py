@@ -51,6 +51,9 @@ Where the protocol makes the adapter differ from SGLang's loop (each a state SGL
   SGLang (the resolve skips it, and it runs again from its origin and output tokens); the driver
   has already handed those tokens out, so the adapter appends them to its output_ids, as its
   resumed prompt;
+- the last request, which `retract_decode` aborts when even it alone does not fit, SGLang ends;
+  the driver requeues it (as in `sglang:paged`), so the adapter drops its pending FINISH_ABORT and
+  it resumes as a retracted request does;
 - a free group spans one release (or one queue's processing) here, where SGLang's spans a
   batch's result processing: the free list's order may differ, its pages do not;
 - a step that only refused an admission leaves the results where they were (SGLang's loop,
@@ -184,6 +187,12 @@ class OverlapSglangSubject(PagedSglangSubject, SpecSglangSubject):
         self.scheduler.ratio.current = ratio
         by_req = {id(r.req): u for u, r in self.requests.items()}
         self._retracted = [by_req[id(r)] for r in (*retracted, *aborted)]
+        for req in aborted:
+            # the last request, which SGLang ends (to_finish = FINISH_ABORT, schedule_batch.py:3515,
+            # and its abort output at scheduler.py:4514): the driver requeues it as a retracted one, so
+            # it resumes without the abort; left, its resumed prefill's update_finish_state would
+            # finish it and every later result of it would be skipped as a finished request's
+            req.to_finish = None
         for victim in self._retracted:
             self.requests[victim].phase = "retracted"
             if victim in self._queue:

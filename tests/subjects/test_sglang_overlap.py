@@ -149,6 +149,29 @@ def test_a_retraction_drops_a_queued_result_and_resumes_with_the_drivers_tokens(
     assert not s.requests and not d.live
 
 
+def test_a_requeued_last_request_resumes_without_its_abort():
+    """Fuzz seed 363, case 5793, minimized: retract_decode finds even the last request does not fit
+    and ends it (to_finish = FINISH_ABORT); the driver requeues it. Resumed, its prefill's result must
+    not finish it, or its queued verify runs are skipped as a finished request's and the driver's
+    next decode finds tokens missing (it raised DriverMismatch: decode [17, 21) with 16 known)."""
+    header, ops = read(TRACES / "aborted-last-request-requeued.jsonl")
+    config = config_of(header)
+    s = _build(config)
+    events: List[str] = []
+    d = SubjectDriver(s, config, on_event=events.append)
+    resumed = 0
+    for op in ops:
+        d.apply(op)
+        r = s.requests.get(1)
+        if r is not None and r.phase == "running" and r.req.retraction_count == 1:
+            resumed += 1
+            assert not r.req.finished() and r.req.to_finish is None
+    assert resumed >= 2 and "preempt: a running request preempted" in events and sglang_overlap.LAGGED in events
+    assert not s.requests and not d.live
+    finding, _ = drive(_build(config), config, ops)
+    assert finding is None, finding
+
+
 def test_a_chunked_abort_releases_before_the_chunk_is_stashed():
     s = _build()
     events: List[str] = []
