@@ -33,6 +33,7 @@ results/gpu/fp8-blocks/decode-fa3-side-by-side.txt and results/gpu/flashinfer/de
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import sys
 from typing import Callable, Tuple
@@ -406,7 +407,7 @@ def side_by_side(fa3_library: str | None, flashinfer: bool, tensor_cores: bool, 
                 for cores in (False, True) if tensor_cores else (False,):
                     plan = FlashInferDecode(fi, block_table, lens, HEADS, KV_HEADS, HEAD_DIM, PAGE, dtype, cores)
                     name = "FlashInfer" + (" TC" if cores else "")
-                    peers.append((name, lambda plan=plan: plan(q, pages_k, pages_v, ks, vs)))
+                    peers.append((name, functools.partial(plan, q, pages_k, pages_v, ks, vs)))
             if fa3_library:
                 descales, q_fa3 = None, q
                 if dtype == fp8:  # FA3's FP8 path takes the query in e4m3 too, as vLLM runs it
@@ -416,8 +417,8 @@ def side_by_side(fa3_library: str | None, flashinfer: bool, tensor_cores: bool, 
                 peers.append(
                     (
                         "FA3",
-                        lambda q_fa3=q_fa3, d=descales: _fa3_decode(
-                            q_fa3, pages_k, pages_v, block_table, seq, d, cu_q, max(lens)
+                        functools.partial(
+                            _fa3_decode, q_fa3, pages_k, pages_v, block_table, seq, descales, cu_q, max(lens)
                         ),
                     )
                 )

@@ -28,6 +28,7 @@ CUDA-graph replays; the engine's launch is the first row of each shape.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -224,7 +225,7 @@ def run_lab(seed: int) -> None:
             )
         ]
         for lab in LAUNCHES:
-            variants.append((lab.label(), lambda lab=lab: lab_decode(q, k, v, table, seq, order, ks, vs, lab)))
+            variants.append((lab.label(), functools.partial(lab_decode, q, k, v, table, seq, order, ks, vs, lab)))
         print(f"{label}: {nbytes / 1e6:.0f} MB of e4m3 per layer")
         for name, fn in variants:
             try:
@@ -276,8 +277,9 @@ def sweep_splits(seed: int) -> None:
                 first = out.float() if first is None else first
                 assert float((out.float() - first).norm() / first.norm()) < 1e-2
                 us = graph_us(
-                    lambda splits=splits: decode_attention(
-                        q, k, v, 1, table, arange, seq, ws, splits, order=order, **launch.kernel_args()
+                    functools.partial(
+                        decode_attention, q, k, v, 1, table, arange, seq, ws, splits,
+                        order=order, **launch.kernel_args(),
                     )
                 )  # fmt: skip
                 cells.append(f"{splits}: {us:6.1f} us {nbytes / us / 1e3:5.0f} GB/s")
