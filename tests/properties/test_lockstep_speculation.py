@@ -135,6 +135,12 @@ def _speculating_run(examples):
 def test_the_speculating_machine_is_clean_and_reaches_the_spec_events():
     progress = _speculating_run(160)
     if settings.default.derandomize:
+        if not SPEC_EVENTS <= set(progress.reached):
+            # Hypothesis draws from the constants of every local module loaded before this test, so
+            # under xdist the derandomized sequences depend on which tests the worker ran first; the
+            # bound is then the first 480 sequences, whatever ran before (`kvledger check
+            # --speculate`, alone, reaches the last of these events at sequence 76)
+            progress = _speculating_run(480)
         assert SPEC_EVENTS <= set(progress.reached), sorted(SPEC_EVENTS - set(progress.reached))
 
 
