@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Sequence, Set, Tuple
+from typing import Any, Dict, FrozenSet, Iterator, List, Sequence, Set, Tuple
 
 from kvledger.properties.subject import DriverMismatch, SubjectConfig
 from kvledger.subjects.edits import SourceEdit
@@ -75,7 +75,7 @@ from kvledger.subjects.sglang import SglangSubject, load
 from kvledger.subjects.sglang_import import COMMON, PACKAGE, VERSION, SglangNames
 from kvledger.subjects.sglang_overlap_zoo import ZOO
 from kvledger.subjects.sglang_paged import PagedSglangSubject
-from kvledger.subjects.sglang_spec import NUM_DRAFT_TOKENS, PAGE_SIZE, SpecSglangSubject, _function
+from kvledger.subjects.sglang_spec import NUM_DRAFT_TOKENS, PAGE_SIZE, SpecSglangSubject, _function, resolve_runs
 from kvledger.subjects.sglang_spec_zoo import ALLOCATION_SIZING, BATCH_RESULT, EAGLE_UTILS, RESOLVE
 
 __all__ = ["MIN_PAGE_SIZE", "NAME", "OVERLAP_EVENTS", "VERSION", "ZOO", "OverlapSglangSubject", "build", "probe"]
@@ -253,7 +253,7 @@ class OverlapSglangSubject(PagedSglangSubject, SpecSglangSubject):
         batch = self.batch_of(reqs)
         resolve = self.spec_functions[f"{BATCH_RESULT}:{RESOLVE}"]
         with self._group():
-            accepted = _resolve_batch(self._results.processor, resolve, batch, [results[u] for u in uids])
+            accepted = resolve_runs(self._results.processor, resolve, batch, [results[u] for u in uids])
             for uid, req, run in zip(uids, reqs, accepted):
                 if req.is_retracted or req.finished():
                     # skipped under overlap (batch_result_processor.py:1022); the driver's tokens
@@ -327,25 +327,3 @@ class OverlapSglangSubject(PagedSglangSubject, SpecSglangSubject):
         with self._sglang():
             self._drain()
             return super().evict(tokens)
-
-
-def _resolve_batch(processor: Any, resolve: Callable, batch: Any, runs: List[List[int]]) -> List[List[int]]:
-    """The worker's verify result for a batch whose accepted runs are `runs` (drafts kept, then the
-    bonus), padded to the verify width as the scheduler gets them, through `_resolve_spec_v2_tokens`."""
-    import torch
-
-    width = NUM_DRAFT_TOKENS
-    flat = [t for run in runs for t in run + [0] * (width - len(run))]
-    result = types.SimpleNamespace(
-        next_token_ids=torch.tensor(flat, dtype=torch.int64),
-        accept_lens=torch.tensor([len(run) for run in runs], dtype=torch.int32),
-        speculative_output_stride=width,
-        speculative_num_draft_tokens=width,
-        num_non_draft_tokens_per_req=1,  # the bonus
-        block_accept_lens=None,
-        cap_lens=None,
-        grammar_advanced=False,
-        copy_done=None,
-    )
-    accepted: List[List[int]] = resolve(processor, result, batch)
-    return accepted

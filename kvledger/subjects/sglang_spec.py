@@ -318,20 +318,27 @@ class _ResultProcessor:
 
     def resolve(self, resolve: Callable, batch: Any, run: List[int]) -> List[List[int]]:
         """The worker's verify result for one request whose accepted run (drafts kept, then the
-        bonus) is `run`: its next_token_ids padded to the verify width, as the scheduler gets them."""
-        import torch
+        bonus) is `run`, through `resolve_runs`."""
+        return resolve_runs(self.processor, resolve, batch, [run])
 
-        width = NUM_DRAFT_TOKENS
-        result = types.SimpleNamespace(
-            next_token_ids=torch.tensor(run + [0] * (width - len(run)), dtype=torch.int64),
-            accept_lens=torch.tensor([len(run)], dtype=torch.int32),
-            speculative_output_stride=width,
-            speculative_num_draft_tokens=width,
-            num_non_draft_tokens_per_req=1,  # the bonus
-            block_accept_lens=None,
-            cap_lens=None,
-            grammar_advanced=False,
-            copy_done=None,
-        )
-        accepted: List[List[int]] = resolve(self.processor, result, batch)
-        return accepted
+
+def resolve_runs(processor: Any, resolve: Callable, batch: Any, runs: List[List[int]]) -> List[List[int]]:
+    """The worker's verify result for a batch whose accepted runs are `runs` (drafts kept, then the
+    bonus), padded to the verify width as the scheduler gets them, through `_resolve_spec_v2_tokens`."""
+    import torch
+
+    width = NUM_DRAFT_TOKENS
+    flat = [t for run in runs for t in run + [0] * (width - len(run))]
+    result = types.SimpleNamespace(
+        next_token_ids=torch.tensor(flat, dtype=torch.int64),
+        accept_lens=torch.tensor([len(run) for run in runs], dtype=torch.int32),
+        speculative_output_stride=width,
+        speculative_num_draft_tokens=width,
+        num_non_draft_tokens_per_req=1,  # the bonus
+        block_accept_lens=None,
+        cap_lens=None,
+        grammar_advanced=False,
+        copy_done=None,
+    )
+    accepted: List[List[int]] = resolve(processor, result, batch)
+    return accepted
