@@ -74,6 +74,7 @@ def summarize_profile(events, decode_steps: int, wall_s: float, cuda: bool) -> D
     host: Dict[str, float] = {}
     host_intervals: List[tuple[float, float]] = []
     top: Dict[str, float] = {}
+    calls: Dict[str, int] = {}
     for e in events:
         name = e.name
         is_annotation = bool(getattr(e, "is_user_annotation", False))
@@ -94,6 +95,7 @@ def summarize_profile(events, decode_steps: int, wall_s: float, cuda: bool) -> D
             dur = e.self_cpu_time_total
         cats[classify_kernel(name)] += dur
         top[name] = top.get(name, 0.0) + dur
+        calls[name] = calls.get(name, 0) + 1
     steps = max(decode_steps, 1)
     kernel_total = sum(cats.values())
     wall_ms = wall_s * 1e3 / steps
@@ -113,8 +115,9 @@ def summarize_profile(events, decode_steps: int, wall_s: float, cuda: bool) -> D
             for n, us in sorted(host.items())
         },
         "host_total_ms_per_step": per(_union_us(host_intervals)),
+        "launches_per_step": sum(calls.values()) / steps,
         "top_kernels": [
-            {"name": n, "ms_per_step": per(us), "category": classify_kernel(n)}
+            {"name": n, "ms_per_step": per(us), "category": classify_kernel(n), "launches_per_step": calls[n] / steps}
             for n, us in sorted(top.items(), key=lambda kv: -kv[1])[:15]
         ],
     }
@@ -188,7 +191,7 @@ def profile_decode(llm, prompts: List[List[int]], max_tokens: List[int], device:
     return summary
 
 
-def format_breakdown(b: Dict[str, Any], top: int = 8) -> List[str]:
+def format_breakdown(b: Dict[str, Any], top: int = 12) -> List[str]:
     lines = [
         f"decode profile (kvledger): {b['requests']} requests, {b['decode_steps']} steps profiled "
         f"({b['scope']}); {b['device_activity']}",
@@ -198,6 +201,8 @@ def format_breakdown(b: Dict[str, Any], top: int = 8) -> List[str]:
         d = b["categories"][c]
         lines.append(f"  {c:<22} {d['ms_per_step']:>9.3f} {d['percent']:>6.1f}%")
     lines.append(f"  {'total':<22} {b['device_total_ms_per_step']:>9.3f}")
+    if b.get("launches_per_step") is not None:
+        lines.append(f"  {b['launches_per_step']:.0f} kernels (or ops) per step")
     wall = b["wall_ms_per_step"]
     if b.get("device_busy_ms_per_step") is not None:
         busy = b["device_busy_ms_per_step"]
@@ -221,9 +226,10 @@ def format_breakdown(b: Dict[str, Any], top: int = 8) -> List[str]:
         lines.append(
             "  no GPU kernels were recorded (kernels replayed from CUDA graphs untraced?): try --no-cuda-graphs"
         )
-    lines.append("  top kernels (ops on the CPU), ms/step and kind:")
+    lines.append("  top kernels (ops on the CPU), ms/step, launches/step and kind:")
     for k in b["top_kernels"][:top]:
-        lines.append(f"    {k['ms_per_step']:>9.3f}  {k['category']:<9}  {_shorten(k['name'])}")
+        n = k.get("launches_per_step", float("nan"))
+        lines.append(f"    {k['ms_per_step']:>9.3f} {n:>5.0f}  {k['category']:<9}  {_shorten(k['name'])}")
     return lines
 
 

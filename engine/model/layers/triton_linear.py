@@ -1,0 +1,140 @@
+"""Triton GEMMs for the decode step's projections (CUDA path): `x @ w.T` with w an `nn.Linear` weight
+[N, K], and the gated form that computes the fused gate/up projection and its SiLU product in one
+kernel (`silu(x @ gate.T) * (x @ up.T)`, the [M, N] product never written).
+
+The gated kernel rounds where the unfused path does (gate and up to the model dtype, then SiLU,
+rounded again, then the product), so it differs from `silu_mul(linear(x, w))` only by the GEMM's
+summation order. Which launch serves which shape is measured (`kvledger.bench.step_lab`), not
+assumed: cuBLAS stays the default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+@dataclass(frozen=True)
+class GemmLaunch:
+    """Tile shape, warps and pipelining depth of one Triton GEMM launch."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def label(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _linear_kernel(
+        X,
+        W,
+        OUT,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_om,
+        GATED: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        # the batch's row tiles run fastest: the programs that read one weight tile start together,
+        # so the weight (the bytes that matter at decode sizes) comes from DRAM about once
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BLOCK_M)
+        pid_m = pid % num_m
+        pid_n = pid // num_m
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
+        w_ptrs = W + offs_n[None, :] * stride_wn + offs_k[:, None]
+        u_ptrs = w_ptrs + N * stride_wn  # GATED: the up rows follow the gate rows
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+                b = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
+            else:
+                k_mask = offs_k < K - k * BLOCK_K
+                a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                b = tl.load(w_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+            acc = tl.dot(a, b, acc)
+            if GATED:
+                if EVEN_K:
+                    u = tl.load(u_ptrs, mask=n_mask[None, :], other=0.0)
+                else:
+                    u = tl.load(u_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+                acc_up = tl.dot(a, u, acc_up)
+                u_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        dtype = OUT.dtype.element_ty
+        if GATED:
+            g = acc.to(dtype).to(tl.float32)
+            up = acc_up.to(dtype).to(tl.float32)
+            silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+            out = (silu * up).to(dtype)
+        else:
+            out = acc.to(dtype)
+        o_ptrs = OUT + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(o_ptrs, out, mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, gated: bool, launch: GemmLaunch) -> torch.Tensor:
+    if triton is None:
+        raise RuntimeError("triton_linear needs the `triton` package")
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("triton_linear needs rows of x and of the weight contiguous")
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, launch.block_m) * triton.cdiv(n, launch.block_n),)
+    _linear_kernel[grid](
+        x,
+        weight,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        GATED=gated,
+        EVEN_K=k % launch.block_k == 0,
+        BLOCK_M=launch.block_m,
+        BLOCK_N=launch.block_n,
+        BLOCK_K=launch.block_k,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+    )
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, launch: GemmLaunch) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T -> [M, N] in x's dtype (float32 accumulation)."""
+    return _launch(x, weight, weight.shape[0], False, launch)
+
+
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, launch: GemmLaunch) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for weight = [gate; up] of [2I, K] -> [M, I]: the fused gate/up
+    projection and `silu_mul` in one kernel."""
+    return _launch(x, weight, weight.shape[0] // 2, True, launch)

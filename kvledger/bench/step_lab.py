@@ -1,0 +1,267 @@
+"""The decode step outside attention, and the FP8 decode launch, on one GPU (CUDA only):
+`python -m kvledger.bench.step_lab [gemm] [fp8]`.
+
+`gemm`: each projection of Qwen3-0.6B and SmolLM2-135M (and their LM heads) at the decode batch
+sizes, against its floor (weight, input and output bytes at the measured copy bandwidth, or the
+FLOPs at the measured bf16 matrix rate, whichever is longer): cuBLAS as the engine calls it
+(`F.linear`), cuBLAS on a pre-transposed [K, N] weight, and the Triton GEMM of
+`engine/model/layers/triton_linear.py` over a small set of tiles; for the gate/up projection also
+the unfused pair (`F.linear` + `fused_ops.silu_mul`) against the gated Triton kernel. Every
+candidate is checked against a float32 product first. Times are medians over CUDA-graph replays
+that call each of enough copies of the weight (256 MB in all) once, so that the weights come from
+DRAM as a step's 28 or 30 layers' do.
+
+`fp8`: the engine's FP8 decode kernel at a set of launches (block, warps, stages, register cap;
+whole blocks unmasked and int32 offsets, as the engine runs it) and split counts, at 256 x 600
+and two mixed-length batches, against the copy bandwidth.
+
+Each part prints as it goes; one failing does not stop the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import sys
+import traceback
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+MODELS = ("qwen3-0.6b", "smollm2-135m")
+BATCHES = (256, 128, 64)
+ROTATE_BYTES = 256 << 20  # the weight copies a graph cycles through: several times the 60 MB L2
+
+# small-M tiles: 64-row tiles (a warpgroup's wgmma M) first, narrow N for the narrow outputs
+GEMM_LAUNCHES = (
+    (64, 64, 64, 4, 4),
+    (64, 64, 128, 4, 3),
+    (64, 128, 64, 4, 4),
+    (64, 32, 128, 4, 4),
+    (128, 64, 64, 4, 4),
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 4, 3),
+    (64, 256, 64, 8, 3),
+    (32, 64, 128, 4, 4),
+)
+
+
+def projections(name: str) -> List[Tuple[str, int, int]]:
+    """(label, N, K) of one layer's projections and the LM head, as nn.Linear weights [N, K]."""
+    from kvledger.engine.model.config import builtin_config
+
+    c = builtin_config(name)
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return [
+        ("qkv", q + 2 * kv, c.hidden_size),
+        ("o_proj", c.hidden_size, q),
+        ("gate_up", 2 * c.intermediate_size, c.hidden_size),
+        ("down", c.hidden_size, c.intermediate_size),
+        ("lm_head", c.vocab_size, c.hidden_size),
+    ]
+
+
+def matmul_tflops() -> float:
+    from kvledger.bench.decode_kernels import time_us
+
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return 2 * 8192**3 / time_us(lambda: a @ b, reps=10) / 1e6
+
+
+def rotating(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, weights) -> Callable:
+    cycle = itertools.cycle(weights)
+    return lambda: fn(x, next(cycle))
+
+
+def check(got: torch.Tensor, ref: torch.Tensor) -> float:
+    err = float((got.float() - ref).norm() / ref.norm())
+    if not err < 2e-2:  # bf16 outputs: about 3e-3; NaN fails too
+        raise AssertionError(f"relative error {err:.1e}")
+    return err
+
+
+def gemm_part(models: Sequence[str], batches: Sequence[int]) -> None:
+    from kvledger.bench.decode_kernels import copy_gbps, graph_us
+    from kvledger.engine.model import fused_ops
+    from kvledger.engine.model.layers.triton_linear import GemmLaunch, gated_linear, linear
+
+    gbps, tflops = copy_gbps(), matmul_tflops()
+    print(f"copy {gbps:.0f} GB/s, bf16 8192^3 matmul {tflops:.0f} TFLOP/s")
+    launches = [GemmLaunch(*t) for t in GEMM_LAUNCHES]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name in models:
+        for label, n, k in projections(name):
+            wbytes = n * k * 2
+            copies = max(2, min(400, -(-ROTATE_BYTES // wbytes)))
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k**-0.5 for _ in range(copies)]
+            wts = [w.t().contiguous() for w in ws] if label != "lm_head" else []
+            for m in batches:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+                ref = F.linear(x.float(), ws[0].float())
+                floor = max((m * k + n * k + m * n) * 2 / gbps / 1e3, 2 * m * n * k / tflops / 1e6)
+                rows: List[Tuple[str, float, float]] = []
+
+                def add(tag: str, fn: Callable, reference: torch.Tensor) -> None:
+                    try:
+                        err = check(fn(), reference)
+                        rows.append((tag, graph_us(fn, calls=max(20, copies)), err))
+                    except Exception as e:  # a launch that does not compile or is wrong: say so
+                        print(f"    {tag}: failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+
+                add("cublas F.linear", rotating(F.linear, x, ws), ref)
+                if wts:
+                    add("cublas x @ wT", rotating(torch.mm, x, wts), ref)
+                for launch in launches:
+                    add(f"triton {launch.label()}", rotating(functools.partial(_tl, linear, launch), x, ws), ref)
+                if label == "gate_up":
+                    gate, up = ref.chunk(2, dim=-1)
+                    gated_ref = fused_ops.silu_mul(ref.to(torch.bfloat16)).float()
+                    del gate, up
+                    add(
+                        "cublas + silu_mul",
+                        rotating(lambda a, w: fused_ops.silu_mul(F.linear(a, w)), x, ws),
+                        gated_ref,
+                    )
+                    for launch in launches:
+                        add(
+                            f"gated {launch.label()}",
+                            rotating(functools.partial(_tl, gated_linear, launch), x, ws),
+                            gated_ref,
+                        )
+                print(f"{name} {label} M={m} N={n} K={k}: floor {floor:.2f} us")
+                base = rows[0][1] if rows else float("nan")
+                for tag, us, err in sorted(rows, key=lambda r: r[1])[:8]:
+                    share = f"{floor / us:5.1%} of floor"
+                    print(f"    {tag:32s} {us:7.2f} us  {share}  x{base / us:4.2f} cublas  err {err:.1e}")
+            del ws, wts
+            torch.cuda.empty_cache()
+
+
+def _tl(fn, launch, x, w):
+    return fn(x, w, launch)
+
+
+FP8_SHAPES = (
+    ("256 x 600", 256, 600, None),
+    ("256 x U(100,1500)", 256, 100, 1500),
+    ("128 x U(500,2048)", 128, 500, 2048),
+)
+# (block_n, warps, stages, register cap); the engine's launch first
+FP8_LAUNCHES = (
+    (64, 2, None, 168),
+    (64, 2, 2, 168),
+    (64, 2, 3, 168),
+    (64, 2, 4, 168),
+    (64, 2, None, None),
+    (64, 2, None, 128),
+    (64, 2, 3, 128),
+    (64, 4, None, None),
+    (64, 4, 2, None),
+    (64, 4, 3, None),
+    (64, 4, 4, None),
+    (64, 4, None, 128),
+    (128, 4, None, None),
+    (128, 4, 2, None),
+    (128, 4, 3, None),
+    (128, 4, 2, 168),
+    (128, 8, None, None),
+    (128, 8, 2, None),
+    (32, 2, None, None),
+    (32, 2, 2, 128),
+    (32, 2, 3, None),
+    (32, 2, 4, 128),
+    (32, 4, None, None),
+    (256, 8, 2, None),
+)
+
+
+def fp8_part(seed: int) -> None:
+    from kvledger.bench.decode_kernels import _gathered_attention, copy_gbps, graph_us
+    from kvledger.bench.fp8_decode_lab import HEAD_DIM, HEADS, KV_HEADS, PAGE
+    from kvledger.engine.attention.triton_decode import (
+        DecodeLaunch,
+        DecodeWorkspace,
+        decode_attention,
+        longest_first,
+        num_splits_for,
+    )
+
+    fp8 = torch.float8_e4m3fn
+    gen = torch.Generator().manual_seed(seed)
+    ceiling = copy_gbps()
+    print(f"device-to-device copy {ceiling:.0f} GB/s; FP8 e4m3 KV, head-major pool, longest-first order")
+    for label, batch, low, high in FP8_SHAPES:
+        lens = [low] * batch if high is None else torch.randint(low, high + 1, (batch,), generator=gen).tolist()
+        per_row = -(-max(lens) // PAGE)
+        pages = torch.randperm(batch * per_row + 8, generator=gen)[: batch * per_row].view(batch, per_row)
+        table = (pages[:, :, None] * PAGE + torch.arange(PAGE)).flatten(1).to(torch.int32).cuda().contiguous()
+        seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        order, arange = longest_first(seq), torch.arange(batch, device="cuda")
+        q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        tokens = (batch * per_row + 8) * PAGE
+        kf, vf = (torch.randn(KV_HEADS, tokens, HEAD_DIM, device="cuda") for _ in range(2))
+        ks, vs = float(kf.abs().max() / 448), float(vf.abs().max() / 448)
+        k, v = (kf / ks).to(fp8), (vf / vs).to(fp8)
+        del kf, vf
+        nbytes = sum(lens) * KV_HEADS * HEAD_DIM * 2
+        truth = _gathered_attention(q, k.float().transpose(0, 1) * ks, v.float().transpose(0, 1) * vs, table, lens, 16)
+        ws = DecodeWorkspace(batch, HEADS, HEAD_DIM, 16, "cuda")
+        engine_splits = num_splits_for(batch, KV_HEADS)
+        print(f"{label}: {nbytes / 1e6:.0f} MB of e4m3 per layer; engine splits {engine_splits}")
+        results = []
+        for block_n, warps, stages, cap in FP8_LAUNCHES:
+            launch = DecodeLaunch(block_n, warps, stages, cap, mask_tail_only=True, narrow=True)
+            for splits in sorted({1, engine_splits}):
+                fn = functools.partial(
+                    decode_attention, q, k, v, 1, table, arange, seq, ws, splits,
+                    k_scale=ks, v_scale=vs, order=order, **launch.kernel_args(),
+                )  # fmt: skip
+                tag = f"{block_n:3d},{warps},{stages},{cap} splits {splits}"
+                try:
+                    err = float((fn().float()[:16] - truth).norm() / truth.norm())
+                    us = graph_us(fn)
+                except Exception as e:  # a launch Triton cannot compile (resources): say so, go on
+                    print(f"  {tag:28s} failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+                    continue
+                share = nbytes / us / 1e3 / ceiling
+                results.append((us, tag))
+                print(f"  {tag:28s} {us:7.1f} us {nbytes / us / 1e3:5.0f} GB/s {share:4.0%} of copy  error {err:.1e}")
+        best = sorted(results)[:5]
+        print(f"  best at {label}: " + "; ".join(f"{t.strip()} {us:.1f} us" for us, t in best))
+        del k, v
+        torch.cuda.empty_cache()
+
+
+PARTS = {"gemm": lambda a: gemm_part(a.models, a.batches), "fp8": lambda a: fp8_part(a.seed)}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvledger.bench.step_lab", description=__doc__.splitlines()[0])
+    p.add_argument("parts", nargs="*", help="gemm and/or fp8 (default: both)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
+    p.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=list(BATCHES))
+    args = p.parse_args(argv)
+    parts = args.parts or list(PARTS)
+    bad = [x for x in parts if x not in PARTS]
+    if bad:
+        p.error(f"unknown part {bad[0]!r}: choose from {', '.join(PARTS)}")
+    if not torch.cuda.is_available():
+        print("python -m kvledger.bench.step_lab: needs a CUDA device and Triton", file=sys.stderr)
+        return 2
+    torch.manual_seed(args.seed)
+    failed = 0
+    for part in parts:
+        print(f"## {part}", flush=True)
+        try:
+            PARTS[part](args)
+        except Exception:  # one part's failure must not lose the others' output
+            failed += 1
+            traceback.print_exc()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
