@@ -19,7 +19,10 @@ allocation of a step. When the step fits, `alloc_for_decode` runs for every runn
 once, and the driver's other allocations of the step find theirs done. When it does not,
 `retract_decode` itself runs and the allocation answers False; the subject chooses the victims
 (`Capabilities.chooses_victim`): `victim` names the requests `retract_decode` released, in its
-order, and `preempt` only requeues each.
+order, and `preempt` only requeues each. Where the protocol makes it differ from SGLang: the last
+request, which `retract_decode` ends when even it alone does not fit (its `reqs_to_abort`: another
+request mid-prefill holds the rest of the pool), SGLang answers with an abort; the driver requeues
+it as a retracted one, so the adapter drops its pending FINISH_ABORT and it resumes as one.
 
 The deployment (`PAGED_KNOBS`, real environment knobs of SGLang's scheduler process, read where
 SGLang reads them): SGLANG_INIT_NEW_TOKEN_RATIO 0.05 (`NewTokenRatioTracker.from_config`, at the
@@ -126,20 +129,31 @@ class PagedSglangSubject(SglangSubject):
             self._checked = True
             # update_running_batch: check_decode_mem, and retract_decode when it does not fit
             if not batch.check_decode_mem():
-                retracted, ratio, aborted = batch.retract_decode()
-                self.scheduler.ratio.current = ratio
-                # the last request, aborted when even it alone does not fit, is released as a
-                # retraction is (release_req): the driver requeues it where SGLang ends it
-                by_req = {id(r.req): u for u, r in self.requests.items()}
-                self._retracted = [by_req[id(r)] for r in (*retracted, *aborted)]
-                for victim in self._retracted:
-                    self.requests[victim].phase = "retracted"
+                self._retract(batch)
                 self.scheduler.retry(uid, "allocate")
                 return False
         # prepare_for_decode -> alloc_for_decode(batch, token_per_req=1), the whole batch
         self.functions[f"{ALLOCATION}:alloc_for_decode"](batch, 1)
         self._decoded = {u for u, r in self.requests.items() if r.phase == "running"}
         return True
+
+    def _retract(self, batch: Any) -> None:
+        """retract_decode and what update_running_batch keeps of its answer (scheduler.py:4459):
+        the new_token_ratio, and the released requests, to be requeued."""
+        retracted, ratio, aborted = batch.retract_decode()
+        self.scheduler.ratio.current = ratio
+        for req in aborted:
+            # the last request, which retract_decode ends when even it alone does not fit
+            # (to_finish = FINISH_ABORT, schedule_batch.py:3515; SGLang sends its abort output at
+            # scheduler.py:4514 and never requeues it): release_req released it as a retraction, and
+            # the driver requeues it as one, so it resumes without the abort. Left, its resumed
+            # prefill's update_finish_state would finish it: the prompt not checkpointed into the
+            # tree (computed), and the request decoding on as a finished one
+            req.to_finish = None
+        by_req = {id(r.req): u for u, r in self.requests.items()}
+        self._retracted = [by_req[id(r)] for r in (*retracted, *aborted)]
+        for victim in self._retracted:
+            self.requests[victim].phase = "retracted"
 
     def _running_batch(self) -> Any:
         torch = self.s.torch

@@ -12,6 +12,7 @@ from typing import Any, Dict, List
 
 import pytest
 
+from kvledger.engine.ledger.ops import Decode
 from kvledger.engine.ledger.trace import read
 from kvledger.properties.subject import SubjectConfig
 from kvledger.properties.subject_driver import SubjectDriver, drive
@@ -187,3 +188,33 @@ def test_a_request_retracted_after_a_hit_admission_may_wait_on_an_idle_pool():
     assert driver.hits[10] > 0 and 10 not in driver.fit_alone
     drain(driver, driver.apply)  # no liveness finding
     assert driver.waiting and driver.waiting[0] == 10 and not driver.running
+
+
+def test_the_last_request_retract_decode_aborts_resumes_without_its_abort():
+    """Issue 36's lead, hand-built (fuzzing never reached it: 137 retract_decode calls in 1,371 cases
+    of seed 0, none aborting): uid 1 decodes alone while uid 2, mid-prefill, holds the rest of the
+    pool, so at its fourth page even the last request does not fit and retract_decode ends it
+    (reqs_to_abort, to_finish = FINISH_ABORT). The driver requeues it as a retraction; resumed, its
+    prefill must not be finished by that abort: it is checkpointed into the tree, and uid 3, sharing
+    its resumed prompt, hits its three full pages (it hit one, the first admission's, while the
+    abort was kept: the request decoded on marked finished, its resumed pages unpublished)."""
+    header, ops = read(Path(__file__).parent / "sglang_paged_traces" / "last-request-aborted-requeued.jsonl")
+    config = config_of(header)
+    s = sglang_paged.build(config)
+    events: List[str] = []
+    driver = SubjectDriver(s, config, on_event=events.append)
+    aborted = resumed = 0
+    for op in ops:
+        alone = driver.running == [1]
+        out = driver.apply(op)
+        if alone and isinstance(op.op, Decode) and out.preempted == (1,):
+            aborted += 1  # retract_decode always keeps one request: it aborted the only one
+            assert s.requests[1].phase == "waiting" and s.requests[1].req.to_finish is None
+        r = s.requests.get(1)
+        if r is not None and r.phase == "running" and r.req.retraction_count == 1:
+            resumed += 1
+            assert not r.req.finished(), r.req.finished_reason
+    assert aborted == 1 and resumed >= 2 and EXHAUSTED_AT_DECODE in events
+    assert driver.hits[3] == 12 and not s.requests and not driver.live
+    finding, _ = drive(sglang_paged.build(config), config, ops)
+    assert finding is None, finding
