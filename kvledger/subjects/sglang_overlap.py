@@ -182,19 +182,11 @@ class OverlapSglangSubject(PagedSglangSubject, SpecSglangSubject):
         return [u for u, r in self.requests.items() if r.phase == "running"]
 
     def _retract(self, batch: Any) -> None:
-        """update_running_batch's retract_decode (scheduler.py:4459), as sglang:paged runs it."""
-        retracted, ratio, aborted = batch.retract_decode()
-        self.scheduler.ratio.current = ratio
-        by_req = {id(r.req): u for u, r in self.requests.items()}
-        self._retracted = [by_req[id(r)] for r in (*retracted, *aborted)]
-        for req in aborted:
-            # the last request, which SGLang ends (to_finish = FINISH_ABORT, schedule_batch.py:3515,
-            # and its abort output at scheduler.py:4514): the driver requeues it as a retracted one, so
-            # it resumes without the abort; left, its resumed prefill's update_finish_state would
-            # finish it and every later result of it would be skipped as a finished request's
-            req.to_finish = None
+        """update_running_batch's retract_decode (scheduler.py:4459), as sglang:paged runs it (the last
+        request it aborts resumes without the abort: left, every later result of it would be skipped
+        as a finished request's)."""
+        super()._retract(batch)
         for victim in self._retracted:
-            self.requests[victim].phase = "retracted"
             if victim in self._queue:
                 self.reached.append(RETRACTED_QUEUED)
 
