@@ -82,17 +82,30 @@ def check(got: torch.Tensor, ref: torch.Tensor) -> float:
     return err
 
 
-def gemm_part(models: Sequence[str], batches: Sequence[int]) -> None:
+SPLIT_K_TILES = ((64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3), (64, 64, 32, 4, 4))
+SPLIT_K_SPLITS = (2, 3, 4, 6, 8)
+
+
+def split_k_launches(k: int) -> List:
+    from kvledger.engine.model.layers.triton_linear import GemmLaunch
+
+    launches = [GemmLaunch(*t, splits=s) for t in SPLIT_K_TILES for s in SPLIT_K_SPLITS]
+    return [launch for launch in launches if launch.fits(k)]
+
+
+def gemm_part(models: Sequence[str], batches: Sequence[int], split_k_only: bool = False) -> None:
     from kvledger.bench.decode_kernels import copy_gbps, graph_us
     from kvledger.engine.model import fused_ops
     from kvledger.engine.model.layers.triton_linear import GemmLaunch, gated_linear, linear
 
     gbps, tflops = copy_gbps(), matmul_tflops()
     print(f"copy {gbps:.0f} GB/s, bf16 8192^3 matmul {tflops:.0f} TFLOP/s")
-    launches = [GemmLaunch(*t) for t in GEMM_LAUNCHES]
+    launches = [] if split_k_only else [GemmLaunch(*t) for t in GEMM_LAUNCHES]
     g = torch.Generator(device="cuda").manual_seed(0)
     for name in models:
         for label, n, k in projections(name):
+            if split_k_only and label == "lm_head":
+                continue
             wbytes = n * k * 2
             copies = max(2, min(400, -(-ROTATE_BYTES // wbytes)))
             ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k**-0.5 for _ in range(copies)]
@@ -113,7 +126,7 @@ def gemm_part(models: Sequence[str], batches: Sequence[int]) -> None:
                 add("cublas F.linear", rotating(F.linear, x, ws), ref)
                 if wts:
                     add("cublas x @ wT", rotating(torch.mm, x, wts), ref)
-                for launch in launches:
+                for launch in launches + (split_k_launches(k) if label != "lm_head" else []):
                     add(f"triton {launch.label()}", rotating(functools.partial(_tl, linear, launch), x, ws), ref)
                 if label == "gate_up":
                     gate, up = ref.chunk(2, dim=-1)
@@ -234,17 +247,44 @@ def fp8_part(seed: int) -> None:
         torch.cuda.empty_cache()
 
 
-PARTS = {"gemm": lambda a: gemm_part(a.models, a.batches), "fp8": lambda a: fp8_part(a.seed)}
+def splits_part(models: Sequence[str], rounds: int = 2) -> None:
+    """The nano-vllm workload end to end (no profile) with the decode split rule's target of 1,024
+    programs (the engine's) and of 768, alternating, in this process: at batch 256 SmolLM2's 3 KV
+    heads make 768 programs, so 768 runs it on one split and drops the merge kernel."""
+    from kvledger.bench.nano import NanoOptions, run_nano_bench
+    from kvledger.engine.attention import triton_decode, triton_paged
+
+    rule = triton_decode.num_splits_for
+    try:
+        for _ in range(rounds):
+            for name in models:
+                for target in (1024, 768):
+                    triton_paged.num_splits_for = functools.partial(rule, target_programs=target)  # type: ignore[attr-defined]
+                    report = run_nano_bench(
+                        NanoOptions(model_config=name, compare="none", profile_requests=0), print_fn=lambda *a: None
+                    )
+                    run = report["systems"][0]
+                    print(f"  {name:14s} target {target:5d}: {run['tok_per_s']:10,.1f} tok/s ok={report['ok']}")
+    finally:
+        triton_paged.num_splits_for = rule  # type: ignore[attr-defined]
+
+
+PARTS = {
+    "gemm": lambda a: gemm_part(a.models, a.batches),
+    "splitk": lambda a: gemm_part(a.models, a.batches, split_k_only=True),
+    "fp8": lambda a: fp8_part(a.seed),
+    "splits": lambda a: splits_part(a.models),
+}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvledger.bench.step_lab", description=__doc__.splitlines()[0])
-    p.add_argument("parts", nargs="*", help="gemm and/or fp8 (default: both)")
+    p.add_argument("parts", nargs="*", help="gemm, splitk, fp8 and/or splits (default: gemm and fp8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
     p.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=list(BATCHES))
     args = p.parse_args(argv)
-    parts = args.parts or list(PARTS)
+    parts = args.parts or ["gemm", "fp8"]
     bad = [x for x in parts if x not in PARTS]
     if bad:
         p.error(f"unknown part {bad[0]!r}: choose from {', '.join(PARTS)}")

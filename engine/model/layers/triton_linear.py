@@ -31,8 +31,15 @@ class GemmLaunch:
     num_warps: int
     num_stages: int
 
+    splits: int = 1  # split-K: programs per output tile, each over its slice of K
+
     def label(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
+        split = f" k/{self.splits}" if self.splits > 1 else ""
+        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}{split}"
+
+    def fits(self, k: int) -> bool:
+        """Whether K splits into `splits` slices of whole BLOCK_K blocks (split-K needs that)."""
+        return self.splits == 1 or k % (self.splits * self.block_k) == 0
 
 
 if triton is not None:
@@ -100,11 +107,116 @@ if triton is not None:
         tl.store(o_ptrs, out, mask=m_mask[:, None] & n_mask[None, :])
 
 
+if triton is not None:
+
+    @triton.jit
+    def _linear_split_k_kernel(
+        X,
+        W,
+        OUT,
+        PART,
+        COUNT,
+        M,
+        N,
+        K_SLICE,
+        stride_xm,
+        stride_wn,
+        stride_om,
+        SPLITS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        # program (tile, s) multiplies K slice s of its tile into float32 partials; the tile's last
+        # program to finish (a counter per tile) sums the partials in slice order, so the result
+        # does not depend on which program finished last, writes the tile and resets its counter
+        # for the next launch (the counters start at zero and end at zero: graph-safe)
+        pid = tl.program_id(0)
+        s = tl.program_id(1)
+        num_m = tl.cdiv(M, BLOCK_M)
+        pid_m = pid % num_m
+        pid_n = pid // num_m
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = s * K_SLICE + tl.arange(0, BLOCK_K)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
+        w_ptrs = W + offs_n[None, :] * stride_wn + offs_k[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, K_SLICE, BLOCK_K):
+            a = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            b = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        tile = offs_m[:, None] * N + offs_n[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
+        tl.store(PART + s * M * N + tile, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is stored before the counter moves
+        done = tl.atomic_add(COUNT + pid, 1, sem="acq_rel")
+        if done == SPLITS - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for t in tl.static_range(SPLITS):
+                total += tl.load(PART + t * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(OUT + offs_m[:, None] * stride_om + offs_n[None, :], total.to(OUT.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(COUNT + pid, 0)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_MAX_TILES = 1 << 14
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """One zeroed int32 counter per output tile, shared by every split-K launch on the device (the
+    launches of one stream run one after another, and each leaves its counters at zero)."""
+    if tiles > _MAX_TILES:
+        raise ValueError(f"split-K over {tiles} tiles: at most {_MAX_TILES}")
+    c = _COUNTERS.get(device)
+    if c is None:
+        c = _COUNTERS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return c
+
+
+def _split_k(x: torch.Tensor, weight: torch.Tensor, launch: GemmLaunch) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.shape[0]
+    if not launch.fits(k):
+        raise ValueError(f"K={k} does not split into {launch.splits} slices of {launch.block_k}")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(launch.splits, m, n, dtype=torch.float32, device=x.device)
+    tiles = triton.cdiv(m, launch.block_m) * triton.cdiv(n, launch.block_n)
+    _linear_split_k_kernel[(tiles, launch.splits)](
+        x,
+        weight,
+        out,
+        part,
+        _counters(x.device, tiles),
+        m,
+        n,
+        k // launch.splits,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        SPLITS=launch.splits,
+        BLOCK_M=launch.block_m,
+        BLOCK_N=launch.block_n,
+        BLOCK_K=launch.block_k,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+    )
+    return out
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, gated: bool, launch: GemmLaunch) -> torch.Tensor:
     if triton is None:
         raise RuntimeError("triton_linear needs the `triton` package")
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("triton_linear needs rows of x and of the weight contiguous")
+    if launch.splits > 1:
+        if gated:
+            raise ValueError("the gated GEMM has no split-K form")
+        return _split_k(x, weight, launch)
     m, k = x.shape
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, launch.block_m) * triton.cdiv(n, launch.block_n),)
