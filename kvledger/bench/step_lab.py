@@ -247,40 +247,120 @@ def fp8_part(seed: int) -> None:
         torch.cuda.empty_cache()
 
 
+def gated_launch(m: int):
+    """The gated GEMM's best tile in the gemm part at SmolLM2's gate/up shape."""
+    from kvledger.engine.model.layers.triton_linear import GemmLaunch
+
+    return GemmLaunch(64, 64, 64, 4, 4) if m > 128 else GemmLaunch(64, 32, 128, 4, 4)
+
+
+def _gated_layer_forward(self, x, residual, step):
+    """DecoderLayer.forward with the gate/up projection and SiLU product in one Triton kernel on the
+    fused path (what the splits part's 'gated' variant runs)."""
+    from kvledger.engine.model.kernels import FusedKernels
+    from kvledger.engine.model.layers.triton_linear import gated_linear
+
+    kernels = step.kernels
+    h, residual = kernels.add_norm(x, residual, self.input_norm)
+    h, residual = kernels.add_norm(self.attn(h, step), residual, self.post_attn_norm)
+    if kernels is FusedKernels:
+        act = gated_linear(h, self.mlp.gate_up_proj.weight, gated_launch(h.shape[0]))
+    else:
+        act = kernels.silu_mul(self.mlp.gate_up_proj(h))
+    return self.tp.all_reduce(self.mlp.down_proj(act)), residual
+
+
+VARIANTS = (("engine", 1024, False), ("768 programs", 768, False), ("gated mlp", 1024, True), ("both", 768, True))
+
+
 def splits_part(models: Sequence[str], rounds: int = 2) -> None:
-    """The nano-vllm workload end to end (no profile) with the decode split rule's target of 1,024
-    programs (the engine's) and of 768, alternating, in this process: at batch 256 SmolLM2's 3 KV
-    heads make 768 programs, so 768 runs it on one split and drops the merge kernel."""
+    """The nano-vllm workload end to end (no profile), in this process, in turn: the engine; the
+    decode split rule targeting 768 programs instead of 1,024 (at batch 256 SmolLM2's 3 KV heads
+    make 768 programs: one split, no merge kernel); the gated gate/up GEMM; both."""
     from kvledger.bench.nano import NanoOptions, run_nano_bench
     from kvledger.engine.attention import triton_decode, triton_paged
+    from kvledger.engine.model import model
 
-    rule = triton_decode.num_splits_for
+    rule, forward = triton_decode.num_splits_for, model.DecoderLayer.forward
     try:
         for _ in range(rounds):
             for name in models:
-                for target in (1024, 768):
+                for label, target, gated in VARIANTS:
                     triton_paged.num_splits_for = functools.partial(rule, target_programs=target)  # type: ignore[attr-defined]
+                    model.DecoderLayer.forward = _gated_layer_forward if gated else forward  # type: ignore[method-assign]
                     report = run_nano_bench(
                         NanoOptions(model_config=name, compare="none", profile_requests=0), print_fn=lambda *a: None
                     )
                     run = report["systems"][0]
-                    print(f"  {name:14s} target {target:5d}: {run['tok_per_s']:10,.1f} tok/s ok={report['ok']}")
+                    print(f"  {name:14s} {label:14s}: {run['tok_per_s']:10,.1f} tok/s ok={report['ok']}", flush=True)
     finally:
         triton_paged.num_splits_for = rule  # type: ignore[attr-defined]
+        model.DecoderLayer.forward = forward  # type: ignore[method-assign]
+
+
+SMOL_ATTENTION = (
+    ("256 x 600", 256, 600, None),
+    ("256 x U(100,1500)", 256, 100, 1500),
+    ("128 x U(100,1500)", 128, 100, 1500),
+)
+
+
+def smol_attention_part(seed: int) -> None:
+    """SmolLM2-135M's decode attention per layer (9 query heads, 3 KV heads, head dim 64, bf16, the
+    engine's launch) at 1, 2 and 4 splits, the merge kernel included."""
+    from kvledger.bench.decode_kernels import copy_gbps, graph_us
+    from kvledger.engine.attention.triton_decode import (
+        DecodeWorkspace,
+        decode_attention,
+        decode_launch_config,
+        longest_first,
+        num_splits_for,
+    )
+
+    heads, kv_heads, dim, page = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(seed)
+    ceiling = copy_gbps()
+    print(f"device-to-device copy {ceiling:.0f} GB/s; SmolLM2-135M attention, bf16, head-major pool")
+    for label, batch, low, high in SMOL_ATTENTION:
+        lens = [low] * batch if high is None else torch.randint(low, high + 1, (batch,), generator=gen).tolist()
+        per_row = -(-max(lens) // page)
+        pages = torch.randperm(batch * per_row + 8, generator=gen)[: batch * per_row].view(batch, per_row)
+        table = (pages[:, :, None] * page + torch.arange(page)).flatten(1).to(torch.int32).cuda().contiguous()
+        seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        order, arange = longest_first(seq), torch.arange(batch, device="cuda")
+        q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+        tokens = (batch * per_row + 8) * page
+        k, v = (torch.randn(kv_heads, tokens, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        ws = DecodeWorkspace(batch, heads, dim, 16, "cuda")
+        launch = decode_launch_config(batch, kv_heads, torch.bfloat16, dim)
+        nbytes = sum(lens) * kv_heads * dim * 2 * 2
+        cells, first = [], None
+        for splits in (1, 2, 4):
+            fn = functools.partial(
+                decode_attention, q, k, v, 1, table, arange, seq, ws, splits, order=order, **launch.kernel_args()
+            )
+            out = fn().float()
+            first = out if first is None else first
+            err = float((out - first).norm() / first.norm())
+            us = graph_us(fn)
+            cells.append(f"{splits}: {us:6.1f} us {nbytes / us / 1e3 / ceiling:4.0%} (vs 1 split {err:.0e})")
+        print(f"  {label:18s} engine {num_splits_for(batch, kv_heads)} | " + " | ".join(cells))
 
 
 PARTS = {
     "gemm": lambda a: gemm_part(a.models, a.batches),
     "splitk": lambda a: gemm_part(a.models, a.batches, split_k_only=True),
     "fp8": lambda a: fp8_part(a.seed),
-    "splits": lambda a: splits_part(a.models),
+    "splits": lambda a: splits_part(a.models, a.rounds),
+    "smol-attention": lambda a: smol_attention_part(a.seed),
 }
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvledger.bench.step_lab", description=__doc__.splitlines()[0])
-    p.add_argument("parts", nargs="*", help="gemm, splitk, fp8 and/or splits (default: gemm and fp8)")
+    p.add_argument("parts", nargs="*", help=f"{', '.join(PARTS)} (default: gemm and fp8)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=2, help="splits: rounds of the variants")
     p.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
     p.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=list(BATCHES))
     args = p.parse_args(argv)
