@@ -188,8 +188,14 @@ def narrow_offsets(cache: torch.Tensor) -> bool:
     return cache.numel() < 2**31
 
 
-def num_splits_for(batch_size: int, kv_heads: int, target_programs: int = 1024, max_splits: int = 16) -> int:
-    """Enough splits that stage 1 has about `target_programs` programs (a power of two)."""
+def num_splits_for(batch_size: int, kv_heads: int, target_programs: int = 768, max_splits: int = 16) -> int:
+    """Enough splits that stage 1 has about `target_programs` programs (a power of two).
+
+    768, not 1,024: SmolLM2-135M's 3 KV heads at batch 256 make 768 programs, and one split (no
+    merge kernel) took 44.7 us per layer at 256 x U(100,1500) against 50.6 us at the two splits
+    that 1,024 asked for; at batch 128 two splits took 28.6 us against 30.3 at four
+    (results/gpu/round4/smol-attention-splits.txt). Qwen3's 8 KV heads change only between batch
+    96 and 127 (one split instead of two)."""
     want = max(1, -(-target_programs // max(1, batch_size * kv_heads)))
     splits = 1
     while splits < want and splits < max_splits:

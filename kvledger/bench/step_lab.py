@@ -270,23 +270,25 @@ def _gated_layer_forward(self, x, residual, step):
     return self.tp.all_reduce(self.mlp.down_proj(act)), residual
 
 
-VARIANTS = (("engine", 1024, False), ("768 programs", 768, False), ("gated mlp", 1024, True), ("both", 768, True))
+VARIANTS = (("engine", None, False), ("target 1024", 1024, False), ("gated mlp", None, True))
 
 
-def splits_part(models: Sequence[str], rounds: int = 2) -> None:
+def splits_part(models: Sequence[str], rounds: int = 2, variants: Sequence = VARIANTS) -> None:
     """The nano-vllm workload end to end (no profile), in this process, in turn: the engine; the
-    decode split rule targeting 768 programs instead of 1,024 (at batch 256 SmolLM2's 3 KV heads
-    make 768 programs: one split, no merge kernel); the gated gate/up GEMM; both."""
+    decode split rule with another target (patched where both the eager plan and the CUDA graphs
+    look it up); the gated gate/up GEMM patched into the decoder layer."""
     from kvledger.bench.nano import NanoOptions, run_nano_bench
     from kvledger.engine.attention import triton_decode, triton_paged
     from kvledger.engine.model import model
+    from kvledger.engine.runtime import cuda_graphs
 
     rule, forward = triton_decode.num_splits_for, model.DecoderLayer.forward
     try:
         for _ in range(rounds):
             for name in models:
-                for label, target, gated in VARIANTS:
-                    triton_paged.num_splits_for = functools.partial(rule, target_programs=target)  # type: ignore[attr-defined]
+                for label, target, gated in variants:
+                    patched = rule if target is None else functools.partial(rule, target_programs=target)
+                    triton_paged.num_splits_for = cuda_graphs.num_splits_for = patched  # type: ignore[attr-defined]
                     model.DecoderLayer.forward = _gated_layer_forward if gated else forward  # type: ignore[method-assign]
                     report = run_nano_bench(
                         NanoOptions(model_config=name, compare="none", profile_requests=0), print_fn=lambda *a: None
@@ -294,7 +296,7 @@ def splits_part(models: Sequence[str], rounds: int = 2) -> None:
                     run = report["systems"][0]
                     print(f"  {name:14s} {label:14s}: {run['tok_per_s']:10,.1f} tok/s ok={report['ok']}", flush=True)
     finally:
-        triton_paged.num_splits_for = rule  # type: ignore[attr-defined]
+        triton_paged.num_splits_for = cuda_graphs.num_splits_for = rule  # type: ignore[attr-defined]
         model.DecoderLayer.forward = forward  # type: ignore[method-assign]
 
 
