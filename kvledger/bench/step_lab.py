@@ -353,7 +353,7 @@ PARTS = {
     "gemm": lambda a: gemm_part(a.models, a.batches),
     "splitk": lambda a: gemm_part(a.models, a.batches, split_k_only=True),
     "fp8": lambda a: fp8_part(a.seed),
-    "splits": lambda a: splits_part(a.models, a.rounds),
+    "splits": lambda a: splits_part(a.models, a.rounds, [v for v in VARIANTS if a.gated or not v[2]]),
     "smol-attention": lambda a: smol_attention_part(a.seed),
 }
 
@@ -363,6 +363,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("parts", nargs="*", help=f"{', '.join(PARTS)} (default: gemm and fp8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=2, help="splits: rounds of the variants")
+    p.add_argument("--no-gated", dest="gated", action="store_false", help="splits: leave out the gated variant")
     p.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
     p.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=list(BATCHES))
     args = p.parse_args(argv)
