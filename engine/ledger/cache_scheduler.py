@@ -448,6 +448,10 @@ class CacheScheduler:
         """Whether a decode step has anything to run."""
         return bool(self.dm.runnable)
 
+    def evictable_tokens(self) -> int:
+        """Tokens in the prefix cache that no request holds (what `evict` may take at most)."""
+        return int(self.cm.prefix_cache.size_info.evictable_size)
+
     def queue_length(self) -> int:
         """Requests submitted and not admitted yet (preempted ones included)."""
         return len(self.waiting)

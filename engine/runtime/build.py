@@ -101,6 +101,8 @@ def build_rank(
         )
     else:
         engine = Engine(model, resolved, eos, device, overlap=o.overlap, cuda_graphs=o.cuda_graphs)
+    # a real forward error may strike one rank only: its peers would wait in a collective that never meets
+    engine.contain_errors = not tp.distributed
     engine.capture_graphs()
     return RankEngine(config, model, engine, coordination)
 

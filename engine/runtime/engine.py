@@ -17,6 +17,7 @@ step N+1. Each collaborator keeps its own state; none calls back into the engine
 
 from __future__ import annotations
 
+import logging
 import time
 from functools import partial
 from typing import Dict, Iterable, List, Optional, Sequence
@@ -27,9 +28,9 @@ from kvledger import fast
 from kvledger.engine.engine_config import ResolvedConfig
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler, PageStats
 from kvledger.engine.ledger.observer import Observer
-from kvledger.engine.ledger.ops import Abort, CacheOp, Finish, OpRecord, Submit
+from kvledger.engine.ledger.ops import Abort, CacheOp, Evict, Finish, OpRecord, Submit
 from kvledger.engine.model.model import CausalLM
-from kvledger.engine.runtime.faults import RANK_KINDS, FaultPlan
+from kvledger.engine.runtime.faults import RANK_KINDS, FaultPlan, InjectedFault
 from kvledger.engine.runtime.host_ranges import host_range
 from kvledger.engine.runtime.model_runner import ModelRunner
 from kvledger.engine.runtime.op_stream import OpStream
@@ -39,9 +40,12 @@ from kvledger.engine.runtime.prefix_sharing import PrefixSharing
 from kvledger.engine.runtime.requests import RequestLimits, Requests, TokenEvent
 from kvledger.engine.runtime.sampling import Sampler
 from kvledger.engine.runtime.scheduler import Batch, Scheduler
+from kvledger.engine.runtime.step_errors import FORWARD_ERROR, contains, failed_step, unsampled
 from kvledger.engine.runtime.step_faults import StepFaults, describe_batch
 
 __all__ = ["Engine", "TokenEvent"]
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -53,7 +57,10 @@ class Engine:
         device: str | torch.device = "cpu",
         overlap: Optional[bool] = None,
         cuda_graphs: bool = True,
+        contain_errors: bool = True,
     ) -> None:
+        """`contain_errors`: a forward pass that raises ends only its step's requests (step_errors.py);
+        False on tensor-parallel ranks, where only injected errors are contained."""
         self.model = model
         self.config = config
         self.device = torch.device(device)
@@ -90,6 +97,8 @@ class Engine:
         plan = FaultPlan.parse(config.inject_fault) if config.inject_fault else None
         in_steps = plan is not None and plan.kinds - RANK_KINDS
         self.faults = StepFaults(self, plan, partial(Engine.abort, self)) if plan is not None and in_steps else None
+        self.contain_errors = contain_errors
+        self.contained: Dict[str, int] = {}  # forward errors nobody injected that the engine contained, by kind
 
     # -- what callers read --------------------------------------------------------------------
     @property
@@ -193,8 +202,11 @@ class Engine:
             events += self._land(previous)
         if launched is not None:
             self.steps[launched.batch.phase] += 1
-            wait = not self.overlap.enabled or self.requests.sample_on_cpu(launched.requests, launched.sampled)
-            if wait:
+            failed = launched.error is not None
+            wait = (
+                failed or not self.overlap.enabled or self.requests.sample_on_cpu(launched.requests, launched.sampled)
+            )
+            if wait and not failed:
                 self._wait(launched)
                 self.post.sample(launched, self.requests.sampling_params(launched.sampled_uids()))
             t2 = clock()
@@ -205,6 +217,8 @@ class Engine:
                 events += self._land(launched)
             else:
                 self.overlap.hold(launched)
+            if failed:
+                events += self._clean_up_failed(launched)
         for uid in self.overlap.pop_late_stops():  # not in this step's batch (a prefill, or it was preempted)
             self._do(Finish(uid) if self.cache_scheduler.is_running(uid) else Abort(uid))
         if self.faults is not None:  # the requests a contained fault ended, with their errors
@@ -226,9 +240,9 @@ class Engine:
         copied to pinned host memory without waiting."""
         with host_range("kvledger.schedule"):
             if self.faults is not None:  # faults injected: the step may fail on purpose (step_faults.py)
-                return self.faults.launch(self._schedule, self._run_model)
+                return self.faults.launch(self._schedule, self._run_contained)
             batch = self._schedule()
-            return None if batch is None else self._run_model(batch)
+            return None if batch is None else self._run_contained(batch)
 
     def _schedule(self) -> Optional[Batch]:
         """The next batch with its pages, or None when it computes nothing."""
@@ -242,6 +256,22 @@ class Engine:
             return None
         self.batch = batch
         return batch
+
+    def _run_contained(self, batch: Batch) -> LaunchedStep:
+        """Run the model; a forward pass that raises an error the engine contains gives a failed step."""
+        try:
+            if self.faults is not None:
+                self.faults.forward(batch)  # an injected forward-raise raises here, as a real error would
+            return self._run_model(batch)
+        except Exception as error:
+            if not contains(error, self.contain_errors):
+                raise
+            injected = isinstance(error, InjectedFault)  # counted where it struck; its traceback says nothing
+            if not injected:
+                self.contained[FORWARD_ERROR] = self.contained.get(FORWARD_ERROR, 0) + 1
+            trace = None if injected else error
+            log.error("%s; ending its batch's requests\n%s", error, describe_batch(batch), exc_info=trace)
+            return failed_step(batch, error)
 
     def _run_model(self, batch: Batch) -> LaunchedStep:
         logits, tokens = self.runner.forward(batch, self.sharing_possible)
@@ -289,6 +319,22 @@ class Engine:
             self._forget(uid)
         self.host_seconds["land"] += time.perf_counter() - started
         return delivered.events
+
+    def _clean_up_failed(self, step: LaunchedStep) -> List[TokenEvent]:
+        """After a failed step completed and its sampled rows ended: abort its other rows, drop
+        the prefix cache's unheld entries (the failed pass may have left their KV unwritten), and
+        let the ledger's check witness the state (step_errors.py). Returns the aborted rows' errors."""
+        events = []
+        for uid in unsampled(step):
+            rec = self.requests.get(uid)
+            if rec is not None:
+                events.append(TokenEvent(uid, 0, True, "error", step.error, rec.cached_tokens or 0))
+                self.abort(uid)
+        evictable = self.cache_scheduler.evictable_tokens()
+        if evictable:
+            self._do(Evict(evictable))
+        self.cache_scheduler.check()
+        return events
 
     # -- operations outside a step ------------------------------------------------------------
     def _do(self, op: CacheOp) -> None:

@@ -45,7 +45,7 @@ RANK_KILL = "rank-kill"
 RANK_STOP = "rank-stop"
 KINDS: Tuple[str, ...] = (FORWARD_RAISE, ALLOC_REFUSE, STEP_STALL, CUDA_POISON, RANK_KILL, RANK_STOP)
 RANK_KINDS = frozenset({RANK_KILL, RANK_STOP})
-CONTAINED_KINDS = frozenset({FORWARD_RAISE, ALLOC_REFUSE})  # the step is rolled back, its requests end
+CONTAINED_KINDS = frozenset({FORWARD_RAISE, ALLOC_REFUSE})  # the requests they touch end, the others go on
 _KEYS = ("step", "request", "seed", "times", "seconds", "rank")
 
 

@@ -40,6 +40,7 @@ class LaunchedStep:
     patch_at: List[int] = field(default_factory=list)  # per sampled row: its placeholder's index in input_ids
     finished: Dict[int, Optional[str]] = field(default_factory=dict)  # uid -> finish reason
     failed: Dict[int, str] = field(default_factory=dict)  # uid -> why sampling failed for that request alone
+    error: Optional[str] = None  # why its forward pass failed (step_errors.py): every row failed
 
     @property
     def requests(self) -> List[Any]:

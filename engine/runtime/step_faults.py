@@ -1,14 +1,19 @@
-"""Injected faults inside a step, and their containment: the step rolls back, its requests end.
+"""Injected faults inside a step, and their containment.
 
 The engine holds a `StepFaults` only while a fault plan is set (`faults.py`); without one it pays
 nothing. Each batch the engine is about to run is a step, numbered from 1 (a step that failed
-counts). Before a step in which a contained fault (forward-raise, alloc-refuse) may fire, the
-cache scheduler and the engine's own request state are checkpointed (`ledger/rollback.py`); if the
-fault strikes, after the batch was scheduled and before the model writes any KV, everything goes
-back to that checkpoint, and the requests the fault touched (forward-raise: the whole batch;
-alloc-refuse: the request whose pages were refused) are aborted by ordinary operations, which the
-observers (`--verify`'s reference model, a trace) hear of like any abort. Their pages return to the
-pool; every other request runs on as if the step had never been tried.
+counts).
+
+forward-raise raises inside the model's forward pass (`forward`), where a real error would, and the
+engine contains it as it contains a real one (`step_errors.py`): the step completes as failed and
+every request of its batch ends with the error. Rehearsing it rehearses that path itself.
+
+alloc-refuse strikes while the batch is being scheduled, so it is undone rather than completed:
+before a step in which it may fire, the cache scheduler and the engine's own request state are
+checkpointed (`ledger/rollback.py`); when it strikes, everything goes back to that checkpoint and
+the refused request is aborted by an ordinary operation, which the observers (`--verify`'s
+reference model, a trace) hear of like any abort. Its pages return to the pool; every other
+request runs on as if the step had never been tried.
 
 One thing the observers heard of before the batch was chosen is put back after the rollback: an
 admission attempt that admitted nothing (`Scheduler.schedule` records it as an operation of its
@@ -30,7 +35,6 @@ from kvledger.engine.ledger.ops import Prefill
 from kvledger.engine.ledger.rollback import Checkpoint
 from kvledger.engine.runtime.faults import (
     ALLOC_REFUSE,
-    CONTAINED_KINDS,
     CUDA_POISON,
     FORWARD_RAISE,
     STEP_STALL,
@@ -45,6 +49,8 @@ if TYPE_CHECKING:
     from kvledger.engine.runtime.overlap import LaunchedStep
 
 log = logging.getLogger("kvledger.faults")
+
+ROLLED_BACK = frozenset({ALLOC_REFUSE})  # the kinds that strike mid-schedule: the step is undone
 
 
 class StepFaults:
@@ -64,7 +70,7 @@ class StepFaults:
         """The engine's launch (`schedule` then `run` the model), with this step's faults."""
         engine = self.engine
         cache = engine.cache_scheduler
-        checkpoint = self._checkpoint() if self.plan.may_fire(CONTAINED_KINDS, self.step + 1) else None
+        checkpoint = self._checkpoint() if self.plan.may_fire(ROLLED_BACK, self.step + 1) else None
         queued = cache.queue_length()
         batch = schedule()
         if batch is None:
@@ -81,6 +87,14 @@ class StepFaults:
             self._end(list(e.touched), str(e))
             return None
         return run(batch)
+
+    def forward(self, batch: Batch) -> None:
+        """Called where the model's forward pass starts: an injected forward-raise raises here."""
+        uids = [r.uid for r in batch.requests]
+        if (hit := self.plan.due_in_batch(FORWARD_RAISE, self.step, uids)) is not None:
+            self._count(FORWARD_RAISE)
+            why = f"the model's forward pass raised at step {self.step} (injected forward-raise)"
+            raise InjectedFault(hit[0], why, uids)
 
     def take_ended(self) -> List[TokenEvent]:
         events, self._ended = self._ended, []
@@ -105,10 +119,6 @@ class StepFaults:
                 f"CUDA error: an illegal memory access was encountered (injected cuda-poison at step {step}); "
                 "the device context cannot be trusted",
             )
-        if (hit := plan.due_in_batch(FORWARD_RAISE, step, uids)) is not None:
-            self._count(FORWARD_RAISE)
-            why = f"the model's forward pass raised at step {step} (injected forward-raise)"
-            raise InjectedFault(hit[0], why, uids)
         if (hit := plan.due_in_batch(ALLOC_REFUSE, step, uids)) is not None:
             self._count(ALLOC_REFUSE)
             fault, uid = hit

@@ -511,7 +511,8 @@ class EngineWorker:
     def _fault_counts(self) -> Dict[str, int]:
         counts = dict(self._faults)
         steps = self.engine.faults
-        for kind, n in (steps.struck if steps is not None else {}).items():  # the injected ones that struck
+        struck = steps.struck if steps is not None else {}  # the injected ones that struck
+        for kind, n in [*struck.items(), *self.engine.contained.items()]:  # and the real ones contained
             name = "faults_" + kind.replace("-", "_")
             counts[name] = counts.get(name, 0) + n
         return counts

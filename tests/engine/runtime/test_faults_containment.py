@@ -122,9 +122,9 @@ def test_without_a_plan_for_its_steps_the_engine_holds_none():
 
 
 def test_a_step_not_rolled_back_is_caught_by_the_ledger(monkeypatch):
-    """The planted bug: containment that aborts the touched requests without rolling the step back
-    leaves them admitted mid-step, neither waiting nor running; the ledger refuses the abort."""
+    """The planted bug: containment of a refused allocation that aborts the request without rolling
+    the step back leaves it admitted mid-step, neither waiting nor running; the ledger refuses the abort."""
     monkeypatch.setattr(StepFaults, "_roll_back", lambda self, checkpoint, batch, attempted_admission: None)
-    llm = build("forward-raise@step=3")
+    llm = build("alloc-refuse@step=1,request=0")
     with pytest.raises(InvalidOp, match="neither waiting nor running"):
         outputs(llm)
