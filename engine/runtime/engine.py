@@ -329,7 +329,7 @@ class Engine:
             rec = self.requests.get(uid)
             if rec is not None:
                 events.append(TokenEvent(uid, 0, True, "error", step.error, rec.cached_tokens or 0))
-                self.abort(uid)
+                Engine.abort(self, uid)  # every tensor-parallel rank contains the step alike: none is told
         evictable = self.cache_scheduler.evictable_tokens()
         if evictable:
             self._do(Evict(evictable))
