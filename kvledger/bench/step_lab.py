@@ -5,7 +5,7 @@
 sizes, against its floor (weight, input and output bytes at the measured copy bandwidth, or the
 FLOPs at the measured bf16 matrix rate, whichever is longer): cuBLAS as the engine calls it
 (`F.linear`), cuBLAS on a pre-transposed [K, N] weight, and the Triton GEMM of
-`engine/model/layers/triton_linear.py` over a small set of tiles; for the gate/up projection also
+`kvledger/bench/triton_linear.py` over a small set of tiles; for the gate/up projection also
 the unfused pair (`F.linear` + `fused_ops.silu_mul`) against the gated Triton kernel. Every
 candidate is checked against a float32 product first. Times are medians over CUDA-graph replays
 that call each of enough copies of the weight (256 MB in all) once, so that the weights come from
@@ -87,7 +87,7 @@ SPLIT_K_SPLITS = (2, 3, 4, 6, 8)
 
 
 def split_k_launches(k: int) -> List:
-    from kvledger.engine.model.layers.triton_linear import GemmLaunch
+    from kvledger.bench.triton_linear import GemmLaunch
 
     launches = [GemmLaunch(*t, splits=s) for t in SPLIT_K_TILES for s in SPLIT_K_SPLITS]
     return [launch for launch in launches if launch.fits(k)]
@@ -95,8 +95,8 @@ def split_k_launches(k: int) -> List:
 
 def gemm_part(models: Sequence[str], batches: Sequence[int], split_k_only: bool = False) -> None:
     from kvledger.bench.decode_kernels import copy_gbps, graph_us
+    from kvledger.bench.triton_linear import GemmLaunch, gated_linear, linear
     from kvledger.engine.model import fused_ops
-    from kvledger.engine.model.layers.triton_linear import GemmLaunch, gated_linear, linear
 
     gbps, tflops = copy_gbps(), matmul_tflops()
     print(f"copy {gbps:.0f} GB/s, bf16 8192^3 matmul {tflops:.0f} TFLOP/s")
@@ -249,7 +249,7 @@ def fp8_part(seed: int) -> None:
 
 def gated_launch(m: int):
     """The gated GEMM's best tile in the gemm part at SmolLM2's gate/up shape."""
-    from kvledger.engine.model.layers.triton_linear import GemmLaunch
+    from kvledger.bench.triton_linear import GemmLaunch
 
     return GemmLaunch(64, 64, 64, 4, 4) if m > 128 else GemmLaunch(64, 32, 128, 4, 4)
 
@@ -257,8 +257,8 @@ def gated_launch(m: int):
 def _gated_layer_forward(self, x, residual, step):
     """DecoderLayer.forward with the gate/up projection and SiLU product in one Triton kernel on the
     fused path (what the splits part's 'gated' variant runs)."""
+    from kvledger.bench.triton_linear import gated_linear
     from kvledger.engine.model.kernels import FusedKernels
-    from kvledger.engine.model.layers.triton_linear import gated_linear
 
     kernels = step.kernels
     h, residual = kernels.add_norm(x, residual, self.input_norm)

@@ -1,4 +1,4 @@
-"""The Triton GEMMs of engine/model/layers/triton_linear.py against torch: the plain product, the
+"""The Triton GEMMs of kvledger/bench/triton_linear.py against torch: the plain product, the
 gated gate/up + SiLU product, and split-K (deterministic, its tile counters left at zero). On the
 GPU in bfloat16 when there is one, else in float32 under Triton's CPU interpreter (tests/conftest.py
 sets TRITON_INTERPRET); skipped without Triton."""
@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
+from kvledger.bench import triton_linear  # noqa: E402
+from kvledger.bench.triton_linear import GemmLaunch, gated_linear, linear  # noqa: E402
 from kvledger.engine.model import fused_ops  # noqa: E402
-from kvledger.engine.model.layers import triton_linear  # noqa: E402
-from kvledger.engine.model.layers.triton_linear import GemmLaunch, gated_linear, linear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
