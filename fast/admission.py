@@ -41,11 +41,13 @@ class DecodeManager:
         self.running_reqs: RunningReqs[Req] = RunningReqs()  # iterates requests, in admission order
 
     def filter_reqs(self, reqs: Iterable[Req]) -> None:
+        running = self.running_reqs
+        add = running.add
         for req in reqs:
             if req.can_decode:
-                self.running_reqs.add(req)
-        for req in [r for r in self.running_reqs if not r.can_decode]:
-            self.running_reqs.discard(req)
+                add(req)
+        for req in [r for r in running if not r.can_decode]:
+            running.discard(req)
 
     def remove_req(self, req: Req) -> None:
         self.running_reqs.discard(req)

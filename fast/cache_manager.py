@@ -59,9 +59,6 @@ class CacheManager:
         self.free_slots = self.free_slots[needed_pages:]
         return allocated
 
-    def _page_to_token(self, pages: torch.Tensor) -> torch.Tensor:
-        return (pages.unsqueeze(1) + self._offsets).flatten()
-
     def needed_size(self, reqs: Iterable[Req]) -> int:
         """Tokens of whole pages `allocate_paged(reqs)` would take (host arithmetic, no sync)."""
         ps = self.page_size
@@ -70,20 +67,24 @@ class CacheManager:
     def allocate_paged(self, reqs: Sequence[Req]) -> None:
         """Give each request the pages for positions [cached_len, device_len) it lacks."""
         ps = self.page_size
+        # one entry per new page (its row, its first column), not per token: a decode step gives
+        # a page to a few of its requests, and a prefill to thousands of tokens
         rows: List[int] = []
         cols: List[int] = []
         for req in reqs:
-            lo, hi = div_ceil(req.cached_len, ps) * ps, div_ceil(req.device_len, ps) * ps
+            lo, hi = -(-req.cached_len // ps) * ps, -(-req.device_len // ps) * ps  # div_ceil, inlined
             if hi > lo:
-                rows += [req.table_idx] * (hi - lo)
-                cols += range(lo, hi)
+                rows += [req.table_idx] * ((hi - lo) // ps)
+                cols += range(lo, hi, ps)
         if not rows:
             return
-        locs = self._page_to_token(self._allocate(len(rows) // ps))
-        # host-side indices (pinned on CUDA), then one indexed assignment on the device
+        pages = self._allocate(len(rows))
+        # host-side indices (pinned on CUDA), then one indexed assignment on the device: page k's
+        # tokens go to row rows[k], columns cols[k] + [0, ps), at locations pages[k] + [0, ps)
         index = torch.tensor([rows, cols], dtype=torch.int64, pin_memory=self._pin)
         index = index.to(self.device, non_blocking=True)
-        self.page_table[index[0], index[1]] = locs
+        offsets = self._offsets
+        self.page_table[index[0].unsqueeze(1), index[1].unsqueeze(1) + offsets] = pages.unsqueeze(1) + offsets
 
     # -- freeing ------------------------------------------------------------------------------
     def release_rejected(self, req: Req, reserved_end: int) -> None:

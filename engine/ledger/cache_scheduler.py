@@ -98,6 +98,11 @@ class CacheScheduler:
         """Whether `req` is mid-prefill (its next chunk still to come): it samples no token."""
         return isinstance(req, self.impl.ChunkedReq)
 
+    def sampled_rows(self, batch: Sequence[Any]) -> List[int]:
+        """The batch indices of the requests that sample a token (not mid-prefill)."""
+        chunked = self.impl.ChunkedReq  # is_chunked, inlined: it runs for every row of every step
+        return [i for i, r in enumerate(batch) if not isinstance(r, chunked)]
+
     # -- operations ---------------------------------------------------------------------------
     def submit(self, uid: int, tokens: Sequence[int], max_tokens: int) -> OpResult:
         if uid in self.known or (self.increasing_uids and self.last_uid is not None and uid <= self.last_uid):
@@ -267,7 +272,8 @@ class CacheScheduler:
         return batch, preempted
 
     def _sampling(self, batch: List[Any]) -> List[int]:
-        return [r.uid for r in batch if not self.is_chunked(r)]
+        chunked = self.impl.ChunkedReq
+        return [r.uid for r in batch if not isinstance(r, chunked)]
 
     def _check_stop_op(self, allowed: Sequence[int], stop: Sequence[int], why: str) -> None:
         """A prefill's or decode's `stop`, before the operation changes anything."""
@@ -331,7 +337,8 @@ class CacheScheduler:
         """After the forward: every request computed its tokens; the sampled ones get their token
         (`sample`, in batch order, cycled); those that reached max_tokens or are in `stop` (EOS)
         finish, in one lazy-free region; a prefill hands its prompt KV to the prefix cache."""
-        self._check_stop(self._sampling(batch), stop)
+        if stop:  # no stop names no uid outside the batch
+            self._check_stop(self._sampling(batch), stop)
         stopping = set(stop)
         if self.provenance is not None:  # the forward pass filled positions [cached_len, device_len)
             for req in batch:
@@ -342,11 +349,12 @@ class CacheScheduler:
         self.dm.filter_reqs(batch)
         if self.after_forward is not None:
             self.after_forward("prefill" if is_prefill else "decode", batch)
+        chunked, n = self.impl.ChunkedReq, len(sample)
         with self.cm.lazy_free_region():
             for i, req in enumerate(batch):
-                if self.is_chunked(req):
+                if isinstance(req, chunked):  # is_chunked, inlined
                     continue
-                req.append_host(int(sample[i % len(sample)]) if sample else 0)
+                req.append_host(int(sample[i % n]) if n else 0)
                 if not req.can_decode or req.uid in stopping:
                     self.dm.remove_req(req)
                     self._release(req)

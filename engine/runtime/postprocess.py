@@ -9,7 +9,7 @@ delivered, the engine asks its request records (`requests.py`).
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from kvledger import fast
 from kvledger.engine.ledger.cache_scheduler import CacheScheduler
@@ -43,21 +43,21 @@ class Postprocessor:
         not known yet; `stop`: the uids it releases (a stop token, a failed sampling, a late stop).
         Fills in each finishing request's reason, and queues the operation for the observers."""
         reqs, values = step.requests, step.values
-        sample = [0] * len(reqs)  # placeholders until the values are known
-        if values is not None:
-            for i, t in zip(step.sampled, values):
-                sample[i] = t
+        sample = _by_row(len(reqs), step.sampled, values)
         self.cache_scheduler.complete(reqs, sample, stop, step.batch.phase == "prefill")
-        step.patch_at = [reqs[i].device_len - 1 for i in step.sampled]  # where append_host put it
+        patch_at: List[int] = []  # per sampled row: where append_host put its token
+        failed, stopping, finished = step.failed, set(stop), step.finished
         for i in step.sampled:
             req = reqs[i]
+            patch_at.append(req.device_len - 1)
             # a request whose sampling failed finishes like a stop; its placeholder token is not output
-            if req.uid in step.failed:
-                step.finished[req.uid] = "error"
-            elif req.uid in stop:
-                step.finished[req.uid] = "stop"
+            if req.uid in failed:
+                finished[req.uid] = "error"
+            elif req.uid in stopping:
+                finished[req.uid] = "stop"
             elif not req.can_decode:
-                step.finished[req.uid] = "length"
+                finished[req.uid] = "length"
+        step.patch_at = patch_at
         record = step_record(
             step.batch.phase,
             self.budget,
@@ -75,8 +75,17 @@ class Postprocessor:
         entry = step.operation()
         op = entry.record.op
         assert isinstance(op, (Prefill, Decode))  # a step's operation (step_record)
-        sample = list(op.sample)
-        for i, t in zip(step.sampled, step.tokens()):
-            sample[i] = t
-        entry.fill_sample(sample)
+        entry.fill_sample(_by_row(len(op.sample), step.sampled, step.tokens(), op.sample))
         self.ops.flush()
+
+
+def _by_row(n: int, sampled: List[int], values: Optional[Sequence[int]], fill: Sequence[int] = ()) -> List[int]:
+    """Per row of a batch of `n`: the sampled rows' `values` (None: not known yet), the other rows'
+    entry of `fill` (0 without one)."""
+    if values is not None and len(sampled) == n == len(values):  # every row sampled: sampled is 0, 1, ..., n - 1
+        return list(values)
+    sample = list(fill) if fill else [0] * n
+    if values is not None:
+        for i, t in zip(sampled, values):
+            sample[i] = t
+    return sample

@@ -176,13 +176,13 @@ class Requests:
         events: List[TokenEvent] = []
         stopped_late: List[int] = []
         ended: List[int] = []
-        records = self._records
+        get_record, get_reason, get_error, event = self._records.get, finished.get, failed.get, TokenEvent
         for i, t in zip(sampled, values):
             uid = reqs[i].uid
-            rec = records.get(uid)
+            rec = get_record(uid)
             if rec is None:  # aborted, or stopped late, while this step was in flight
                 continue
-            reason = finished.get(uid)
+            reason = get_reason(uid)
             rec.finishing = None
             if t in rec.stop_ids:
                 if reason is None:  # its step's bookkeeping ran before the value was known
@@ -190,7 +190,7 @@ class Requests:
                     reason = "stop"
                 elif reason == "length":  # its last token is a stop token, as without overlap
                     reason = "stop"
-            events.append(TokenEvent(uid, t, reason is not None, reason, failed.get(uid), rec.cached_tokens or 0))
+            events.append(event(uid, t, reason is not None, reason, get_error(uid), rec.cached_tokens or 0))
             if reason is not None:
                 ended.append(uid)
         return Delivery(events, stopped_late, ended)

@@ -58,7 +58,7 @@ class Scheduler:
             return None
         admitted = [(r, r.cached_len) for r in batch] if phase == "prefill" else []
         runs, preempted = cache.allocate(batch)
-        sampled = [i for i, r in enumerate(runs) if not cache.is_chunked(r)]
+        sampled = cache.sampled_rows(runs)
         if not runs:  # every request of the step was preempted: nothing to compute
             self._record_empty(phase, preempted)
         return Batch(phase, runs, preempted, sampled, admitted, hits)
