@@ -72,7 +72,7 @@ class CacheManager:
         rows: List[int] = []
         cols: List[int] = []
         for req in reqs:
-            lo, hi = -(-req.cached_len // ps) * ps, -(-req.device_len // ps) * ps  # div_ceil, inlined
+            lo, hi = div_ceil(req.cached_len, ps) * ps, div_ceil(req.device_len, ps) * ps
             if hi > lo:
                 rows += [req.table_idx] * ((hi - lo) // ps)
                 cols += range(lo, hi, ps)
