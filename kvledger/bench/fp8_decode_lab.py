@@ -31,6 +31,7 @@ import argparse
 import functools
 import sys
 from dataclasses import dataclass
+from typing import Sequence, Tuple
 
 import torch
 
@@ -136,6 +137,15 @@ class LabLaunch:
         )
 
 
+def scattered_pool(lens: Sequence[int], page: int, gen: torch.Generator) -> Tuple[torch.Tensor, int]:
+    """A page table (int32 on the CPU) for rows of `lens` tokens whose pages lie in random order over
+    a pool with 8 pages to spare, and that pool's size in tokens."""
+    batch, per_row = len(lens), -(-max(lens) // page)
+    pages = torch.randperm(batch * per_row + 8, generator=gen)[: batch * per_row].view(batch, per_row)
+    table = (pages[:, :, None] * page + torch.arange(page)).flatten(1).to(torch.int32)
+    return table, (batch * per_row + 8) * page
+
+
 def lab_decode(q, k, v, table, seq, order, k_scale: float, v_scale: float, launch: LabLaunch) -> torch.Tensor:
     """q [B, heads, D] bf16 over a head-major FP8 pool [kv_heads, tokens, D]; one split."""
     batch, heads, head_dim = q.shape
@@ -185,13 +195,11 @@ def run_lab(seed: int) -> None:
     print(f"device-to-device copy {ceiling:.0f} GB/s; FP8 e4m3 KV, head-major pool, one split, longest-first order")
     for label, batch, low, high in SHAPES:
         lens = [low] * batch if high is None else torch.randint(low, high + 1, (batch,), generator=g).tolist()
-        per_row = -(-max(lens) // PAGE)
-        pages = torch.randperm(batch * per_row + 8, generator=g)[: batch * per_row].view(batch, per_row)
-        table = (pages[:, :, None] * PAGE + torch.arange(PAGE)).flatten(1).to(torch.int32).cuda().contiguous()
+        table, tokens = scattered_pool(lens, PAGE, g)
+        table = table.cuda().contiguous()
         seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
         order = longest_first(seq)
         q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        tokens = (batch * per_row + 8) * PAGE
         kf, vf = (torch.randn(KV_HEADS, tokens, HEAD_DIM, device="cuda") for _ in range(2))
         ks, vs = float(kf.abs().max() / 448), float(vf.abs().max() / 448)
         k, v = (kf / ks).to(fp8), (vf / vs).to(fp8)
@@ -257,14 +265,12 @@ def sweep_splits(seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     for batch, low, high in SPLIT_SHAPES:
         lens = [low] * batch if high is None else torch.randint(low, high + 1, (batch,), generator=g).tolist()
-        per_row = -(-max(lens) // PAGE)
-        pages = torch.randperm(batch * per_row + 8, generator=g)[: batch * per_row].view(batch, per_row)
-        table = (pages[:, :, None] * PAGE + torch.arange(PAGE)).flatten(1).to(torch.int32).cuda().contiguous()
+        table, tokens = scattered_pool(lens, PAGE, g)
+        table = table.cuda().contiguous()
         seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
         order, arange = longest_first(seq), torch.arange(batch, device="cuda")
         q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         ws = DecodeWorkspace(batch, HEADS, HEAD_DIM, 16, "cuda")
-        tokens = (batch * per_row + 8) * PAGE
         for dtype in (torch.float8_e4m3fn, torch.bfloat16):
             k, v = (torch.randn(KV_HEADS, tokens, HEAD_DIM, device="cuda").to(dtype) for _ in range(2))
             launch = decode_launch_config(batch, KV_HEADS, dtype, HEAD_DIM)

@@ -192,7 +192,7 @@ FP8_LAUNCHES = (
 
 def fp8_part(seed: int) -> None:
     from kvledger.bench.decode_kernels import _gathered_attention, copy_gbps, graph_us
-    from kvledger.bench.fp8_decode_lab import HEAD_DIM, HEADS, KV_HEADS, PAGE
+    from kvledger.bench.fp8_decode_lab import HEAD_DIM, HEADS, KV_HEADS, PAGE, scattered_pool
     from kvledger.engine.attention.triton_decode import (
         DecodeLaunch,
         DecodeWorkspace,
@@ -207,13 +207,11 @@ def fp8_part(seed: int) -> None:
     print(f"device-to-device copy {ceiling:.0f} GB/s; FP8 e4m3 KV, head-major pool, longest-first order")
     for label, batch, low, high in FP8_SHAPES:
         lens = [low] * batch if high is None else torch.randint(low, high + 1, (batch,), generator=gen).tolist()
-        per_row = -(-max(lens) // PAGE)
-        pages = torch.randperm(batch * per_row + 8, generator=gen)[: batch * per_row].view(batch, per_row)
-        table = (pages[:, :, None] * PAGE + torch.arange(PAGE)).flatten(1).to(torch.int32).cuda().contiguous()
+        table, tokens = scattered_pool(lens, PAGE, gen)
+        table = table.cuda().contiguous()
         seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
         order, arange = longest_first(seq), torch.arange(batch, device="cuda")
         q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        tokens = (batch * per_row + 8) * PAGE
         kf, vf = (torch.randn(KV_HEADS, tokens, HEAD_DIM, device="cuda") for _ in range(2))
         ks, vs = float(kf.abs().max() / 448), float(vf.abs().max() / 448)
         k, v = (kf / ks).to(fp8), (vf / vs).to(fp8)
@@ -311,6 +309,7 @@ def smol_attention_part(seed: int) -> None:
     """SmolLM2-135M's decode attention per layer (9 query heads, 3 KV heads, head dim 64, bf16, the
     engine's launch) at 1, 2 and 4 splits, the merge kernel included."""
     from kvledger.bench.decode_kernels import copy_gbps, graph_us
+    from kvledger.bench.fp8_decode_lab import scattered_pool
     from kvledger.engine.attention.triton_decode import (
         DecodeWorkspace,
         decode_attention,
@@ -325,13 +324,11 @@ def smol_attention_part(seed: int) -> None:
     print(f"device-to-device copy {ceiling:.0f} GB/s; SmolLM2-135M attention, bf16, head-major pool")
     for label, batch, low, high in SMOL_ATTENTION:
         lens = [low] * batch if high is None else torch.randint(low, high + 1, (batch,), generator=gen).tolist()
-        per_row = -(-max(lens) // page)
-        pages = torch.randperm(batch * per_row + 8, generator=gen)[: batch * per_row].view(batch, per_row)
-        table = (pages[:, :, None] * page + torch.arange(page)).flatten(1).to(torch.int32).cuda().contiguous()
+        table, tokens = scattered_pool(lens, page, gen)
+        table = table.cuda().contiguous()
         seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
         order, arange = longest_first(seq), torch.arange(batch, device="cuda")
         q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
-        tokens = (batch * per_row + 8) * page
         k, v = (torch.randn(kv_heads, tokens, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         ws = DecodeWorkspace(batch, heads, dim, 16, "cuda")
         launch = decode_launch_config(batch, kv_heads, torch.bfloat16, dim)
