@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kvledger.engine.attention import cuda_fp8_decode
 from kvledger.engine.attention.shared_prefix import PrefixGroups, shared_prefix_partials
 
 try:
@@ -298,6 +299,7 @@ def decode_attention(
     order: torch.Tensor | None = None,
     mask_tail_only: bool = False,
     narrow: bool = False,
+    stage1: str = "triton",
 ) -> torch.Tensor:
     """q [B, heads, D] (each request's one new token, already stored in the cache) attends over
     the request's first seq_lens[b] tokens at table[rows[b], :seq_lens[b]].
@@ -310,7 +312,9 @@ def decode_attention(
     registers per thread (None: the compiler's choice); prefix_launch: the prefix kernel's launch
     (None: that of the decode kernel); order: the batch's indices by descending sequence length
     (`longest_first`), the order in which the programs start (None: batch order); mask_tail_only and
-    narrow: as in `DecodeLaunch` (neither changes the result).
+    narrow: as in `DecodeLaunch` (neither changes the result); stage1: "triton", or "cuda" for the
+    CUDA C++ kernel over an FP8 head-major pool without shared-prefix groups (`cuda_fp8_decode`:
+    its own launch, the Triton merge).
     Returns [B, heads, D] in q's dtype.
     """
     if triton is None:
@@ -351,45 +355,57 @@ def decode_attention(
             num_warps=pre.num_warps,
             num_stages=pre.num_stages,
         )
-    _decode_attention_split_kernel[(kv_heads, batch, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        table,
-        rows,
-        seq_lens,
-        order if order is not None else seq_lens,
-        groups.start if groups is not None else seq_lens,
-        po,
-        pl,
-        out,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(token_dim),
-        k_cache.stride(1 - token_dim),
-        table.stride(0),
-        po.stride(0),
-        po.stride(1),
-        po.stride(2),
-        pl.stride(0),
-        pl.stride(1),
-        out.stride(0),
-        out.stride(1),
-        sm_scale,
-        v_scale,
-        PRECISION=precision,
-        GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        BLOCK_N=block_n,
-        NUM_SPLITS=num_splits,
-        DOT=dot,
-        PREFIX_SPLITS=prefix_splits,
-        ORDERED=order is not None,
-        MASK_TAIL_ONLY=mask_tail_only,
-        NARROW=narrow and narrow_offsets(k_cache),
-        **DecodeLaunch(block_n, num_warps, num_stages, max_registers).options(),
-    )
+    if stage1 == "cuda":
+        if groups is not None or not cuda_fp8_decode.supports(q, k_cache, token_dim):
+            raise ValueError(
+                "the CUDA decode kernel takes an FP8 head-major pool, a bf16/fp16 query, head dim 64/128/256, "
+                f"at most {cuda_fp8_decode.MAX_GROUP} query heads per KV head and no shared-prefix groups"
+            )
+        cuda_fp8_decode.fp8_decode_split(
+            q, k_cache, v_cache, table, rows, seq_lens, po, pl, out, num_splits, sm_scale, v_scale, order
+        )
+    elif stage1 != "triton":
+        raise ValueError(f"stage1 must be 'triton' or 'cuda', got {stage1!r}")
+    else:
+        _decode_attention_split_kernel[(kv_heads, batch, num_splits)](
+            q,
+            k_cache,
+            v_cache,
+            table,
+            rows,
+            seq_lens,
+            order if order is not None else seq_lens,
+            groups.start if groups is not None else seq_lens,
+            po,
+            pl,
+            out,
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(token_dim),
+            k_cache.stride(1 - token_dim),
+            table.stride(0),
+            po.stride(0),
+            po.stride(1),
+            po.stride(2),
+            pl.stride(0),
+            pl.stride(1),
+            out.stride(0),
+            out.stride(1),
+            sm_scale,
+            v_scale,
+            PRECISION=precision,
+            GROUP=group,
+            GROUP_PAD=max(16, triton.next_power_of_2(group)),
+            HEAD_DIM=head_dim,
+            BLOCK_N=block_n,
+            NUM_SPLITS=num_splits,
+            DOT=dot,
+            PREFIX_SPLITS=prefix_splits,
+            ORDERED=order is not None,
+            MASK_TAIL_ONLY=mask_tail_only,
+            NARROW=narrow and narrow_offsets(k_cache),
+            **DecodeLaunch(block_n, num_warps, num_stages, max_registers).options(),
+        )
     slots = num_splits + prefix_splits
     if slots == 1:
         return out

@@ -179,72 +179,156 @@ LAUNCHES = [
 SHAPES = (("256 x 600", 256, 600, None), ("256 x U(100,1500)", 256, 100, 1500), ("64 x 2000", 64, 2000, None))
 
 
-def run_lab(seed: int) -> None:
-    from kvledger.bench.decode_kernels import _gathered_attention, copy_gbps, graph_us
+@dataclass
+class Case:
+    """One shape's random FP8 pool, its query and the float32 truth of its first TRUTH_ROWS rows."""
+
+    label: str
+    lens: list
+    table: torch.Tensor
+    seq: torch.Tensor
+    order: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: float
+    v_scale: float
+    truth: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.lens) * KV_HEADS * HEAD_DIM * 2
+
+    def error(self, out: torch.Tensor) -> float:
+        got = out.float()[:TRUTH_ROWS]
+        return float((got - self.truth).norm() / self.truth.norm())
+
+
+TRUTH_ROWS = 16
+
+
+def make_case(label: str, batch: int, low: int, high: int | None, g: torch.Generator) -> Case:
+    from kvledger.bench.decode_kernels import _gathered_attention
+    from kvledger.engine.attention.triton_decode import longest_first
+
+    fp8 = torch.float8_e4m3fn
+    lens = [low] * batch if high is None else torch.randint(low, high + 1, (batch,), generator=g).tolist()
+    table, tokens = scattered_pool(lens, PAGE, g)
+    table = table.cuda().contiguous()
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    kf, vf = (torch.randn(KV_HEADS, tokens, HEAD_DIM, device="cuda") for _ in range(2))
+    ks, vs = float(kf.abs().max() / 448), float(vf.abs().max() / 448)
+    k, v = (kf / ks).to(fp8), (vf / vs).to(fp8)
+    truth = _gathered_attention(
+        q, k.float().transpose(0, 1) * ks, v.float().transpose(0, 1) * vs, table, lens, TRUTH_ROWS
+    )
+    return Case(label, lens, table, seq, longest_first(seq), q, k, v, ks, vs, truth)
+
+
+def report(case: Case, name: str, fn, ceiling: float) -> None:
+    from kvledger.bench.decode_kernels import graph_us
+
+    try:
+        err = case.error(fn())
+    except Exception as e:  # a launch that cannot compile (resources): say so, go on
+        print(f"  {name:52s} failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+        return
+    us = graph_us(fn)
+    gbps = case.nbytes / us / 1e3
+    print(f"  {name:52s} {us:7.1f} us {gbps:5.0f} GB/s copy {gbps / ceiling:4.0%} error {err:.1e}")
+
+
+def engine_variant(case: Case, stage1: str = "triton"):
+    """The engine's launch and split count, stage 1 in Triton or the CUDA kernel."""
     from kvledger.engine.attention.triton_decode import (
         DecodeWorkspace,
         decode_attention,
         decode_launch_config,
-        longest_first,
         num_splits_for,
     )
 
-    fp8 = torch.float8_e4m3fn
+    batch = len(case.lens)
+    ws = DecodeWorkspace(batch, HEADS, HEAD_DIM, 16, "cuda")
+    launch = decode_launch_config(batch, KV_HEADS, case.k.dtype, HEAD_DIM)
+    rows = torch.arange(batch, device="cuda")
+    splits = num_splits_for(batch, KV_HEADS)
+    fn = functools.partial(
+        decode_attention, case.q, case.k, case.v, 1, case.table, rows, case.seq, ws, splits,
+        k_scale=case.k_scale, v_scale=case.v_scale, order=case.order, stage1=stage1, **launch.kernel_args(),
+    )  # fmt: skip
+    return f"engine, {stage1} stage 1, {splits} split(s)", fn
+
+
+def run_lab(seed: int) -> None:
+    from kvledger.bench.decode_kernels import copy_gbps
+
     g = torch.Generator().manual_seed(seed)
     ceiling = copy_gbps()
     print(f"device-to-device copy {ceiling:.0f} GB/s; FP8 e4m3 KV, head-major pool, one split, longest-first order")
     for label, batch, low, high in SHAPES:
-        lens = [low] * batch if high is None else torch.randint(low, high + 1, (batch,), generator=g).tolist()
-        table, tokens = scattered_pool(lens, PAGE, g)
-        table = table.cuda().contiguous()
-        seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        order = longest_first(seq)
-        q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        kf, vf = (torch.randn(KV_HEADS, tokens, HEAD_DIM, device="cuda") for _ in range(2))
-        ks, vs = float(kf.abs().max() / 448), float(vf.abs().max() / 448)
-        k, v = (kf / ks).to(fp8), (vf / vs).to(fp8)
-        nbytes = sum(lens) * KV_HEADS * HEAD_DIM * 2
-        rows = 16
-        truth = _gathered_attention(
-            q, k.float().transpose(0, 1) * ks, v.float().transpose(0, 1) * vs, table, lens, rows
-        )
-        ws = DecodeWorkspace(batch, HEADS, HEAD_DIM, 16, "cuda")
-        launch = decode_launch_config(batch, KV_HEADS, fp8, HEAD_DIM)
-        arange = torch.arange(batch, device="cuda")
-        splits = num_splits_for(batch, KV_HEADS)
-        variants = [
-            (
-                f"engine kernel, {splits} split(s)",
-                lambda: decode_attention(
-                    q,
-                    k,
-                    v,
-                    1,
-                    table,
-                    arange,
-                    seq,
-                    ws,
-                    splits,
-                    k_scale=ks,
-                    v_scale=vs,
-                    order=order,
-                    **launch.kernel_args(),
-                ),  # fmt: skip
-            )
-        ]
+        case = make_case(label, batch, low, high, g)
+        variants = [engine_variant(case)]
         for lab in LAUNCHES:
-            variants.append((lab.label(), functools.partial(lab_decode, q, k, v, table, seq, order, ks, vs, lab)))
-        print(f"{label}: {nbytes / 1e6:.0f} MB of e4m3 per layer")
+            fn = functools.partial(
+                lab_decode, case.q, case.k, case.v, case.table, case.seq, case.order, case.k_scale, case.v_scale, lab
+            )
+            variants.append((lab.label(), fn))
+        print(f"{label}: {case.nbytes / 1e6:.0f} MB of e4m3 per layer")
         for name, fn in variants:
-            try:
-                got = fn().float()[:rows]
-            except Exception as e:  # a launch Triton cannot compile (resources): say so, go on
-                print(f"  {name:52s} failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
-                continue
-            err = float((got - truth).norm() / truth.norm())
-            us = graph_us(fn)
-            gbps = nbytes / us / 1e3
-            print(f"  {name:52s} {us:7.1f} us {gbps:5.0f} GB/s copy {gbps / ceiling:4.0%} error {err:.1e}")
+            report(case, name, fn, ceiling)
+
+
+CUDA_LAUNCHES = [
+    (4, 64, 4),
+    (4, 32, 6),
+    (4, 32, 8),
+    (4, 64, 3),
+    (8, 64, 4),
+    (8, 32, 6),
+    (2, 32, 8),
+    (4, 16, 12),
+]
+CUDA_SHAPES = SHAPES + (("128 x U(500,2048)", 128, 500, 2048), ("16 x 4000", 16, 4000, None))
+
+
+def run_cuda(seed: int, launches: Sequence[Tuple[int, int, int]] = tuple(CUDA_LAUNCHES)) -> None:
+    """The CUDA C++ stage 1 (`engine/attention/cuda_fp8_decode.cu`) at several launches, one split,
+    against the engine's Triton kernel, with the same copies and no arithmetic (the access
+    pattern's bandwidth), then inside `decode_attention` at the engine's split count."""
+    from kvledger.bench.decode_kernels import copy_gbps
+    from kvledger.engine.attention import cuda_fp8_decode as cuda
+
+    why = cuda.available()
+    if why is not None:
+        print(f"the CUDA decode kernel cannot run here: {why}")
+        return
+    g = torch.Generator().manual_seed(seed)
+    ceiling = copy_gbps()
+    print(f"device-to-device copy {ceiling:.0f} GB/s; FP8 e4m3 KV, head-major pool of {PAGE}-token pages")
+    for label, batch, low, high in CUDA_SHAPES:
+        case = make_case(label, batch, low, high, g)
+        print(f"{label}: {case.nbytes / 1e6:.0f} MB of e4m3 per layer")
+        report(case, *engine_variant(case), ceiling)
+        report(case, *engine_variant(case, "cuda"), ceiling)
+        rows = torch.arange(batch, device="cuda")
+        part_o = torch.empty(batch, HEADS, 1, HEAD_DIM, device="cuda")
+        part_lse = torch.empty(batch, HEADS, 1, device="cuda")
+        for warps, tile, stages in launches:
+            for loads_only in (False, True):
+                launch = cuda.CudaDecodeLaunch(warps, tile, stages, loads_only)
+                out = torch.empty_like(case.q)
+
+                def fn(launch=launch, out=out):
+                    cuda.fp8_decode_split(
+                        case.q, case.k, case.v, case.table, rows, case.seq, part_o, part_lse, out, 1,
+                        HEAD_DIM**-0.5 * case.k_scale, case.v_scale, case.order, launch,
+                    )  # fmt: skip
+                    return out
+
+                if loads_only and (warps, tile, stages) != tuple(launches[0]):
+                    continue  # the floor once per shape, at the first launch
+                report(case, launch.label(), fn, ceiling)
 
 
 SPLIT_SHAPES = ((64, 2000, None), (64, 100, 2048), (128, 500, 2048), (32, 500, 2048), (16, 4000, None))
@@ -298,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvledger.bench.fp8_decode_lab", description=__doc__.splitlines()[0])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--splits", action="store_true", help="the split-count sweep instead of the variants")
+    p.add_argument("--cuda", action="store_true", help="the CUDA C++ stage 1 at several launches")
     args = p.parse_args(argv)
     if triton is None or not torch.cuda.is_available():
         print("python -m kvledger.bench.fp8_decode_lab: needs a CUDA device and Triton", file=sys.stderr)
@@ -305,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     if args.splits:
         sweep_splits(args.seed)
+    elif args.cuda:
+        run_cuda(args.seed)
     else:
         run_lab(args.seed)
     return 0
