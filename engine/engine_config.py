@@ -15,6 +15,7 @@ from kvledger.engine.options import (
     ATTENTION_BACKENDS,
     CACHE_TYPES,
     DTYPE_NAMES,
+    FP8_DECODE_KERNELS,
     KV_CACHE_DTYPE_NAMES,
     EngineOptionError,
     fault_spec,
@@ -115,6 +116,12 @@ class EngineConfig:
     threads: Optional[int] = option(None, "torch CPU threads (default: torch's choice)")
     attention: str = option(
         "auto", "attention backend (auto: Triton on CUDA, torch-native on the CPU)", choices=ATTENTION_BACKENDS
+    )
+    fp8_decode_kernel: str = option(
+        "cuda",
+        "Triton attention over an FP8 KV cache: decode in the CUDA C++ kernel (compiled by NVRTC at "
+        "start; the Triton kernel where it cannot run) or in the Triton kernel",
+        choices=FP8_DECODE_KERNELS,
     )
     cuda_graphs: bool = option(True, "capture decode steps as CUDA graphs", negative="--no-cuda-graphs")
     cascade_attention: bool = option(

@@ -19,6 +19,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 CACHE_TYPES = ("radix", "naive")
 KV_CACHE_DTYPE_NAMES = ("auto", "fp8_e4m3")  # engine/model/kv_pool.py: KV_CACHE_DTYPES
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+FP8_DECODE_KERNELS = ("cuda", "triton")  # engine/attention/cuda_fp8_decode.py, triton_decode.py
 ADMISSION_POLICIES = POLICIES
 # the sampler seeds request uid with seed * 1_000_003 + uid, which torch needs to fit in 64 bits
 SEED_LIMIT = 2**32
@@ -57,6 +58,7 @@ def validate_engine_options(c: "EngineConfig") -> None:
     _check_int("seed", c.seed, 0, below=SEED_LIMIT)
     _check_int("threads", c.threads, 1, none_ok=True)
     _check_choice("attention", c.attention, ATTENTION_BACKENDS)
+    _check_choice("fp8_decode_kernel", c.fp8_decode_kernel, FP8_DECODE_KERNELS)
     _check_tensor_parallel(c.tensor_parallel_size, c.device)
     _check_faults(c.inject_fault)
     _check_step_timeout(c.step_timeout)

@@ -36,6 +36,9 @@
 #ifndef OUT_BF16
 #define OUT_BF16 1
 #endif
+#ifndef SEQ_T  // the sequence lengths' type: int (the backend's plan) or long long (a CUDA graph's)
+#define SEQ_T int
+#endif
 #ifndef LOADS_ONLY  // 1: copy the rows and skip the arithmetic (the access pattern's bandwidth)
 #define LOADS_ONLY 0
 #endif
@@ -95,6 +98,14 @@ __device__ __forceinline__ void e4m3x16(uint4 c, float* f) {
     e4m3x4(c.w, f + 12);
 }
 
+__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
+    u32 h;
+    asm("{ .reg .f16 l, u; cvt.rn.f16.f32 l, %1; cvt.rn.f16.f32 u, %2; mov.b32 %0, {l, u}; }"
+        : "=r"(h)
+        : "f"(lo), "f"(hi));
+    return h;
+}
+
 __device__ __forceinline__ float half_bits_to_float(u16 h) {
 #if OUT_BF16
     return __int_as_float(((u32)h) << 16);
@@ -133,31 +144,56 @@ __device__ __forceinline__ float sum_across_row(float x) {
     return x;
 }
 
+struct KeyRange {
+    int start, end;
+};
+
+// Split `split` of request b's keys, in whole tiles. With shared prefixes (cascade attention,
+// prefix_splits > 0) the row's own keys start at START[b] (the prefix kernel attends to the rest),
+// and split 0 of a row in no group marks its prefix slots empty for the merge, as the Triton
+// kernel does.
+__device__ __forceinline__ KeyRange split_range(int seq_len, int b, int kv_head, int split, int num_splits,
+                                                int prefix_splits, int tile, const int* START, float* PART_LSE,
+                                                i64 stride_lb, i64 stride_lh) {
+    int first = 0;
+    if (prefix_splits > 0) {
+        first = START[b];
+        if (split == 0 && first == 0)
+            for (int i = threadIdx.x; i < GROUP * prefix_splits; i += blockDim.x)
+                PART_LSE[b * stride_lb + (kv_head * GROUP + i / prefix_splits) * stride_lh + num_splits +
+                         i % prefix_splits] = NEG_INF;
+    }
+    const int per_split = ((seq_len - first + num_splits - 1) / num_splits + tile - 1) / tile * tile;
+    const int start = first + split * per_split;
+    return {start, min(start + per_split, seq_len)};
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS) fp8_decode_split(
     const u16* __restrict__ Q,               // [B, heads, HEAD_DIM], bf16 or fp16
     const unsigned char* __restrict__ K,     // one layer: [kv_heads, tokens, HEAD_DIM] e4m3
     const unsigned char* __restrict__ V,
     const int* __restrict__ TABLE,           // [rows, stride_tr] token locations
     const i64* __restrict__ ROWS,            // [B] each request's table row (int64)
-    const int* __restrict__ SEQ_LEN,         // [B]
+    const SEQ_T* __restrict__ SEQ_LEN,       // [B] int32 or int64 (SEQ_T)
     const int* __restrict__ ORDER,           // [B] longest first (read when ordered)
-    float* __restrict__ PART_O,              // [B, heads, slots, HEAD_DIM] (num_splits > 1)
+    const int* __restrict__ START,           // [B] where a row's own keys start (read when prefix_splits > 0)
+    float* __restrict__ PART_O,              // [B, heads, slots, HEAD_DIM] (more than one slot)
     float* __restrict__ PART_LSE,            // [B, heads, slots]
-    u16* __restrict__ O,                     // [B, heads, HEAD_DIM] (num_splits == 1)
+    u16* __restrict__ O,                     // [B, heads, HEAD_DIM] (one slot: no merge)
     i64 stride_qb, i64 stride_qh, i64 stride_kn, i64 stride_kh, i64 stride_tr,
     i64 stride_pb, i64 stride_ph, i64 stride_ps, i64 stride_lb, i64 stride_lh,
     i64 stride_ob, i64 stride_oh,
-    float sm_scale, float v_scale, int num_splits, int ordered) {
+    float sm_scale, float v_scale, int num_splits, int ordered, int prefix_splits) {
     extern __shared__ uint4 smem[];  // [STAGES][2 (K, V)][PASSES][THREADS]; reused for the reduction
 
     const int kv_head = blockIdx.x;
     const int b = ordered ? ORDER[blockIdx.y] : (int)blockIdx.y;
     const int split = blockIdx.z;
-    const int seq_len = SEQ_LEN[b];
+    const int seq_len = (int)SEQ_LEN[b];
     const int* table = TABLE + (i64)ROWS[b] * stride_tr;
-    const int per_split = ((seq_len + num_splits - 1) / num_splits + TILE - 1) / TILE * TILE;
-    const int start = split * per_split;
-    const int end = min(start + per_split, seq_len);
+    const KeyRange range = split_range(seq_len, b, kv_head, split, num_splits, prefix_splits, TILE, START, PART_LSE,
+                                       stride_lb, stride_lh);
+    const int start = range.start, end = range.end;
     const int tiles = end > start ? (end - start + TILE - 1) / TILE : 0;
 
     const int tid = threadIdx.x;
@@ -259,8 +295,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) fp8_decode_split(
             const float alpha = m_new == NEG_INF ? 1.f : exp2f(m[g] - m_new);
             m[g] = m_new;
             l[g] *= alpha;
+            if (alpha != 1.f) {  // warp-uniform; rare once the first keys are in
 #pragma unroll
-            for (int d = 0; d < 16; ++d) acc[g][d] *= alpha;
+                for (int d = 0; d < 16; ++d) acc[g][d] *= alpha;
+            }
 #pragma unroll
             for (int p = 0; p < PASSES; ++p) s[p][g] = m_new == NEG_INF ? 0.f : exp2f(s[p][g] - m_new);
         }
@@ -322,11 +360,292 @@ extern "C" __global__ void __launch_bounds__(THREADS) fp8_decode_split(
         // an empty split (past a short request's end) writes 0 and -inf, as the Triton kernel does
         const float out = sum > 0.f ? total * v_scale / sum : 0.f;
         const int head = kv_head * GROUP + g;
-        if (num_splits == 1) {
+        if (num_splits + prefix_splits == 1) {
             O[b * stride_ob + head * stride_oh + d] = float_to_half_bits(out);
         } else {
             PART_O[b * stride_pb + head * stride_ph + split * stride_ps + d] = out;
             if (d == 0) PART_LSE[b * stride_lb + head * stride_lh + split] = sum > 0.f ? mx * LN2 + logf(sum) : NEG_INF;
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tensor-core variant (HEAD_DIM 128, GROUP <= 8): the same per-thread cp.async pipeline, with
+// products on mma.sync.m16n8k16 (fp16 in, fp32 accumulate), so the e4m3 bytes are only converted
+// to fp16 pairs (one cvt per two values) and never to fp32.
+//
+// A warp takes 16-token slabs. Scores: S[head, token] = Q[16 (heads, padded), 128] x K^T, two
+// n-tiles of 8 tokens, 8 k-steps. The dot product's k order is free, so lane (g, t) (g = lane / 4,
+// t = lane % 4) feeds k-step j with the 4 bytes at 16t + 4j (j < 4) or 64 + 16t + 4(j - 4) of its
+// tokens' rows: its B fragment is then whole 16-byte chunks (t, t + 4) of tokens g and g + 8. Its
+// score fragment (head g; tokens 2t, 2t+1, 8+2t, 9+2t) is exactly the B fragment of the
+// transposed product O^T[128 dims, 8 heads] = V^T x P^T, whose A fragment (output rows = dims, in
+// an order chosen so that lane (g, t) reads chunk g of tokens 2t, 2t+1, 8+2t, 9+2t) pairs the
+// bytes of two tokens with one byte permute. No lane reads another's chunks.
+// ---------------------------------------------------------------------------------------------
+
+#ifndef SLABS
+#define SLABS 1
+#endif
+#ifndef AHEAD  // tiles between a table read and the copies that use it
+#define AHEAD 4
+#endif
+#ifndef MIN_BLOCKS  // blocks per multiprocessor the register allocation must allow
+#define MIN_BLOCKS 1
+#endif
+
+__device__ __forceinline__ u32 e4m3x2_to_half2(u32 pair16) {
+    u32 h;
+    asm("{ .reg .b16 l, u; mov.b32 {l, u}, %1; cvt.rn.f16x2.e4m3x2 %0, l; }" : "=r"(h) : "r"(pair16));
+    return h;
+}
+
+__device__ __forceinline__ u32 e4m3x2_hi_to_half2(u32 word) {
+    u32 h;
+    asm("{ .reg .b16 l, u; mov.b32 {l, u}, %1; cvt.rn.f16x2.e4m3x2 %0, u; }" : "=r"(h) : "r"(word));
+    return h;
+}
+
+__device__ __forceinline__ u32 byte_perm(u32 a, u32 b, u32 selector) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+    return d;
+}
+
+// d += A[16x16] B[16x8], fp16 inputs, fp32 accumulators
+__device__ __forceinline__ void mma16816(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) fp8_decode_split_mma(
+    const u16* __restrict__ Q, const unsigned char* __restrict__ K, const unsigned char* __restrict__ V,
+    const int* __restrict__ TABLE, const i64* __restrict__ ROWS, const SEQ_T* __restrict__ SEQ_LEN,
+    const int* __restrict__ ORDER, const int* __restrict__ START, float* __restrict__ PART_O, float* __restrict__ PART_LSE, u16* __restrict__ O,
+    i64 stride_qb, i64 stride_qh, i64 stride_kn, i64 stride_kh, i64 stride_tr,
+    i64 stride_pb, i64 stride_ph, i64 stride_ps, i64 stride_lb, i64 stride_lh,
+    i64 stride_ob, i64 stride_oh,
+    float sm_scale, float v_scale, int num_splits, int ordered, int prefix_splits) {
+#if HEAD_DIM == 128 && GROUP <= 8
+    constexpr int MMA_TILE = WARPS * 16 * SLABS;  // tokens per pipeline stage
+    constexpr int CHUNKS = 8;                      // 16-byte chunks a lane copies per slab: 4 of K, 4 of V
+    extern __shared__ uint4 smem[];                // [STAGES][WARPS][SLABS][CHUNKS][32]
+
+    const int kv_head = blockIdx.x;
+    const int b = ordered ? ORDER[blockIdx.y] : (int)blockIdx.y;
+    const int split = blockIdx.z;
+    const int seq_len = (int)SEQ_LEN[b];
+    const int* table = TABLE + ROWS[b] * stride_tr;
+    const KeyRange range = split_range(seq_len, b, kv_head, split, num_splits, prefix_splits, MMA_TILE, START, PART_LSE,
+                                       stride_lb, stride_lh);
+    const int start = range.start, end = range.end;
+    const int tiles = end > start ? (end - start + MMA_TILE - 1) / MMA_TILE : 0;
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const unsigned char* k_head = K + kv_head * stride_kh;
+    const unsigned char* v_head = V + kv_head * stride_kh;
+    const u32 smem_base = shared_address(smem);
+
+    // slab s of tile `tile` for this warp starts at token start + tile * MMA_TILE + (warp * SLABS + s) * 16;
+    // lanes 0-15 read that slab's 16 table entries (lanes 16-31 repeat them)
+    auto read_locations = [&](int tile, int* loc) {
+#pragma unroll
+        for (int s = 0; s < SLABS; ++s) {
+            const int token = start + tile * MMA_TILE + (warp * SLABS + s) * 16 + (lane & 15);
+            loc[s] = (tile < tiles && token < end) ? table[token] : -1;
+        }
+    };
+    auto issue = [&](int slot, const int* loc) {
+#pragma unroll
+        for (int s = 0; s < SLABS; ++s) {
+            const u32 base = smem_base + ((((slot * WARPS + warp) * SLABS + s) * CHUNKS) * 32 + lane) * 16;
+            // K: the slab's 16 rows, 4 whole rows per instruction (lane L: row 4i + L / 8, chunk L % 8),
+            // row-major, chunk c of row r stored at c ^ 4(r & 1) so that the fragment reads below
+            // (rows g and g + 8, chunks t and t + 4) hit distinct banks
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int row = 4 * i + (lane >> 3), c = lane & 7;
+                const int at = __shfl_sync(0xffffffffu, loc[s], row);
+                const u32 dst = base - lane * 16 + (row * 8 + (c ^ ((row & 1) << 2))) * 16;
+                copy16(dst, k_head + (at >= 0 ? at * stride_kn : 0) + c * 16, at >= 0);
+            }
+            // V: chunk g of tokens 2t, 2t + 1, 8 + 2t, 9 + 2t
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int at = __shfl_sync(0xffffffffu, loc[s], 2 * t + (r & 1) + 8 * (r >> 1));
+                copy16(base + (4 + r) * 32 * 16, v_head + (at >= 0 ? at * stride_kn : 0) + g * 16, at >= 0);
+            }
+        }
+        commit();
+    };
+
+    // the prologue's table reads, then the query's, in flight together
+    int first_locations[STAGES][SLABS];
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) read_locations(s, first_locations[s]);
+    // the query's A fragments, per k-step j: head g's dimensions 16t + 4j + (0..3) (j < 4), then
+    // 64 + 16t + 4(j - 4) + (0..3), as two fp16 pairs
+    u32 qa[8][2];
+    {
+        const bool real = g < GROUP;
+        const u16* qrow = Q + b * stride_qb + (kv_head * GROUP + (real ? g : 0)) * stride_qh + 16 * t;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int at = (j < 4 ? 4 * j : 64 + 4 * (j - 4));
+            float f[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) f[e] = real ? half_bits_to_float(qrow[at + e]) : 0.f;
+            qa[j][0] = pack_half2(f[0], f[1]);
+            qa[j][1] = pack_half2(f[2], f[3]);
+        }
+    }
+
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) issue(s, first_locations[s]);
+
+    const float scale = sm_scale * LOG2E;
+    float m = NEG_INF, l = 0.f;  // head g's running max and (this lane's share of the) sum
+    float acc[8][4];             // O^T fragments: m-tile i rows = dims 16g + 2i (+1 for c2, c3), cols = heads 2t, 2t + 1
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+
+    // One tile: compute on it, refill its slot with tile + STAGES from `ahead` (read AHEAD tiles
+    // earlier), then read the table entries of tile + STAGES + AHEAD into `ahead`. A table read is
+    // a DRAM miss that outlasts a tile's arithmetic, so it is issued AHEAD tiles before its use;
+    // the caller unrolls AHEAD steps over a ring of arrays, so no register copy waits on one.
+    auto step = [&](int tile, int* ahead) {
+        wait_pending<STAGES - 1>();
+        __syncwarp();  // the K rows other lanes of this warp copied are visible
+        const int slot = tile % STAGES;
+#pragma unroll
+        for (int s = 0; s < SLABS; ++s) {
+            const uint4* chunk = smem + (((slot * WARPS + warp) * SLABS + s) * CHUNKS) * 32 + lane;
+            const int first = start + tile * MMA_TILE + (warp * SLABS + s) * 16;
+            float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // n-tile r: tokens 8r + 2t, 8r + 2t + 1
+            u32 w[2][8];
+            const uint4* k_rows = chunk - lane;  // [16 rows][8 chunks], swizzled as issue() stores them
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = g + 8 * r, flip = (row & 1) << 2;
+                const uint4 c0 = k_rows[row * 8 + (t ^ flip)], c1 = k_rows[row * 8 + ((t + 4) ^ flip)];
+                w[r][0] = c0.x, w[r][1] = c0.y, w[r][2] = c0.z, w[r][3] = c0.w;
+                w[r][4] = c1.x, w[r][5] = c1.y, w[r][6] = c1.z, w[r][7] = c1.w;
+            }
+#pragma unroll
+            for (int j = 0; j < 8; ++j)  // the two n-tiles' chains interleaved
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+                    mma16816(sc[r], qa[j][0], 0u, qa[j][1], 0u, e4m3x2_to_half2(w[r][j]), e4m3x2_hi_to_half2(w[r][j]));
+            float s4[4];
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int token = first + 8 * r + 2 * t + e;
+                    s4[2 * r + e] = token < end ? sc[r][e] * scale : NEG_INF;
+                }
+            float slab_max = fmaxf(fmaxf(s4[0], s4[1]), fmaxf(s4[2], s4[3]));
+            slab_max = fmaxf(slab_max, __shfl_xor_sync(0xffffffffu, slab_max, 1));
+            slab_max = fmaxf(slab_max, __shfl_xor_sync(0xffffffffu, slab_max, 2));
+            const float m_new = fmaxf(m, slab_max);
+            const float alpha = m_new == NEG_INF ? 1.f : exp2f(m - m_new);
+            m = m_new;
+            float p[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) p[e] = m_new == NEG_INF ? 0.f : exp2f(s4[e] - m_new);
+            l = l * alpha + (p[0] + p[1]) + (p[2] + p[3]);
+            // rescale only when some head's max moved (rare once the first keys are in): acc's
+            // columns are heads 2t and 2t + 1, whose alphas live in lanes 8t and 8t + 4
+            if (__any_sync(0xffffffffu, alpha != 1.f)) {
+                const float alpha0 = __shfl_sync(0xffffffffu, alpha, 8 * t);
+                const float alpha1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    acc[i][0] *= alpha0;
+                    acc[i][1] *= alpha1;
+                    acc[i][2] *= alpha0;
+                    acc[i][3] *= alpha1;
+                }
+            }
+            const u32 pb0 = pack_half2(p[0], p[1]), pb1 = pack_half2(p[2], p[3]);
+            const uint4 v0 = chunk[4 * 32], v1 = chunk[5 * 32], v2 = chunk[6 * 32], v3 = chunk[7 * 32];
+            const u32 a[4] = {v0.x, v0.y, v0.z, v0.w}, bb[4] = {v1.x, v1.y, v1.z, v1.w};
+            const u32 c[4] = {v2.x, v2.y, v2.z, v2.w}, d[4] = {v3.x, v3.y, v3.z, v3.w};
+#pragma unroll
+            for (int wd = 0; wd < 4; ++wd) {
+                // bytes 4wd .. 4wd+3 of chunk g: dims 16g + 4wd + e, m-tiles i = 2wd (bytes 0, 1), 2wd + 1 (bytes 2, 3)
+                const u32 lo01 = byte_perm(a[wd], bb[wd], 0x5140), hi01 = byte_perm(a[wd], bb[wd], 0x7362);
+                const u32 lo89 = byte_perm(c[wd], d[wd], 0x5140), hi89 = byte_perm(c[wd], d[wd], 0x7362);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int i = 2 * wd + h;
+                    const u32 x01 = h ? hi01 : lo01, x89 = h ? hi89 : lo89;
+                    mma16816(acc[i], e4m3x2_to_half2(x01), e4m3x2_hi_to_half2(x01), e4m3x2_to_half2(x89),
+                             e4m3x2_hi_to_half2(x89), pb0, pb1);
+                }
+            }
+        }
+        __syncwarp();  // every lane is done reading the slot before any refills it
+        issue(slot, ahead);
+        read_locations(tile + STAGES + AHEAD, ahead);
+    };
+    int ring[AHEAD][SLABS];
+#pragma unroll
+    for (int k = 0; k < AHEAD; ++k) read_locations(STAGES + k, ring[k]);
+    for (int tile = 0; tile < tiles; tile += AHEAD) {
+#pragma unroll
+        for (int k = 0; k < AHEAD; ++k)
+            if (tile + k < tiles) step(tile + k, ring[k]);
+    }
+    wait_pending<0>();
+    __syncthreads();
+
+    // per warp: head h's sum (lanes 4h .. 4h+3 hold its shares), max (lane 4h), and output rows
+    float* red = reinterpret_cast<float*>(smem);  // [WARPS][GROUP][HEAD_DIM + 2]
+    constexpr int RED = HEAD_DIM + 2;
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (t == 0 && g < GROUP) {
+        red[(warp * GROUP + g) * RED + HEAD_DIM] = m;
+        red[(warp * GROUP + g) * RED + HEAD_DIM + 1] = l;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int head = 2 * t + (e & 1), dim = 16 * g + 2 * i + (e >> 1);
+            if (head < GROUP) red[(warp * GROUP + head) * RED + dim] = acc[i][e];
+        }
+    __syncthreads();
+
+    for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += THREADS) {
+        const int hg = i / HEAD_DIM, d = i % HEAD_DIM;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, red[(w * GROUP + hg) * RED + HEAD_DIM]);
+        float total = 0.f, sum = 0.f;
+        if (mx != NEG_INF) {
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) {
+                const float wm = red[(w * GROUP + hg) * RED + HEAD_DIM];
+                const float sc = wm == NEG_INF ? 0.f : exp2f(wm - mx);
+                total += sc * red[(w * GROUP + hg) * RED + d];
+                sum += sc * red[(w * GROUP + hg) * RED + HEAD_DIM + 1];
+            }
+        }
+        const float out = sum > 0.f ? total * v_scale / sum : 0.f;
+        const int head = kv_head * GROUP + hg;
+        if (num_splits + prefix_splits == 1) {
+            O[b * stride_ob + head * stride_oh + d] = float_to_half_bits(out);
+        } else {
+            PART_O[b * stride_pb + head * stride_ph + split * stride_ps + d] = out;
+            if (d == 0) PART_LSE[b * stride_lb + head * stride_lh + split] = sum > 0.f ? mx * LN2 + logf(sum) : NEG_INF;
+        }
+    }
+#endif
 }

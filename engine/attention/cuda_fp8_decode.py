@@ -32,23 +32,38 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cuda_fp8_decode.cu")
-KERNEL = b"fp8_decode_split"
-MAX_GROUP = 4  # query heads per KV head the kernel keeps in registers (q and the output: 32 floats each)
+MAX_GROUP = 4  # query heads per KV head the CUDA-core kernel keeps in registers (q, output: 32 floats each)
+MMA_MAX_GROUP = 8  # the tensor-core kernel's query heads per KV head: rows of a 16-row mma tile
 
 
 @dataclass(frozen=True)
 class CudaDecodeLaunch:
     """One compiled variant: warps per block, tokens per tile, tiles in flight (cp.async stages),
-    and LOADS_ONLY (copy the rows, skip the arithmetic: the access pattern's own bandwidth)."""
+    products on tensor cores (mma: head dim 128; a tile is then 16-token slabs per warp) or on
+    CUDA cores, and LOADS_ONLY (the CUDA-core kernel copies the rows and skips the arithmetic: the
+    access pattern's own bandwidth)."""
 
     warps: int = 4
     tile: int = 64
     stages: int = 4
+    mma: bool = True
     loads_only: bool = False
+    min_blocks: int = 1  # tensor cores: blocks per multiprocessor the registers must allow
+
+    def __post_init__(self) -> None:
+        if self.mma and (self.tile % (16 * self.warps) or self.loads_only):
+            raise ValueError(f"a tensor-core tile is 16-token slabs per warp, with arithmetic: {self}")
+
+    @property
+    def kernel(self) -> bytes:
+        return b"fp8_decode_split_mma" if self.mma else b"fp8_decode_split"
 
     def label(self) -> str:
         extra = ", loads only" if self.loads_only else ""
-        return f"CUDA {self.warps} warps, {self.tile}-token tiles, {self.stages} stages{extra}"
+        units = "tensor cores" if self.mma else "CUDA cores"
+        if self.min_blocks > 1:
+            extra += f", >= {self.min_blocks} blocks/SM"
+        return f"CUDA {units}, {self.warps} warps, {self.tile}-token tiles, {self.stages} stages{extra}"
 
     def shared_bytes(self, head_dim: int, group: int) -> int:
         """Dynamic shared memory: the pipeline's buffers, or the final reduction if larger."""
@@ -57,7 +72,11 @@ class CudaDecodeLaunch:
         return max(pipeline, reduction)
 
 
-DEFAULT_LAUNCH = CudaDecodeLaunch()
+# CUDA cores: 95-97 us at 256 x 600 against 105-114 for the tensor-core variant's best launches
+# (results/gpu/round4/cuda-fp8-lab.txt); three stages of 64-token tiles fit four blocks per SM
+CUDA_CORE_LAUNCH = CudaDecodeLaunch(warps=4, tile=64, stages=3, mma=False)
+MMA_LAUNCH = CudaDecodeLaunch(warps=4, tile=64, stages=3, min_blocks=4)
+DEFAULT_LAUNCH = CUDA_CORE_LAUNCH
 
 
 # --- NVRTC and the driver, through ctypes ------------------------------------------------------
@@ -175,10 +194,12 @@ def available(device: torch.device | str | None = None) -> Optional[str]:
 # --- compiled variants, per device ---------------------------------------------------------------
 
 _lock = threading.Lock()
-_functions: Dict[Tuple[int, int, int, bool, CudaDecodeLaunch], ctypes.c_void_p] = {}
+_functions: Dict[Tuple[int, int, int, bool, CudaDecodeLaunch, bool], ctypes.c_void_p] = {}
 
 
-def compile_options(head_dim: int, group: int, bf16: bool, launch: CudaDecodeLaunch, arch: str) -> List[str]:
+def compile_options(
+    head_dim: int, group: int, bf16: bool, launch: CudaDecodeLaunch, arch: str, seq_i64: bool = False
+) -> List[str]:
     return [
         f"--gpu-architecture={arch}",
         "--std=c++17",
@@ -187,41 +208,59 @@ def compile_options(head_dim: int, group: int, bf16: bool, launch: CudaDecodeLau
         f"-DGROUP={group}",
         f"-DWARPS={launch.warps}",
         f"-DTILE={launch.tile}",
+        f"-DSLABS={max(1, launch.tile // (16 * launch.warps))}",
         f"-DSTAGES={launch.stages}",
         f"-DOUT_BF16={int(bf16)}",
         f"-DLOADS_ONLY={int(launch.loads_only)}",
+        f"-DMIN_BLOCKS={launch.min_blocks}",
+        f"-DSEQ_T={'long long' if seq_i64 else 'int'}",
     ]
 
 
-def _function(device: int, head_dim: int, group: int, bf16: bool, launch: CudaDecodeLaunch) -> ctypes.c_void_p:
-    key = (device, head_dim, group, bf16, launch)
+def _function(
+    device: int, head_dim: int, group: int, bf16: bool, launch: CudaDecodeLaunch, seq_i64: bool
+) -> ctypes.c_void_p:
+    key = (device, head_dim, group, bf16, launch, seq_i64)
     with _lock:
         if key not in _functions:
             nvrtc, driver = _toolchain()
             major, minor = torch.cuda.get_device_capability(device)
             arch = f"sm_{major}{minor}" + ("a" if major == 9 else "")
-            options = compile_options(head_dim, group, bf16, launch, arch)
+            options = compile_options(head_dim, group, bf16, launch, arch, seq_i64)
             cubin = nvrtc.compile(SOURCE.read_text(), SOURCE.name, options)
             with torch.cuda.device(device):
-                _functions[key] = driver.load(cubin, KERNEL, launch.shared_bytes(head_dim, group))
+                _functions[key] = driver.load(cubin, launch.kernel, launch.shared_bytes(head_dim, group))
             log.info("compiled %s for %s (%s)", SOURCE.name, arch, " ".join(options[3:]))
         return _functions[key]
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor, token_dim: int) -> bool:
-    """Whether this kernel handles the call: an e4m3 head-major pool, a bf16/fp16 query with
-    HEAD_DIM in {64, 128, 256}, and at most MAX_GROUP query heads per KV head."""
+def supports(q: torch.Tensor, k_cache: torch.Tensor, token_dim: int, launch: CudaDecodeLaunch = DEFAULT_LAUNCH) -> bool:
+    """Whether `launch`'s kernel handles the call: an e4m3 head-major pool, a bf16/fp16 query, and
+    head dim 128 with at most MMA_MAX_GROUP query heads per KV head (tensor cores), or head dim
+    64/128/256 with at most MAX_GROUP (CUDA cores)."""
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[1 - token_dim]
+    if launch.mma:
+        dims_ok, max_group = head_dim == 128, MMA_MAX_GROUP
+    else:
+        dims_ok, max_group = head_dim in (64, 128, 256), MAX_GROUP
     return (
         k_cache.dtype == torch.float8_e4m3fn
         and token_dim == 1
         and q.is_cuda
         and q.dtype in (torch.bfloat16, torch.float16)
-        and head_dim in (64, 128, 256)
+        and dims_ok
         and heads % kv_heads == 0
-        and heads // kv_heads <= MAX_GROUP
+        and heads // kv_heads <= max_group
     )
+
+
+def launch_for(q: torch.Tensor, k_cache: torch.Tensor, token_dim: int) -> Optional[CudaDecodeLaunch]:
+    """The launch for this call: DEFAULT_LAUNCH where it applies, else the other kernel's, else None."""
+    for launch in (DEFAULT_LAUNCH, CUDA_CORE_LAUNCH, MMA_LAUNCH):
+        if supports(q, k_cache, token_dim, launch):
+            return launch
+    return None
 
 
 def fp8_decode_split(
@@ -239,22 +278,30 @@ def fp8_decode_split(
     v_scale: float,
     order: torch.Tensor | None,
     launch: CudaDecodeLaunch = DEFAULT_LAUNCH,
+    start: torch.Tensor | None = None,
+    prefix_splits: int = 0,
 ) -> None:
-    """Stage 1 of split decode over a head-major e4m3 pool (`supports`): with one split the output
-    itself, else each split's normalized partial and log-sum-exp in part_o/part_lse."""
+    """Stage 1 of split decode over a head-major e4m3 pool (`supports`): with one slot the output
+    itself, else each split's normalized partial and log-sum-exp in part_o/part_lse. With shared
+    prefixes (`prefix_splits` > 0, cascade attention) a row's own keys start at start[b] (int32)
+    and the prefix kernel fills the next `prefix_splits` slots."""
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[0]
     group = heads // kv_heads
+    if not supports(q, k_cache, 1, launch):
+        raise ValueError(f"{launch.label()} cannot take q {tuple(q.shape)} {q.dtype} over a {k_cache.dtype} pool")
     if q.stride(2) != 1 or q.data_ptr() % 16 or q.stride(1) % 8 or q.stride(0) % 8:
         q = q.contiguous()  # the kernel reads its query slice as 16-byte vectors
     if k_cache.stride(2) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError("the FP8 CUDA decode kernel needs K and V pools of one contiguous-row layout")
-    if table.dtype != torch.int32 or rows.dtype != torch.int64 or seq_lens.dtype != torch.int32:
-        raise ValueError("table and seq_lens must be int32, rows int64")
+    if table.dtype != torch.int32 or rows.dtype != torch.int64 or seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError("table must be int32, rows int64, seq_lens int32 or int64")
     if order is not None and order.dtype != torch.int32:
         raise ValueError("order must be int32")
+    if prefix_splits and (start is None or start.dtype != torch.int32):
+        raise ValueError("shared prefixes need each row's int32 start")
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    function = _function(device, head_dim, group, q.dtype == torch.bfloat16, launch)
+    function = _function(device, head_dim, group, q.dtype == torch.bfloat16, launch, seq_lens.dtype == torch.int64)
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
     args = [
         ptr(q.data_ptr()),
@@ -264,6 +311,7 @@ def fp8_decode_split(
         ptr(rows.data_ptr()),
         ptr(seq_lens.data_ptr()),
         ptr(order.data_ptr() if order is not None else seq_lens.data_ptr()),
+        ptr(start.data_ptr() if start is not None else seq_lens.data_ptr()),
         ptr(part_o.data_ptr()),
         ptr(part_lse.data_ptr()),
         ptr(out.data_ptr()),
@@ -274,6 +322,7 @@ def fp8_decode_split(
         f32(v_scale),
         i32(num_splits),
         i32(order is not None),
+        i32(prefix_splits),
     ]
     _, driver = _toolchain()
     stream = torch.cuda.current_stream(q.device).cuda_stream

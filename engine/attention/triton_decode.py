@@ -313,8 +313,8 @@ def decode_attention(
     (None: that of the decode kernel); order: the batch's indices by descending sequence length
     (`longest_first`), the order in which the programs start (None: batch order); mask_tail_only and
     narrow: as in `DecodeLaunch` (neither changes the result); stage1: "triton", or "cuda" for the
-    CUDA C++ kernel over an FP8 head-major pool without shared-prefix groups (`cuda_fp8_decode`:
-    its own launch, the Triton merge).
+    CUDA C++ kernel over an FP8 head-major pool (`cuda_fp8_decode`: its own launch; the prefix
+    kernel and the merge stay Triton's).
     Returns [B, heads, D] in q's dtype.
     """
     if triton is None:
@@ -356,14 +356,16 @@ def decode_attention(
             num_stages=pre.num_stages,
         )
     if stage1 == "cuda":
-        if groups is not None or not cuda_fp8_decode.supports(q, k_cache, token_dim):
+        cuda_launch = cuda_fp8_decode.launch_for(q, k_cache, token_dim)
+        if cuda_launch is None:
             raise ValueError(
-                "the CUDA decode kernel takes an FP8 head-major pool, a bf16/fp16 query, head dim 64/128/256, "
-                f"at most {cuda_fp8_decode.MAX_GROUP} query heads per KV head and no shared-prefix groups"
+                "the CUDA decode kernel takes an FP8 head-major pool, a bf16/fp16 query, head dim 64/128/256 "
+                f"and at most {cuda_fp8_decode.MAX_GROUP} query heads per KV head (8 at head dim 128)"
             )
         cuda_fp8_decode.fp8_decode_split(
-            q, k_cache, v_cache, table, rows, seq_lens, po, pl, out, num_splits, sm_scale, v_scale, order
-        )
+            q, k_cache, v_cache, table, rows, seq_lens, po, pl, out, num_splits, sm_scale, v_scale, order,
+            cuda_launch, groups.start if groups is not None else None, prefix_splits,
+        )  # fmt: skip
     elif stage1 != "triton":
         raise ValueError(f"stage1 must be 'triton' or 'cuda', got {stage1!r}")
     else:

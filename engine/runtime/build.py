@@ -66,7 +66,7 @@ def build_rank(
     dtype = DTYPES[o.dtype]
     model = CausalLM.from_state_dict(config, state, dtype=dtype, device=device, tp=tp)
     model.attn_backend = _attention_backend(
-        o.attention, device, cascade=o.cascade_attention and o.cache_type == "radix"
+        o.attention, device, cascade=o.cascade_attention and o.cache_type == "radix", fp8_decode=o.fp8_decode_kernel
     )
     del state
     kv_heads = len(tp.shard.kv_heads(config))
@@ -128,9 +128,10 @@ def _auto_kv_tokens(
     return KVPool.tokens_that_fit(config, kv_dtype, free, fraction=0.9, reserve_bytes=reserve, kv_heads=kv_heads)
 
 
-def _attention_backend(name: str, device: str, cascade: bool = False):
+def _attention_backend(name: str, device: str, cascade: bool = False, fp8_decode: str = "cuda"):
     """auto: the Triton kernel on CUDA, torch-native (gathered KV + SDPA) on the CPU. cascade: the
-    Triton decode kernel reads shared prefixes once per group (only a radix cache shares pages)."""
+    Triton decode kernel reads shared prefixes once per group (only a radix cache shares pages);
+    fp8_decode: the Triton backend's decode over an FP8 pool ("cuda" or "triton")."""
     if name == "auto":
         name = "triton" if torch.device(device).type == "cuda" else "torch"
     if name == "torch":
@@ -140,5 +141,5 @@ def _attention_backend(name: str, device: str, cascade: bool = False):
     if name == "triton":
         from kvledger.engine.attention.triton_paged import TritonPagedBackend
 
-        return TritonPagedBackend(cascade=cascade)
+        return TritonPagedBackend(cascade=cascade, fp8_decode=fp8_decode)
     raise ValueError(f"attention must be 'auto', 'torch' or 'triton', got {name!r}")

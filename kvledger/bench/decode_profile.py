@@ -18,7 +18,7 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-_ATTENTION = ("attention", "attn", "_fwd_kernel", "paged", "flash", "fmha", "scaled_dot_product", "sdpa")
+_ATTENTION = ("attention", "attn", "fp8_decode", "_fwd_kernel", "paged", "flash", "fmha", "scaled_dot_product", "sdpa")
 _GEMM = (
     "gemm",
     "gemv",

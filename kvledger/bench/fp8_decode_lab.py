@@ -279,23 +279,32 @@ def run_lab(seed: int) -> None:
             report(case, name, fn, ceiling)
 
 
-CUDA_LAUNCHES = [
-    (4, 64, 4),
-    (4, 32, 6),
-    (4, 32, 8),
-    (4, 64, 3),
-    (8, 64, 4),
-    (8, 32, 6),
-    (2, 32, 8),
-    (4, 16, 12),
-]
+def cuda_launches():
+    from kvledger.engine.attention.cuda_fp8_decode import CudaDecodeLaunch as L
+
+    return [
+        L(4, 64, 3, min_blocks=4),
+        L(4, 64, 3),
+        L(4, 64, 2, min_blocks=4),
+        L(4, 64, 4, min_blocks=4),
+        L(4, 128, 2, min_blocks=4),
+        L(8, 128, 2, min_blocks=2),
+        L(8, 128, 3, min_blocks=2),
+        L(2, 32, 4, min_blocks=8),
+        L(2, 64, 3, min_blocks=8),
+        L(4, 64, 3, min_blocks=5),
+        L(4, 64, 3, mma=False),
+        L(4, 64, 3, mma=False, loads_only=True),
+    ]
+
+
 CUDA_SHAPES = SHAPES + (("128 x U(500,2048)", 128, 500, 2048), ("16 x 4000", 16, 4000, None))
 
 
-def run_cuda(seed: int, launches: Sequence[Tuple[int, int, int]] = tuple(CUDA_LAUNCHES)) -> None:
+def run_cuda(seed: int, profile: bool = False) -> None:
     """The CUDA C++ stage 1 (`engine/attention/cuda_fp8_decode.cu`) at several launches, one split,
-    against the engine's Triton kernel, with the same copies and no arithmetic (the access
-    pattern's bandwidth), then inside `decode_attention` at the engine's split count."""
+    against the engine's Triton kernel, with the CUDA-core kernel's copies and no arithmetic (the
+    access pattern's bandwidth), then inside `decode_attention` at the engine's split count."""
     from kvledger.bench.decode_kernels import copy_gbps
     from kvledger.engine.attention import cuda_fp8_decode as cuda
 
@@ -306,29 +315,33 @@ def run_cuda(seed: int, launches: Sequence[Tuple[int, int, int]] = tuple(CUDA_LA
     g = torch.Generator().manual_seed(seed)
     ceiling = copy_gbps()
     print(f"device-to-device copy {ceiling:.0f} GB/s; FP8 e4m3 KV, head-major pool of {PAGE}-token pages")
-    for label, batch, low, high in CUDA_SHAPES:
+    for label, batch, low, high in CUDA_SHAPES[:1] if profile else CUDA_SHAPES:
         case = make_case(label, batch, low, high, g)
+        if profile:
+            for stage1, launch in (("triton", None), ("cuda", cuda.CUDA_CORE_LAUNCH), ("cuda", cuda.MMA_LAUNCH)):
+                if launch is not None:
+                    cuda.DEFAULT_LAUNCH = launch  # what decode_attention's stage 1 picks
+                for _ in range(2):
+                    engine_variant(case, stage1)[1]()
+            torch.cuda.synchronize()
+            return
         print(f"{label}: {case.nbytes / 1e6:.0f} MB of e4m3 per layer")
         report(case, *engine_variant(case), ceiling)
         report(case, *engine_variant(case, "cuda"), ceiling)
         rows = torch.arange(batch, device="cuda")
         part_o = torch.empty(batch, HEADS, 1, HEAD_DIM, device="cuda")
         part_lse = torch.empty(batch, HEADS, 1, device="cuda")
-        for warps, tile, stages in launches:
-            for loads_only in (False, True):
-                launch = cuda.CudaDecodeLaunch(warps, tile, stages, loads_only)
-                out = torch.empty_like(case.q)
+        for launch in cuda_launches():
+            out = torch.empty_like(case.q)
 
-                def fn(launch=launch, out=out):
-                    cuda.fp8_decode_split(
-                        case.q, case.k, case.v, case.table, rows, case.seq, part_o, part_lse, out, 1,
-                        HEAD_DIM**-0.5 * case.k_scale, case.v_scale, case.order, launch,
-                    )  # fmt: skip
-                    return out
+            def fn(launch=launch, out=out):
+                cuda.fp8_decode_split(
+                    case.q, case.k, case.v, case.table, rows, case.seq, part_o, part_lse, out, 1,
+                    HEAD_DIM**-0.5 * case.k_scale, case.v_scale, case.order, launch,
+                )  # fmt: skip
+                return out
 
-                if loads_only and (warps, tile, stages) != tuple(launches[0]):
-                    continue  # the floor once per shape, at the first launch
-                report(case, launch.label(), fn, ceiling)
+            report(case, launch.label(), fn, ceiling)
 
 
 SPLIT_SHAPES = ((64, 2000, None), (64, 100, 2048), (128, 500, 2048), (32, 500, 2048), (16, 4000, None))
@@ -383,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--splits", action="store_true", help="the split-count sweep instead of the variants")
     p.add_argument("--cuda", action="store_true", help="the CUDA C++ stage 1 at several launches")
+    p.add_argument("--profile", action="store_true", help="with --cuda: untimed calls for a profiler")
     args = p.parse_args(argv)
     if triton is None or not torch.cuda.is_available():
         print("python -m kvledger.bench.fp8_decode_lab: needs a CUDA device and Triton", file=sys.stderr)
@@ -391,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.splits:
         sweep_splits(args.seed)
     elif args.cuda:
-        run_cuda(args.seed)
+        run_cuda(args.seed, args.profile)
     else:
         run_lab(args.seed)
     return 0

@@ -42,6 +42,7 @@ ENGINE_OPTIONS = (
     "cuda_graphs",
     "overlap",
     "attention",
+    "fp8_decode_kernel",
     "threads",
     "tensor_parallel_size",
 )
@@ -65,6 +66,7 @@ class BenchOptions:
     cuda_graphs: Optional[bool] = None  # default: on CUDA only
     overlap: Optional[bool] = None
     attention: str = EngineConfig.attention
+    fp8_decode_kernel: str = EngineConfig.fp8_decode_kernel
     threads: Optional[int] = None
     output: Optional[str] = None  # write the report here as JSON
 

@@ -37,6 +37,7 @@ NANO_ENGINE_OPTIONS = (
     "cuda_graphs",
     "overlap",
     "attention",
+    "fp8_decode_kernel",
 )
 # options of --workload nano-vllm that early-stop shares but defaults otherwise, by device
 EARLY_STOP_SHARED = ("num_requests", "max_input_len", "model_config")
