@@ -268,7 +268,7 @@ def run_lab(seed: int) -> None:
     print(f"device-to-device copy {ceiling:.0f} GB/s; FP8 e4m3 KV, head-major pool, one split, longest-first order")
     for label, batch, low, high in SHAPES:
         case = make_case(label, batch, low, high, g)
-        variants = [engine_variant(case)]
+        variants: list = [engine_variant(case)]
         for lab in LAUNCHES:
             fn = functools.partial(
                 lab_decode, case.q, case.k, case.v, case.table, case.seq, case.order, case.k_scale, case.v_scale, lab
@@ -326,8 +326,9 @@ def run_cuda(seed: int, profile: bool = False) -> None:
             torch.cuda.synchronize()
             return
         print(f"{label}: {case.nbytes / 1e6:.0f} MB of e4m3 per layer")
-        report(case, *engine_variant(case), ceiling)
-        report(case, *engine_variant(case, "cuda"), ceiling)
+        for stage1 in ("triton", "cuda"):
+            name, fn = engine_variant(case, stage1)
+            report(case, name, fn, ceiling)
         rows = torch.arange(batch, device="cuda")
         part_o = torch.empty(batch, HEADS, 1, HEAD_DIM, device="cuda")
         part_lse = torch.empty(batch, HEADS, 1, device="cuda")

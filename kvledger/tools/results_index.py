@@ -53,6 +53,14 @@ DESCRIPTIONS: Dict[str, str] = {
     "gpu/early-stop-qwen3-pool12k.json": "every figure of early-stop.txt section 3 (pool 12,288 tokens, 512 requests)",
     "gpu/early-stop-qwen3-pool24k.json": "every figure of early-stop.txt section 2 (pool 24,576 tokens, 512 requests)",
     "gpu/early-stop-qwen3-pool98k.json": "every figure of early-stop.txt section 1 (pool 98,304 tokens, 256 requests)",
+    "gpu/round4/cuda-fp8-ncu-details.txt.xz": (
+        "ncu --set full details page, 256 x 600: the Triton FP8 decode kernel, the tensor-core CUDA "
+        "kernel (whole-row K copies) and the CUDA-core kernel (before lazy rescaling), two launches each, xz"
+    ),
+    "gpu/round4/cuda-fp8-ncu-sass.csv.xz": (
+        "ncu's per-instruction source page (SASS, stall samples) of the same run, xz; read it with "
+        "python -m kvledger.bench.ncu_stalls"
+    ),
     "gpu/fp8-blocks/ncu-after-sass.csv.xz": (
         "ncu's per-instruction source page (SASS, stall samples) of the FP8 decode kernel at aba922a, xz; "
         "summarized by ncu-after-stalls.txt"

@@ -61,6 +61,8 @@ BAD = [
     ("threads", 0),
     ("threads", 2.0),
     ("attention", "flash"),
+    ("fp8_decode_kernel", "cutlass"),
+    ("fp8_decode_kernel", None),
     ("cuda_graphs", "yes"),
     ("overlap", 1),
     ("verify", None),
