@@ -32,38 +32,23 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cuda_fp8_decode.cu")
-MAX_GROUP = 4  # query heads per KV head the CUDA-core kernel keeps in registers (q, output: 32 floats each)
-MMA_MAX_GROUP = 8  # the tensor-core kernel's query heads per KV head: rows of a 16-row mma tile
+KERNEL = b"fp8_decode_split"
+MAX_GROUP = 4  # query heads per KV head the kernel keeps in registers (q and the output: 32 floats each)
 
 
 @dataclass(frozen=True)
 class CudaDecodeLaunch:
     """One compiled variant: warps per block, tokens per tile, tiles in flight (cp.async stages),
-    products on tensor cores (mma: head dim 128; a tile is then 16-token slabs per warp) or on
-    CUDA cores, and LOADS_ONLY (the CUDA-core kernel copies the rows and skips the arithmetic: the
-    access pattern's own bandwidth)."""
+    and LOADS_ONLY (copy the rows, skip the arithmetic: the access pattern's own bandwidth)."""
 
     warps: int = 4
     tile: int = 64
-    stages: int = 4
-    mma: bool = True
+    stages: int = 3
     loads_only: bool = False
-    min_blocks: int = 1  # tensor cores: blocks per multiprocessor the registers must allow
-
-    def __post_init__(self) -> None:
-        if self.mma and (self.tile % (16 * self.warps) or self.loads_only):
-            raise ValueError(f"a tensor-core tile is 16-token slabs per warp, with arithmetic: {self}")
-
-    @property
-    def kernel(self) -> bytes:
-        return b"fp8_decode_split_mma" if self.mma else b"fp8_decode_split"
 
     def label(self) -> str:
         extra = ", loads only" if self.loads_only else ""
-        units = "tensor cores" if self.mma else "CUDA cores"
-        if self.min_blocks > 1:
-            extra += f", >= {self.min_blocks} blocks/SM"
-        return f"CUDA {units}, {self.warps} warps, {self.tile}-token tiles, {self.stages} stages{extra}"
+        return f"CUDA {self.warps} warps, {self.tile}-token tiles, {self.stages} stages{extra}"
 
     def shared_bytes(self, head_dim: int, group: int) -> int:
         """Dynamic shared memory: the pipeline's buffers, or the final reduction if larger."""
@@ -72,11 +57,9 @@ class CudaDecodeLaunch:
         return max(pipeline, reduction)
 
 
-# CUDA cores: 95-97 us at 256 x 600 against 105-114 for the tensor-core variant's best launches
-# (results/gpu/round4/cuda-fp8-lab.txt); three stages of 64-token tiles fit four blocks per SM
-CUDA_CORE_LAUNCH = CudaDecodeLaunch(warps=4, tile=64, stages=3, mma=False)
-MMA_LAUNCH = CudaDecodeLaunch(warps=4, tile=64, stages=3, min_blocks=4)
-DEFAULT_LAUNCH = CUDA_CORE_LAUNCH
+# 95-97 us at 256 x 600 (results/gpu/round4/cuda-fp8-lab-landed.txt): 3 stages of 64-token tiles
+# fit four blocks per multiprocessor; 4 stages, 32-token tiles, 2 or 8 warps were slower
+DEFAULT_LAUNCH = CudaDecodeLaunch()
 
 
 # --- NVRTC and the driver, through ctypes ------------------------------------------------------
@@ -208,11 +191,9 @@ def compile_options(
         f"-DGROUP={group}",
         f"-DWARPS={launch.warps}",
         f"-DTILE={launch.tile}",
-        f"-DSLABS={max(1, launch.tile // (16 * launch.warps))}",
         f"-DSTAGES={launch.stages}",
         f"-DOUT_BF16={int(bf16)}",
         f"-DLOADS_ONLY={int(launch.loads_only)}",
-        f"-DMIN_BLOCKS={launch.min_blocks}",
         f"-DSEQ_T={'long long' if seq_i64 else 'int'}",
     ]
 
@@ -229,38 +210,25 @@ def _function(
             options = compile_options(head_dim, group, bf16, launch, arch, seq_i64)
             cubin = nvrtc.compile(SOURCE.read_text(), SOURCE.name, options)
             with torch.cuda.device(device):
-                _functions[key] = driver.load(cubin, launch.kernel, launch.shared_bytes(head_dim, group))
+                _functions[key] = driver.load(cubin, KERNEL, launch.shared_bytes(head_dim, group))
             log.info("compiled %s for %s (%s)", SOURCE.name, arch, " ".join(options[3:]))
         return _functions[key]
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor, token_dim: int, launch: CudaDecodeLaunch = DEFAULT_LAUNCH) -> bool:
-    """Whether `launch`'s kernel handles the call: an e4m3 head-major pool, a bf16/fp16 query, and
-    head dim 128 with at most MMA_MAX_GROUP query heads per KV head (tensor cores), or head dim
-    64/128/256 with at most MAX_GROUP (CUDA cores)."""
+def supports(q: torch.Tensor, k_cache: torch.Tensor, token_dim: int) -> bool:
+    """Whether the kernel handles the call: an e4m3 head-major pool, a bf16/fp16 CUDA query with
+    head dim 64, 128 or 256, and at most MAX_GROUP query heads per KV head."""
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[1 - token_dim]
-    if launch.mma:
-        dims_ok, max_group = head_dim == 128, MMA_MAX_GROUP
-    else:
-        dims_ok, max_group = head_dim in (64, 128, 256), MAX_GROUP
     return (
         k_cache.dtype == torch.float8_e4m3fn
         and token_dim == 1
         and q.is_cuda
         and q.dtype in (torch.bfloat16, torch.float16)
-        and dims_ok
+        and head_dim in (64, 128, 256)
         and heads % kv_heads == 0
-        and heads // kv_heads <= max_group
+        and heads // kv_heads <= MAX_GROUP
     )
-
-
-def launch_for(q: torch.Tensor, k_cache: torch.Tensor, token_dim: int) -> Optional[CudaDecodeLaunch]:
-    """The launch for this call: DEFAULT_LAUNCH where it applies, else the other kernel's, else None."""
-    for launch in (DEFAULT_LAUNCH, CUDA_CORE_LAUNCH, MMA_LAUNCH):
-        if supports(q, k_cache, token_dim, launch):
-            return launch
-    return None
 
 
 def fp8_decode_split(
@@ -288,8 +256,8 @@ def fp8_decode_split(
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[0]
     group = heads // kv_heads
-    if not supports(q, k_cache, 1, launch):
-        raise ValueError(f"{launch.label()} cannot take q {tuple(q.shape)} {q.dtype} over a {k_cache.dtype} pool")
+    if not supports(q, k_cache, 1):
+        raise ValueError(f"the CUDA decode kernel cannot take q {tuple(q.shape)} {q.dtype} over a {k_cache.dtype} pool")
     if q.stride(2) != 1 or q.data_ptr() % 16 or q.stride(1) % 8 or q.stride(0) % 8:
         q = q.contiguous()  # the kernel reads its query slice as 16-byte vectors
     if k_cache.stride(2) != 1 or k_cache.stride() != v_cache.stride():

@@ -356,15 +356,14 @@ def decode_attention(
             num_stages=pre.num_stages,
         )
     if stage1 == "cuda":
-        cuda_launch = cuda_fp8_decode.launch_for(q, k_cache, token_dim)
-        if cuda_launch is None:
+        if not cuda_fp8_decode.supports(q, k_cache, token_dim):
             raise ValueError(
                 "the CUDA decode kernel takes an FP8 head-major pool, a bf16/fp16 query, head dim 64/128/256 "
-                f"and at most {cuda_fp8_decode.MAX_GROUP} query heads per KV head (8 at head dim 128)"
+                f"and at most {cuda_fp8_decode.MAX_GROUP} query heads per KV head"
             )
         cuda_fp8_decode.fp8_decode_split(
             q, k_cache, v_cache, table, rows, seq_lens, po, pl, out, num_splits, sm_scale, v_scale, order,
-            cuda_launch, groups.start if groups is not None else None, prefix_splits,
+            start=groups.start if groups is not None else None, prefix_splits=prefix_splits,
         )  # fmt: skip
     elif stage1 != "triton":
         raise ValueError(f"stage1 must be 'triton' or 'cuda', got {stage1!r}")

@@ -237,7 +237,7 @@ class TritonPagedBackend(AttentionBackend):
             return False
         if self._cuda_fp8 is None:
             why = cuda_fp8_decode.available(q.device)
-            if why is None and cuda_fp8_decode.launch_for(q, kp, token_dim) is None:
+            if why is None and not cuda_fp8_decode.supports(q, kp, token_dim):
                 why = f"q {tuple(q.shape)} {q.dtype} over a {tuple(kp.shape)} pool is not a shape it takes"
             if why is not None:
                 log.warning("FP8 decode stays in Triton: the CUDA kernel cannot run (%s)", why)

@@ -283,18 +283,13 @@ def cuda_launches():
     from kvledger.engine.attention.cuda_fp8_decode import CudaDecodeLaunch as L
 
     return [
-        L(4, 64, 3, min_blocks=4),
         L(4, 64, 3),
-        L(4, 64, 2, min_blocks=4),
-        L(4, 64, 4, min_blocks=4),
-        L(4, 128, 2, min_blocks=4),
-        L(8, 128, 2, min_blocks=2),
-        L(8, 128, 3, min_blocks=2),
-        L(2, 32, 4, min_blocks=8),
-        L(2, 64, 3, min_blocks=8),
-        L(4, 64, 3, min_blocks=5),
-        L(4, 64, 3, mma=False),
-        L(4, 64, 3, mma=False, loads_only=True),
+        L(4, 64, 2),
+        L(4, 64, 4),
+        L(4, 32, 6),
+        L(8, 64, 3),
+        L(2, 32, 4),
+        L(4, 64, 3, loads_only=True),
     ]
 
 
@@ -302,9 +297,11 @@ CUDA_SHAPES = SHAPES + (("128 x U(500,2048)", 128, 500, 2048), ("16 x 4000", 16,
 
 
 def run_cuda(seed: int, profile: bool = False) -> None:
-    """The CUDA C++ stage 1 (`engine/attention/cuda_fp8_decode.cu`) at several launches, one split,
-    against the engine's Triton kernel, with the CUDA-core kernel's copies and no arithmetic (the
-    access pattern's bandwidth), then inside `decode_attention` at the engine's split count."""
+    """The engine's Triton and CUDA C++ stage 1 (`engine/attention/cuda_fp8_decode.cu`) inside
+    `decode_attention` at the engine's split count, then the CUDA kernel at several launches with
+    one split, and its copies without the arithmetic (the access pattern's bandwidth).
+    profile: at the first shape only, call the Triton and the CUDA stage 1 twice each, untimed
+    (for `ncu -k regex:decode`)."""
     from kvledger.bench.decode_kernels import copy_gbps
     from kvledger.engine.attention import cuda_fp8_decode as cuda
 
@@ -318,9 +315,7 @@ def run_cuda(seed: int, profile: bool = False) -> None:
     for label, batch, low, high in CUDA_SHAPES[:1] if profile else CUDA_SHAPES:
         case = make_case(label, batch, low, high, g)
         if profile:
-            for stage1, launch in (("triton", None), ("cuda", cuda.CUDA_CORE_LAUNCH), ("cuda", cuda.MMA_LAUNCH)):
-                if launch is not None:
-                    cuda.DEFAULT_LAUNCH = launch  # what decode_attention's stage 1 picks
+            for stage1 in ("triton", "cuda"):
                 for _ in range(2):
                     engine_variant(case, stage1)[1]()
             torch.cuda.synchronize()

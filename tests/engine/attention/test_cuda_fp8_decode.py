@@ -1,6 +1,6 @@
 """The CUDA C++ FP8 decode kernel (`cuda_fp8_decode`) against float32 attention over the dequantized
 pool and against the Triton kernel: split counts, tile edges, empty splits, query groups, output
-dtypes, a strided query and CUDA-graph replay. Needs a CUDA device of sm_89 or later and NVRTC;
+dtypes, a strided query, shared-prefix groups and CUDA-graph replay. Needs a CUDA device of sm_89 or later and NVRTC;
 skipped elsewhere (CI)."""
 
 from __future__ import annotations
@@ -17,14 +17,6 @@ pytestmark = [
 ]
 
 FP8 = torch.float8_e4m3fn
-
-
-@pytest.fixture(params=["cuda-cores", "tensor-cores"], autouse=True)
-def kernel(request, monkeypatch):
-    """Both kernels: the tensor-core one (head dim 128 only) chosen first where it applies."""
-    if request.param == "tensor-cores":
-        monkeypatch.setattr(cuda, "DEFAULT_LAUNCH", cuda.MMA_LAUNCH)
-    return request.param
 
 
 def make_pool(lens, kv_heads, head_dim, seed):
@@ -84,9 +76,7 @@ LENS = [1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 200, 700, 1500]
     [(16, 8, 128), (9, 3, 64), (32, 8, 128), (8, 8, 128), (24, 3, 128)],
     ids=["g2", "g3d64", "g4", "g1", "g8"],
 )
-def test_matches_float32_attention_and_the_triton_kernel(splits, heads, kv_heads, head_dim, kernel):
-    if heads // kv_heads > cuda.MAX_GROUP and (kernel == "cuda-cores" or head_dim != 128):
-        pytest.skip("the CUDA-core kernel keeps at most 4 query heads per KV head")
+def test_matches_float32_attention_and_the_triton_kernel(splits, heads, kv_heads, head_dim):
     table, k, v, ks, vs = make_pool(LENS, kv_heads, head_dim, seed=splits + heads)
     q = torch.randn(len(LENS), heads, head_dim, device="cuda", dtype=torch.bfloat16)
     want = truth(q, k, v, ks, vs, table, LENS)
@@ -162,6 +152,9 @@ def test_rejects_what_it_does_not_handle():
         decode_attention(q, k.to(torch.bfloat16), v.to(torch.bfloat16), 1, table, rows, seq, ws, 1, stage1="cuda")
     with pytest.raises(ValueError, match="stage1"):
         decode_attention(q, k, v, 1, table, rows, seq, ws, 1, stage1="cutlass")
+    q8 = torch.randn(1, 40, 128, device="cuda", dtype=torch.bfloat16)  # 5 query heads per KV head
+    with pytest.raises(ValueError, match="CUDA decode kernel"):
+        decode_attention(q8, k, v, 1, table, rows, seq, ws, 1, stage1="cuda")
 
 
 @pytest.mark.parametrize("splits", [1, 4])

@@ -20,14 +20,13 @@ def nvrtc_or_skip():
 @pytest.mark.parametrize(
     "head_dim,group,launch,seq_i64",
     [
-        (128, 2, cuda.CUDA_CORE_LAUNCH, False),
-        (128, 2, cuda.CUDA_CORE_LAUNCH, True),
-        (64, 3, cuda.CUDA_CORE_LAUNCH, False),
-        (256, 1, cuda.CUDA_CORE_LAUNCH, False),
-        (128, 2, cuda.MMA_LAUNCH, True),
-        (128, 8, cuda.MMA_LAUNCH, False),
-        (128, 2, cuda.CudaDecodeLaunch(4, 64, 3, mma=False, loads_only=True), False),
-        (128, 2, cuda.CudaDecodeLaunch(8, 128, 2, min_blocks=2), False),
+        (128, 2, cuda.DEFAULT_LAUNCH, False),
+        (128, 2, cuda.DEFAULT_LAUNCH, True),
+        (128, 4, cuda.DEFAULT_LAUNCH, False),
+        (64, 3, cuda.DEFAULT_LAUNCH, False),
+        (256, 1, cuda.DEFAULT_LAUNCH, False),
+        (128, 2, cuda.CudaDecodeLaunch(4, 64, 3, loads_only=True), False),
+        (128, 2, cuda.CudaDecodeLaunch(8, 128, 2), False),
     ],
 )
 def test_every_variant_compiles_to_a_hopper_cubin(head_dim, group, launch, seq_i64):
@@ -41,13 +40,6 @@ def test_a_compile_error_is_raised_with_nvrtcs_log():
     nvrtc = nvrtc_or_skip()
     with pytest.raises(RuntimeError, match="could not compile broken.cu"):
         nvrtc.compile('extern "C" __global__ void k() { undefined_name; }', "broken.cu", ["--gpu-architecture=sm_90a"])
-
-
-def test_a_tensor_core_tile_is_whole_slabs_per_warp():
-    with pytest.raises(ValueError, match="16-token slabs"):
-        cuda.CudaDecodeLaunch(warps=4, tile=32)
-    with pytest.raises(ValueError, match="16-token slabs"):
-        cuda.CudaDecodeLaunch(loads_only=True)  # the tensor-core kernel has no loads-only variant
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
