@@ -66,17 +66,19 @@ DEFAULT_LAUNCH = CudaDecodeLaunch()
 
 
 def _library_candidates(stem: str) -> List[str]:
-    """Where a CUDA build of PyTorch puts `stem` (libnvrtc, libcuda): its own lib folder, the
-    nvidia-* wheels beside it, CUDA_HOME, then the loader's search path."""
+    """Where `stem` may be: the driver (libcuda) only through the loader; NVRTC (libnvrtc) in a
+    CUDA build of PyTorch's own lib folder (possibly renamed `libnvrtc-<hash>`), the nvidia-*
+    wheels beside it, CUDA_HOME, then the loader's search path."""
+    loader = [f"{stem}.so.13", f"{stem}.so.12", f"{stem}.so.1", f"{stem}.so"]  # LD_LIBRARY_PATH, ld.so.cache
+    if stem == "libcuda":
+        return loader[2:]
     torch_dir = Path(torch.__file__).parent
-    site = torch_dir.parent
-    found = sorted(glob.glob(str(torch_dir / "lib" / f"{stem}*.so*")))
-    found += sorted(glob.glob(str(site / "nvidia" / "*" / "lib" / f"{stem}.so*")))
+    found = sorted(glob.glob(str(torch_dir / "lib" / f"{stem}.so*")))
+    found += sorted(glob.glob(str(torch_dir / "lib" / f"{stem}-*.so*")))
+    found += sorted(glob.glob(str(torch_dir.parent / "nvidia" / "*" / "lib" / f"{stem}.so*")))
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
     found += sorted(glob.glob(os.path.join(cuda_home, "lib64", f"{stem}.so*")))
-    # the loader's own search (LD_LIBRARY_PATH, ld.so.cache) last
-    found += [f"{stem}.so.13", f"{stem}.so.12", f"{stem}.so.1", f"{stem}.so"]
-    return [f for f in found if "builtins" not in f and ".alt." not in f]
+    return [f for f in found if "builtins" not in f and ".alt." not in f] + loader
 
 
 def _load_library(stem: str) -> ctypes.CDLL:

@@ -60,3 +60,17 @@ def test_without_cuda_it_says_why_and_the_backend_keeps_triton(caplog):
     assert TritonPagedBackend(fp8_decode="triton")._uses_cuda_fp8(q, kp, 1) is False
     with pytest.raises(ValueError, match="fp8_decode must be"):
         TritonPagedBackend(fp8_decode="cutlass")
+
+
+def test_the_libraries_are_looked_for_by_their_own_names(tmp_path, monkeypatch):
+    """libcudart or libnvrtc-builtins next to the real ones are never taken for them."""
+    lib = tmp_path / "torch" / "lib"
+    lib.mkdir(parents=True)
+    for name in ("libcudart-1a2b.so.12", "libcuda_fake.so", "libnvrtc-builtins-9c.so.12", "libnvrtc-5f3e.so.12"):
+        (lib / name).write_bytes(b"")
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "torch" / "__init__.py"))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
+    assert cuda._library_candidates("libcuda") == ["libcuda.so.1", "libcuda.so"]
+    nvrtc = cuda._library_candidates("libnvrtc")
+    assert nvrtc[0] == str(lib / "libnvrtc-5f3e.so.12")
+    assert not any("builtins" in c or "cudart" in c for c in nvrtc)
