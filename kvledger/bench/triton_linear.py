@@ -37,6 +37,16 @@ class GemmLaunch:
         split = f" k/{self.splits}" if self.splits > 1 else ""
         return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}{split}"
 
+    def kernel_options(self) -> dict:
+        """The tile's constexprs and Triton's launch options, as both kernels take them."""
+        return {
+            "BLOCK_M": self.block_m,
+            "BLOCK_N": self.block_n,
+            "BLOCK_K": self.block_k,
+            "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+        }
+
     def fits(self, k: int) -> bool:
         """Whether K splits into `splits` slices of whole BLOCK_K blocks (split-K needs that)."""
         return self.splits == 1 or k % (self.splits * self.block_k) == 0
@@ -199,11 +209,7 @@ def _split_k(x: torch.Tensor, weight: torch.Tensor, launch: GemmLaunch) -> torch
         weight.stride(0),
         out.stride(0),
         SPLITS=launch.splits,
-        BLOCK_M=launch.block_m,
-        BLOCK_N=launch.block_n,
-        BLOCK_K=launch.block_k,
-        num_warps=launch.num_warps,
-        num_stages=launch.num_stages,
+        **launch.kernel_options(),
     )
     return out
 
@@ -232,11 +238,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, gated: bool, launch: 
         out.stride(0),
         GATED=gated,
         EVEN_K=k % launch.block_k == 0,
-        BLOCK_M=launch.block_m,
-        BLOCK_N=launch.block_n,
-        BLOCK_K=launch.block_k,
-        num_warps=launch.num_warps,
-        num_stages=launch.num_stages,
+        **launch.kernel_options(),
     )
     return out
 
