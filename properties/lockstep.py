@@ -23,6 +23,7 @@ from kvledger.engine.ledger.divergence import compare
 from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.ops import OpRecord, OpResult, TraceLine, as_record
 from kvledger.engine.ledger.trace import Header
+from kvledger.properties import write_ahead
 
 __all__ = ["Finding", "InvalidOp", "Lockstep", "replay"]
 
@@ -43,11 +44,13 @@ class Lockstep:
         # Recorded before either side runs it: whichever side fails (the reference too, on an
         # invariant only the model checks), the saved trace ends with the failing operation.
         # Only an operation the model refuses as invalid is dropped: it was never a valid step.
+        write_ahead.before(self, lambda: self.header, self.ops, record)
         self.ops.append(record)
         try:
             result = self.ref.apply(record.op)
         except InvalidOp:
             self.ops.pop()
+            write_ahead.undo(self)
             raise
         except InvariantViolation as e:
             raise self._finding(op, f"reference-invariant:{e.invariant}", str(e)) from e

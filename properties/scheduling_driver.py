@@ -31,11 +31,13 @@ from typing import Any, Callable, Deque, Dict, List, NoReturn, Sequence, Set, Tu
 
 from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.invariants import InvariantViolation, check_queue_order
-from kvledger.engine.ledger.ops import InvalidOp, OpResult, TraceLine, as_record, dispatch
+from kvledger.engine.ledger.ops import InvalidOp, OpRecord, OpResult, TraceLine, as_record, dispatch
+from kvledger.engine.ledger.trace import Header
+from kvledger.properties import write_ahead
 from kvledger.properties.group_writes import check_window_reads
 from kvledger.properties.scheduling_subject import Output, Plan, Scheduled, SchedulingSubject, Step
-from kvledger.properties.subject import SubjectConfig, View
-from kvledger.properties.subject_calls import call_subject
+from kvledger.properties.subject import SubjectConfig, View, header_of
+from kvledger.properties.subject_calls import call_subject, raised
 from kvledger.properties.subject_driver import check_submit
 from kvledger.properties.subject_events import (
     EXHAUSTED_AT_DECODE,
@@ -112,6 +114,7 @@ class SchedulingDriver:
         if self.caps.external_kv:
             cast(Any, subject).store = self.store  # the connector asks it (scheduling_subject.ExternalStore)
         self.ops = 0
+        self.history: List[OpRecord] = []  # the operations applied (the write-ahead record's prior)
         self._groups: int | None = None  # KV groups past the first (View.groups), read once
 
     def _pages_needed(self, positions: int) -> int:
@@ -160,9 +163,19 @@ class SchedulingDriver:
 
     # -- operations ------------------------------------------------------------------------------
     def apply(self, line: TraceLine) -> OpResult:
-        result = dispatch(as_record(line).op, self)
+        record = as_record(line)
+        write_ahead.before(self, self._pool_header, self.history, record)
+        try:
+            result = dispatch(record.op, self)
+        except InvalidOp:
+            write_ahead.undo(self)
+            raise
+        self.history.append(record)
         self.ops += 1
         return result
+
+    def _pool_header(self) -> Header:
+        return header_of(self.config, None, "kvledger", getattr(self.subject, "name", "subject"), "")
 
     def submit(self, uid: int, tokens: Sequence[int], max_tokens: int) -> OpResult:
         pages = self._pages_needed(len(tokens) + max_tokens - 1) if tokens else 0
@@ -438,9 +451,7 @@ class SchedulingDriver:
         except Finding:
             raise
         except Exception as e:  # cache_key is the subject's own code
-            import traceback
-
-            raise Finding(f"subject-raised:{type(e).__name__}", f"while judging: {e}", traceback.format_exc()) from e
+            raise raised(e, "while judging") from e
         if view.groups:
             for event in window_events(-1, 0, view):
                 self.on_event(event)

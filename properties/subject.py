@@ -48,7 +48,9 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Hashable, List, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Callable, Dict, Hashable, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+
+from kvledger.engine.ledger.trace import Header
 
 
 class SubjectUnavailable(RuntimeError):
@@ -207,3 +209,28 @@ class Subject(Protocol):
 
 
 SubjectFactory = Callable[[SubjectConfig], Subject]
+
+
+def config_of(header: Header) -> SubjectConfig:
+    """The pool a trace header describes, as a subject is built with it."""
+    return SubjectConfig(
+        num_pages=header.num_pages,
+        page_size=header.page_size,
+        max_seq_len=header.max_seq_len,
+        max_running_req=header.table_slots,
+    )
+
+
+def header_of(config: SubjectConfig, seed: Optional[int], producer: str, subject: str, version: str) -> Header:
+    """The trace header of a subject's run on `config` (a subject's traces are radix-typed)."""
+    return Header(
+        num_pages=config.num_pages,
+        page_size=config.page_size,
+        cache_type="radix",
+        table_slots=config.max_running_req,
+        max_seq_len=config.max_seq_len,
+        seed=seed,
+        producer=producer,
+        subject=subject,
+        subject_version=version,
+    )

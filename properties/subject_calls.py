@@ -1,8 +1,8 @@
 """Calling a subject: an exception out of its code, or a call that never returns, is a finding.
 
 A subject is someone else's code: whatever it raises is a `subject-raised:X` finding with its
-traceback, never a traceback of the checker's; a call still running after `CALL_LIMIT_S` is
-`subject-hung`.
+traceback, never a traceback of the checker's (`subject-oom` for a failed allocation); a call
+still running after `CALL_LIMIT_S` is `subject-hung`.
 """
 
 from __future__ import annotations
@@ -58,5 +58,32 @@ def call_subject(what: str, fn: Callable[..., Any], *args: Any) -> Any:
             f"{what}{args!r:.120} did not return within {CALL_LIMIT_S:.0f} s (a loop that never ends)",
             traceback.format_exc(),
         ) from None
-    except Exception as e:  # the subject failed inside its own code: a finding, not our crash
-        raise Finding(f"subject-raised:{type(e).__name__}", f"{what}{args!r:.120}: {e}", traceback.format_exc()) from e
+    except (Exception, SystemExit) as e:  # the subject failed inside its own code: a finding, not our crash
+        raise raised(e, f"{what}{args!r:.120}") from e
+
+
+def raised(e: BaseException, where: str) -> Finding:
+    """The finding for what a subject raised `where`: `subject-oom` for a failed allocation (the
+    sandbox's memory cap is enforced that way), else `subject-raised:<type>`. An exception with no
+    message (a bare `assert`) is named by the line that raised it."""
+    kind = "subject-oom" if is_out_of_memory(e) else f"subject-raised:{type(e).__name__}"
+    return Finding(kind, f"{where}: {describe(e)}", traceback.format_exc())
+
+
+def describe(e: BaseException) -> str:
+    """`e`'s message, or for one without (an AssertionError of a bare `assert`) its type and the
+    file and line that raised it."""
+    text = str(e)
+    if text and text != "None":
+        return text
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+    return f"{type(e).__name__}{where}"
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """An allocation that failed: Python's MemoryError, or torch's and numpy's own errors for it."""
+    if isinstance(e, MemoryError):
+        return True
+    text = str(e)
+    return type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in text or "Unable to allocate" in text

@@ -29,14 +29,15 @@ out of the subject, with its traceback.
 
 from __future__ import annotations
 
-import traceback
 from typing import Any, Callable, Dict, List, Sequence, Set, Tuple, cast
 
 from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.invariants import InvariantViolation, check_queue_order
-from kvledger.engine.ledger.ops import InvalidOp, OpResult, TraceLine, as_record, dispatch
-from kvledger.properties.subject import GroupView, Subject, SubjectConfig, View
-from kvledger.properties.subject_calls import call_subject
+from kvledger.engine.ledger.ops import InvalidOp, OpRecord, OpResult, TraceLine, as_record, dispatch
+from kvledger.engine.ledger.trace import Header
+from kvledger.properties import write_ahead
+from kvledger.properties.subject import GroupView, Subject, SubjectConfig, View, header_of
+from kvledger.properties.subject_calls import call_subject, raised
 from kvledger.properties.subject_events import (
     ABORT_AFTER_CHECKPOINT,
     EXHAUSTED_AT_DECODE,
@@ -81,6 +82,7 @@ class SubjectDriver:
         self.fit_alone: Set[int] = set()  # admitted once with no prefix hit: the pool held all it needed
         self.on_event = on_event or (lambda name: None)
         self.ops = 0
+        self.history: List[OpRecord] = []  # the operations applied (the write-ahead record's prior)
 
     @property
     def speculates(self) -> bool:
@@ -95,7 +97,14 @@ class SubjectDriver:
     def apply(self, line: TraceLine) -> OpResult:
         """Apply one operation (its `expect`, if any, is the lockstep driver's to check: a subject
         is judged, not compared with a recorded result)."""
-        result = dispatch(as_record(line).op, self)
+        record = as_record(line)
+        write_ahead.before(self, self._pool_header, self.history, record)
+        try:
+            result = dispatch(record.op, self)
+        except InvalidOp:
+            write_ahead.undo(self)
+            raise
+        self.history.append(record)
         self.ops += 1
         reached = getattr(self.subject, "reached", None)  # rare states a subject reports (its `rare_events`)
         while reached:
@@ -103,6 +112,9 @@ class SubjectDriver:
         if self.check:
             self.judge()
         return result
+
+    def _pool_header(self) -> Header:
+        return header_of(self.config, None, "kvledger", getattr(self.subject, "name", "subject"), "")
 
     def judge(self) -> None:
         view = self.view()
@@ -121,7 +133,7 @@ class SubjectDriver:
         except Finding:
             raise
         except Exception as e:  # cache_key is the subject's own code
-            raise Finding(f"subject-raised:{type(e).__name__}", f"while judging: {e}", traceback.format_exc()) from e
+            raise raised(e, "while judging") from e
         if not self.live and not self.waiting and self.ops and self.known:
             self.on_event("driver: idle after work")
 

@@ -24,9 +24,10 @@ from hypothesis.stateful import initialize, precondition, rule
 
 from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.ops import InvalidOp, OpResult
+from kvledger.properties import write_ahead
 from kvledger.properties.drivers import Driver, driver_for
 from kvledger.properties.machine_base import DriverMachine, Progress
-from kvledger.properties.subject import Subject, SubjectConfig
+from kvledger.properties.subject import Subject, SubjectConfig, header_of
 from kvledger.properties.subject_workload import ALPHABET, drain
 
 __all__ = ["SUBJECT_CI_SEED", "SUBJECT_EXAMPLES", "SUBJECT_STEPS", "Progress", "SubjectMachine", "machine_for"]
@@ -75,6 +76,7 @@ class SubjectMachine(DriverMachine):
             max_seq_len=min(pages * ps, 48),
             max_running_req=data.draw(st.integers(2, 6), label="max_running_req"),
         )
+        write_ahead.starting(header_of(self.config, None, "hypothesis", "subject", ""))
         self.driver = driver_for(type(self).factory(self.config), self.config, on_event=self.note)
 
     def waiting_uids(self) -> List[int]:

@@ -19,6 +19,10 @@ stay two because they read different state: lockstep compares two `CacheSchedule
 into, judge mode sees a subject only through its `View`; both reach an operation's method through
 the one `ops.dispatch`.
 
+A target also carries its `Isolation` (`isolation.py`): whether the commands run it in a child
+process (`kvledger/checker/sandbox.py`), where a subject that dies is a finding with its trace.
+Subjects are isolated by default; lockstep, kvledger's own two managers, is not.
+
 A target also says what a trace it writes records (`trace_header`): the producer, and for a
 subject its spec and version, so that `kvledger replay` finds the subject again.
 """
@@ -27,16 +31,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import traceback
 from dataclasses import replace
 from typing import Any, Callable, ContextManager, List, Optional, Protocol, Sequence, Tuple
 
 from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.ops import InvalidOp, OpRecord, OpResult, TraceLine, as_record
 from kvledger.engine.ledger.trace import Header
+from kvledger.properties import write_ahead
 from kvledger.properties.drivers import Driver, driver_for
+from kvledger.properties.isolation import IN_PROCESS, ISOLATED, Isolation
 from kvledger.properties.lockstep import Lockstep
-from kvledger.properties.subject import Subject, SubjectConfig, SubjectUnavailable
+from kvledger.properties.subject import Subject, SubjectConfig, SubjectUnavailable, config_of, header_of
+from kvledger.properties.subject_calls import raised
 
 __all__ = [
     "Finding",
@@ -72,6 +78,7 @@ class Target(Protocol):
     """What the checker runs traces on (see the module docstring)."""
 
     name: str  # "lockstep" or the subject's spec text, for messages
+    isolation: Isolation  # how its runs are kept from taking the checker down (`isolation.py`)
     bug: Optional[str]  # the planted bug it runs with, if any
     strict: bool  # an invalid operation is a bad trace (lockstep); else it is skipped (subjects)
 
@@ -97,11 +104,17 @@ class LockstepTarget:
     strict = True
 
     def __init__(
-        self, bug: Optional[str] = None, device: str = "cpu", patch: Optional[Patch] = None, speculate: bool = False
+        self,
+        bug: Optional[str] = None,
+        device: str = "cpu",
+        patch: Optional[Patch] = None,
+        speculate: bool = False,
+        isolation: Isolation = IN_PROCESS,
     ) -> None:
         if bug is not None and patch is None:
             raise ValueError("a lockstep target with a bug needs the patch that plants it")
         self.name = "lockstep"
+        self.isolation = isolation
         self.bug = bug
         self.device = device
         self._patch = patch
@@ -161,8 +174,10 @@ class SubjectTarget:
         fix: Optional[str] = None,
         page_sizes: Sequence[int] = (1, 2, 4),
         on_event: Optional[Callable[[str], None]] = None,
+        isolation: Isolation = ISOLATED,
     ) -> None:
         self.factory = factory
+        self.isolation = isolation
         self.name = name
         self.bug = bug
         self.fix = fix
@@ -175,14 +190,13 @@ class SubjectTarget:
 
     def subject(self, config: SubjectConfig) -> Subject:
         """A fresh subject; a Finding if building it fails (SubjectUnavailable propagates)."""
+        write_ahead.starting(header_of(config, None, "kvledger", self.name, ""))
         try:
             subject = self.factory(config)
         except (SubjectUnavailable, Finding):
             raise
         except Exception as e:
-            raise Finding(
-                f"subject-raised:{type(e).__name__}", f"building the subject: {e}", traceback.format_exc()
-            ) from e
+            raise raised(e, "building the subject") from e
         self.version = getattr(subject, "version", "unknown")
         return subject
 
@@ -194,31 +208,6 @@ class SubjectTarget:
 
     def trace_header(self, header: Header, producer: str) -> Header:
         return header_of(config_of(header), header.seed, producer, self.name, self.version)
-
-
-def config_of(header: Header) -> SubjectConfig:
-    """The pool a trace header describes, as a subject is built with it."""
-    return SubjectConfig(
-        num_pages=header.num_pages,
-        page_size=header.page_size,
-        max_seq_len=header.max_seq_len,
-        max_running_req=header.table_slots,
-    )
-
-
-def header_of(config: SubjectConfig, seed: Optional[int], producer: str, subject: str, version: str) -> Header:
-    """The trace header of a subject's run on `config` (a subject's traces are radix-typed)."""
-    return Header(
-        num_pages=config.num_pages,
-        page_size=config.page_size,
-        cache_type="radix",
-        table_slots=config.max_running_req,
-        max_seq_len=config.max_seq_len,
-        seed=seed,
-        producer=producer,
-        subject=subject,
-        subject_version=version,
-    )
 
 
 # -- replaying a trace on a target ---------------------------------------------------------------------

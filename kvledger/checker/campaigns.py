@@ -46,11 +46,15 @@ def fuzz_shard(
     fix: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Cases 0..cases-1 of fuzz task `shard` under `seed` on the target (`subject` with `fix` and
-    `bug`, else reference against fast with fast's zoo bug `bug`); stops at the first finding."""
+    `bug`, else reference against fast with fast's zoo bug `bug`); stops at the first finding. The
+    cases run in the target's sandbox: a subject that kills its process ends the task with that
+    finding (its case's trace from the write-ahead record), not with a lost worker."""
     import torch
 
+    from kvledger.checker import sandbox
     from kvledger.checker.fuzz import TargetRecipe
-    from kvledger.checker.fuzz_case import as_json, play_case
+    from kvledger.checker.fuzz_case import as_json
+    from kvledger.checker.isolated_runs import died_outcome
     from kvledger.checker.workloads import workload_for
     from kvledger.reference import events
 
@@ -61,39 +65,64 @@ def fuzz_shard(
     counts: Dict[str, int] = {}  # rare event -> the cases that reached it
     first: Dict[str, int] = {}  # rare event -> the case that first reached it
     out: Dict[str, Any] = {"ops": 0, "cases": 0, "preemptions": 0, "optimistic_cases": 0, "finding": None}
+    in_flight: List[Tuple[int, int]] = []
     started = time.perf_counter()
+
+    def count(outcome: Any) -> None:
+        # as kvledger fuzz counts: a case of a workload that goes on after a finding ends with its failing operation
+        out["ops"] += outcome.steps if workload.stops_at_first else len(outcome.ops)
+        out["preemptions"] += outcome.preemptions
+        for name in outcome.events:
+            counts[name] = counts.get(name, 0) + 1
+            first.setdefault(name, outcome.number)
+        f = outcome.finding
+        if f is not None:
+            out["finding"] = {
+                "kind": f.kind,
+                "detail": f.message,
+                "traceback": f.detail,
+                "step": f.step,
+                "case": outcome.number,
+                "case_seed": outcome.seed,
+                "header": asdict(outcome.header),
+                "ops": [as_json(line) for line in outcome.ops],
+            }
+            return
+        out["cases"] += 1
+        out["optimistic_cases"] += outcome.header.policy.preempts
+
+    def heard(message: Any) -> None:
+        if isinstance(message, tuple):
+            in_flight[:] = [message]
+        else:
+            count(message)
+
     try:
         with target.active():
-            for number in range(cases):
-                outcome = play_case(workload, number, workload.task_seed(seed, shard, number))
-                # as kvledger fuzz counts: a case of a workload that goes on after a finding ends
-                # with its failing operation
-                out["ops"] += outcome.steps if workload.stops_at_first else len(outcome.ops)
-                out["preemptions"] += outcome.preemptions
-                for name in outcome.events:
-                    counts[name] = counts.get(name, 0) + 1
-                    first.setdefault(name, number)
-                f = outcome.finding
-                if f is not None:
-                    out["finding"] = {
-                        "kind": f.kind,
-                        "detail": f.message,
-                        "traceback": f.detail,
-                        "step": f.step,
-                        "case": number,
-                        "case_seed": outcome.seed,
-                        "header": asdict(outcome.header),
-                        "ops": [as_json(line) for line in outcome.ops],
-                    }
-                    break
-                out["cases"] += 1
-                out["optimistic_cases"] += outcome.header.policy.preempts
+            sandbox.call(target.isolation, _shard_cases, workload, seed, shard, cases, on_message=heard)
+    except sandbox.SubjectDied as died:
+        count(died_outcome(workload, in_flight[0][0], in_flight[0][1], died))
     finally:
         events.set_listener(None)
     out["events"] = counts
     out["first_case"] = first
     out["seconds"] = time.perf_counter() - started
     return out
+
+
+def _shard_cases(workload: Any, seed: int, shard: int, cases: int) -> None:
+    """The task's cases, each announced (number, seed) and then reported (its outcome) through
+    `sandbox.send`, up to the first finding."""
+    from kvledger.checker.fuzz_case import play_case
+    from kvledger.checker.sandbox import send
+
+    for number in range(cases):
+        cseed = workload.task_seed(seed, shard, number)
+        send((number, cseed))
+        outcome = play_case(workload, number, cseed)
+        send(outcome)
+        if outcome.finding is not None:
+            return
 
 
 def check_run(profile: str, examples: int, hypothesis_seed: int) -> Dict[str, Any]:

@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
+from kvledger.checker import sandbox
 from kvledger.engine.ledger import trace
 from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.ops import TraceLine, as_record
 from kvledger.engine.ledger.trace import Header
 from kvledger.properties.machine_base import Progress
-from kvledger.properties.machines import Failure, MachineRun, machine_run
+from kvledger.properties.machines import Failure, machine_run
 from kvledger.properties.profiles import register_profiles
 from kvledger.properties.target import SubjectTarget, Target, config_of, header_of
 
@@ -41,12 +42,12 @@ PRODUCER = "kvledger check"
 Ops = Sequence[TraceLine]
 
 
-def reach_report(run: MachineRun) -> str:
+def reach_report(expected: FrozenSet[str], reached: Dict[str, int]) -> str:
     """One line per expected rare event: whether the run reached it, and the number of the
     sequence (1 = the run's first) that reached it first."""
     lines = []
-    for name in sorted(run.expected):
-        first = run.progress.reached.get(name)
+    for name in sorted(expected):
+        first = reached.get(name)
         lines.append(f"  [{'x' if first else ' '}] {name}" + (f"  (sequence {first})" if first else ""))
     return "\n".join(lines)
 
@@ -60,7 +61,8 @@ def run_check(
 ) -> int:
     """Run `target`'s machine under `profile` (`examples` sequences instead of the profile's) and
     print what it reached, or its failure and the trace written under `out_dir`. Exit 0 when it
-    passed, 1 on a failure, 2 when the target's bug is unknown."""
+    passed, 1 on a failure, 2 when the target's bug is unknown. An isolated target's machine runs
+    in a child process (`sandbox.py`): a subject that kills it is a failure like any other."""
     register_profiles(profile)
     with contextlib.ExitStack() as stack:
         try:
@@ -68,22 +70,14 @@ def run_check(
         except KeyError as e:  # a zoo bug fast does not have
             print(f"kvledger check: {e.args[0]}", file=sys.stderr)
             return 2
-        run = machine_run(target, Progress(), profile, examples)
-        log.info(
-            "kvledger check %s: profile %s, %d sequences of up to %d operations",
-            run.title,
-            profile,
-            run.settings.max_examples,
-            run.settings.stateful_step_count,
-        )
         start = time.perf_counter()
         try:
-            run.run(shrink=False)
-        except AssertionError:  # a Finding, or a property of the run (liveness, preemption counts)
+            outcome = sandbox.call(target.isolation, _run_machine, target, profile, examples)
+        except sandbox.SubjectDied as died:
+            outcome = _died(target, died)
+        if outcome.failure is not None:
+            failure = outcome.failure
             elapsed = time.perf_counter() - start
-            failure = run.failure()
-            if failure is None:
-                raise
             if isinstance(target, SubjectTarget):
                 header, ops, kind, lines = _minimized_subject(target, failure, minimize_budget)
             else:
@@ -91,20 +85,62 @@ def run_check(
             path = Path(out_dir) / f"{_file_stem(target)}-{kind.replace(':', '-')}.jsonl"
             trace.write(path, target.trace_header(header, PRODUCER), ops)
             again = f"kvledger replay {path}" + (f" --bug {target.bug}" if target.bug else "")
-            print(f"FAILED after {elapsed:.1f}s ({run.progress.sequences} sequences): {lines[0]}")
+            sequences = f"{outcome.sequences} sequences" if outcome.sequences else "its process died"
+            print(f"FAILED after {elapsed:.1f}s ({sequences}): {lines[0]}")
             print(f"the failing trace, {len(ops)} operations: {path} ({again})")
             for op in ops:
                 print("  " + json.dumps(op if isinstance(op, dict) else as_record(op).to_json()))
             print("\n".join(lines[1:]))
             return 1
     elapsed = time.perf_counter() - start
-    reached = run.expected & run.progress.reached.keys()
+    reached = outcome.expected & outcome.reached.keys()
     print(
-        f"{run.title}: passed in {elapsed:.1f}s, {run.progress.sequences} sequences; rare events reached "
-        f"({len(reached)}/{len(run.expected)}), with the sequence that first reached each:"
+        f"{outcome.title}: passed in {elapsed:.1f}s, {outcome.sequences} sequences; rare events reached "
+        f"({len(reached)}/{len(outcome.expected)}), with the sequence that first reached each:"
     )
-    print(reach_report(run))
+    print(reach_report(outcome.expected, outcome.reached))
     return 0
+
+
+@dataclass
+class MachineOutcome:
+    """What one run of a target's machine tells the command (from the child, when isolated): its
+    title, the events it should reach and the sequence that first reached each, the sequences run
+    (0: unknown, its process died) and its failure, if any."""
+
+    title: str
+    expected: FrozenSet[str]
+    reached: Dict[str, int]
+    sequences: int
+    failure: Optional[Failure] = None
+
+
+def _run_machine(target: Target, profile: str, examples: Optional[int]) -> MachineOutcome:
+    run = machine_run(target, Progress(), profile, examples)
+    log.info(
+        "kvledger check %s: profile %s, %d sequences of up to %d operations",
+        run.title,
+        profile,
+        run.settings.max_examples,
+        run.settings.stateful_step_count,
+    )
+    failure = None
+    try:
+        run.run(shrink=False)
+    except AssertionError:  # a Finding, or a property of the run (liveness, preemption counts)
+        failure = run.failure()
+        if failure is None:
+            raise
+    progress = run.progress
+    return MachineOutcome(run.title, run.expected, dict(progress.reached), progress.sequences, failure)
+
+
+def _died(target: Target, died: sandbox.SubjectDied) -> MachineOutcome:
+    """The run whose process died: its failure is the death, on the sequence the record kept."""
+    header = died.header or Header(num_pages=1, page_size=1, cache_type="radix", table_slots=1, max_seq_len=1)
+    if isinstance(target, SubjectTarget):
+        header = header_of(config_of(header), None, "hypothesis", target.name, target.version)
+    return MachineOutcome(target.name, frozenset(), {}, 0, Failure(header, list(died.ops), died))
 
 
 def _minimized_lockstep(

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
+from kvledger.checker import sandbox
 from kvledger.checker.explore_scope import Scope
 from kvledger.checker.explore_state import StateKey, lockstep_key, subject_key
 from kvledger.engine.ledger import trace
@@ -531,11 +532,34 @@ def explore(
         result.warnings.append(never)
         log.warning("scope %s: %s", scope.name, never)
     with target.active():
-        search(backend, scope, result, merge=merge, all_kinds=all_kinds, progress=progress, seconds=seconds)
-    result.path = backend.path
+        try:
+            result, result.path = sandbox.call(
+                target.isolation, _search, backend, scope, result, merge, all_kinds, progress, seconds
+            )
+        except sandbox.SubjectDied as died:  # the search's counts died with it; its path did not
+            result.cut = "finding"
+            result.findings.append(Counterexample(died.kind, died.message, len(died.ops), list(died.ops)))
+            result.warnings.append(
+                f"the search's process died ({died.kind}); the counts above are of nothing (they died with it), "
+                "the counterexample is the path the search took to the dying state"
+            )
     if out_dir is not None:
         write_findings(result, backend.header_for_trace(), Path(out_dir))
     return result
+
+
+def _search(
+    backend: Union[LockstepBackend, SubjectBackend],
+    scope: Scope,
+    result: ExploreResult,
+    merge: bool,
+    all_kinds: bool,
+    progress: Optional[bool],
+    seconds: Optional[float],
+) -> Tuple[ExploreResult, str]:
+    """`search` as the sandbox's child runs it: the result it filled in and the path it took."""
+    search(backend, scope, result, merge=merge, all_kinds=all_kinds, progress=progress, seconds=seconds)
+    return result, backend.path
 
 
 def write_findings(result: ExploreResult, header: Header, out_dir: Path) -> None:

@@ -23,10 +23,13 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import queue as queue_mod
+import shutil
+import signal
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from kvledger.checker.fuzz_case import (
     OP_LIMIT_S,
@@ -34,10 +37,14 @@ from kvledger.checker.fuzz_case import (
     Workload,
     play_case,
 )
+from kvledger.checker.isolated_runs import died_outcome, replay_isolated
+from kvledger.checker.sandbox import send
 from kvledger.checker.workloads import workload_for
 from kvledger.engine.ledger import trace
 from kvledger.engine.ledger.ops import OpRecord
 from kvledger.engine.ledger.trace import Header
+from kvledger.properties import write_ahead
+from kvledger.properties.isolation import IN_PROCESS, ISOLATED, Isolation
 from kvledger.properties.target import Target
 
 log = logging.getLogger(__name__)
@@ -58,23 +65,30 @@ class TargetRecipe:
     device: str = "cpu"
     edits: Optional[Tuple[Any, ...]] = None
     speculate: bool = False  # lockstep: speculating cases
+    isolation: Optional[Isolation] = None  # None: the kind's default (a subject isolated, lockstep not)
 
     @staticmethod
     def of(target: Any) -> TargetRecipe:
         from kvledger.properties.target import LockstepTarget
 
         if isinstance(target, LockstepTarget):
-            return TargetRecipe(None, bug=target.bug, device=target.device, speculate=target.speculate)
+            return TargetRecipe(
+                None, bug=target.bug, device=target.device, speculate=target.speculate, isolation=target.isolation
+            )
         if hasattr(target, "spec"):  # checker/targets.py's SpecTarget
-            return TargetRecipe(target.name, target.fix, target.bug, edits=tuple(target.edits))
+            return TargetRecipe(
+                target.name, target.fix, target.bug, edits=tuple(target.edits), isolation=target.isolation
+            )
         raise ValueError(f"{target.name}: a target built from a factory alone cannot run in worker processes")
 
     def build(self) -> Any:
         from kvledger.checker.targets import lockstep_target, subject_target
 
         if self.subject is None:
-            return lockstep_target(self.bug, self.device, self.speculate)
-        return subject_target(self.subject, fix=self.fix, bug=self.bug, edits=self.edits)
+            return lockstep_target(self.bug, self.device, self.speculate, self.isolation or IN_PROCESS)
+        return subject_target(
+            self.subject, fix=self.fix, bug=self.bug, edits=self.edits, isolation=self.isolation or ISOLATED
+        )
 
 
 # -- what a worker tells the parent (through a multiprocessing queue) ----------------------------------
@@ -94,8 +108,17 @@ class Progress:
 
 
 @dataclass
+class CaseStarted:
+    worker: int
+    case: int
+    seed: int
+
+
+@dataclass
 class Done:
     worker: int
+    cases: int  # the cases it started
+    reason: str  # why it stopped
 
 
 @dataclass
@@ -131,12 +154,90 @@ def _worker(
     op_limit: float = OP_LIMIT_S,
     admission: Optional[str] = None,
     max_cases: Optional[int] = None,
+    record: Optional[str] = None,
 ) -> None:
+    """A worker process: builds the target, then runs its cases in the target's sandbox, one child
+    at a time. A child that dies leaves its case's finding (`sandbox.SubjectDied`) and the next
+    child goes on from the following case. With isolation off the cases run here, recording at
+    `record`, so that the parent can report a death of this process with its trace."""
     import torch
+
+    from kvledger.checker import sandbox
 
     torch.set_num_threads(1)  # tiny tensors; workers share the cores
     target = recipe.build()
     workload = workload_for(target, admission)
+    if record is not None and not target.isolation.enabled:
+        write_ahead.open_log(record)
+    # the clock starts once imports are done: a loaded machine may take seconds to spawn us
+    deadline = time.monotonic() + seconds
+    out.put(Ready(index))
+
+    def keep_going() -> bool:
+        return not stop.is_set() and time.monotonic() < deadline
+
+    kinds: Set[str] = set()  # the kinds of finding this worker reported
+    in_flight: List[CaseStarted] = []
+
+    def relay(message: Any) -> None:
+        if isinstance(message, CaseStarted):
+            in_flight[:] = [message]
+        elif isinstance(message, WorkerFailure):
+            kinds.add(message.kind)
+        out.put(message)
+
+    number, reason = 0, "stopped by the parent"
+    with target.active():
+        while True:
+            try:
+                number, reason = sandbox.call(
+                    target.isolation,
+                    _cases,
+                    index,
+                    workload,
+                    seed,
+                    workers,
+                    number,
+                    max_cases,
+                    set(kinds),
+                    keep_going,
+                    op_limit,
+                    on_message=relay,
+                )
+                if reason == "time budget spent" and stop.is_set():
+                    reason = "stopped by the parent (the run ended)"
+                break
+            except sandbox.SubjectDied as died:
+                case = in_flight[0]
+                outcome = died_outcome(workload, case.case, case.seed, died)
+                out.put(Progress(index, len(outcome.ops), 0 if workload.stops_at_first else 1, {}))
+                if died.kind not in kinds:
+                    kinds.add(died.kind)
+                    out.put(_failure(index, outcome))
+                number = case.case + 1
+                if workload.stops_at_first:
+                    reason = "stopped at its first finding (its subject died)"
+                    break
+                if not keep_going() or (max_cases is not None and number >= max_cases):
+                    reason = "time budget spent" if not stop.is_set() else "stopped by the parent"
+                    break
+    out.put(Done(index, number, reason))
+
+
+def _cases(
+    index: int,
+    workload: Workload,
+    seed: int,
+    workers: int,
+    first: int,
+    max_cases: Optional[int],
+    kinds: Set[str],
+    keep_going: Callable[[], bool],
+    op_limit: float,
+) -> Tuple[int, str]:
+    """Cases `first`, `first + 1`, ... of worker `index` until the budget, `max_cases` or a finding
+    that stops the run; every report goes out through `sandbox.send`. Returns the next case's
+    number and why it stopped."""
     events: Dict[str, int] = {}
     ops = cases = preemptions = optimistic_cases = 0
     last = time.monotonic()
@@ -145,13 +246,10 @@ def _worker(
         nonlocal ops, cases, preemptions, optimistic_cases, last
         now = time.monotonic()
         if force or now - last >= REPORT_EVERY:
-            out.put(Progress(index, ops, cases, dict(events), preemptions, optimistic_cases))
+            send(Progress(index, ops, cases, dict(events), preemptions, optimistic_cases))
             events.clear()
             ops = cases = preemptions = optimistic_cases = 0
             last = now
-
-    def keep_going() -> bool:
-        return not stop.is_set() and time.monotonic() < deadline
 
     counted = [0]  # of this case's preemptions, those already counted
 
@@ -162,34 +260,34 @@ def _worker(
         counted[0] = workload.preemptions(run)
         flush()
 
-    # the clock starts once imports are done: a loaded machine may take seconds to spawn us
-    deadline = time.monotonic() + seconds
-    out.put(Ready(index))
-    kinds: Set[str] = set()
-    with target.active():
-        number = 0
-        while keep_going() and (max_cases is None or number < max_cases):
-            counted[0] = 0
-            cseed = workload.case_seed(seed, index, workers, number)
-            outcome = play_case(workload, number, cseed, keep_going, op_limit, tick)
-            for name in outcome.events:
-                events[name] = events.get(name, 0) + 1
-            # the counts are of the cases and operations the run finished: a finding that stops the
-            # run leaves its case unfinished, one that does not ends its case with the failing operation
-            if outcome.finding is None or not workload.stops_at_first:
-                cases += 1
-                optimistic_cases += outcome.header.policy.preempts
-                ops += len(outcome.ops) - outcome.steps
-            if outcome.finding is not None:
-                flush(force=True)
-                if outcome.finding.kind not in kinds:
-                    kinds.add(outcome.finding.kind)
-                    out.put(_failure(index, outcome))
-                if workload.stops_at_first:
-                    return
-            number += 1
-    flush(force=True)
-    out.put(Done(index))
+    number = first
+    while True:
+        if not keep_going():
+            flush(force=True)
+            return number, "time budget spent"
+        if max_cases is not None and number >= max_cases:
+            flush(force=True)
+            return number, f"ran its {max_cases} cases"
+        counted[0] = 0
+        cseed = workload.case_seed(seed, index, workers, number)
+        send(CaseStarted(index, number, cseed))
+        outcome = play_case(workload, number, cseed, keep_going, op_limit, tick)
+        for name in outcome.events:
+            events[name] = events.get(name, 0) + 1
+        # the counts are of the cases and operations the run finished: a finding that stops the
+        # run leaves its case unfinished, one that does not ends its case with the failing operation
+        if outcome.finding is None or not workload.stops_at_first:
+            cases += 1
+            optimistic_cases += outcome.header.policy.preempts
+            ops += len(outcome.ops) - outcome.steps
+        number += 1
+        flush(force=True)  # per case: a child that dies in the next case loses nothing of this one
+        if outcome.finding is not None:
+            if outcome.finding.kind not in kinds:
+                kinds.add(outcome.finding.kind)
+                send(_failure(index, outcome))
+            if workload.stops_at_first:
+                return number, "stopped at its first finding"
 
 
 # -- the parent -----------------------------------------------------------------------------------------
@@ -205,6 +303,8 @@ class FuzzFailure:
     minimized_path: Optional[Path] = None
     minimized_ops: Optional[int] = None
     minimized_kind: Optional[str] = None
+    minimized_traceback: str = ""  # the minimized trace's own, from a replay of it
+    traceback: str = ""  # the failing run's (the subject's, or the stack its process died with)
 
 
 @dataclass
@@ -223,6 +323,13 @@ class FuzzResult:
     target: str = "lockstep"
     expected: Set[str] = field(default_factory=set)  # the rare events listed in the report
     hint: str = ""  # how to replay a finding, when the target needs more than its trace
+    stops: List[WorkerStop] = field(default_factory=list)  # how each worker ended
+    first_found: Optional[Tuple[int, int]] = None  # (worker, case) of the first finding to arrive
+
+    @property
+    def incomplete(self) -> bool:
+        """A worker ended early: "no finding" would speak for cases that never ran."""
+        return any(s.early for s in self.stops)
 
     @property
     def failure(self) -> Optional[FuzzFailure]:
@@ -235,7 +342,7 @@ class FuzzResult:
     @property
     def exit_code(self) -> int:
         if not self.failures:
-            return 0
+            return 3 if self.incomplete else 0
         return 2 if self.failures[0].kind == "crash" else 1  # a hang is a bug in the code under test
 
 
@@ -280,36 +387,41 @@ def fuzz(
     messages = ctx.Queue()
     stop = ctx.Event()
     start = time.monotonic()
+    records = Path(tempfile.mkdtemp(prefix="kvledger-fuzz-"))  # each worker's record, if it runs cases itself
     procs = [
         ctx.Process(
             target=_worker,
-            args=(i, recipe, seed, workers, seconds, messages, stop, OP_LIMIT_S, admission, max_cases),
+            args=(
+                i, recipe, seed, workers, seconds, messages, stop, OP_LIMIT_S, admission, max_cases,
+                str(records / f"worker-{i}.jsonl"),
+            ),
             daemon=True,
         )
         for i in range(workers)
-    ]
+    ]  # fmt: skip
     for p in procs:
         p.start()
+    watch = _Workers(procs, records, target.isolation)
     tally = _Tally()
     failures: List[WorkerFailure] = []
     found_at = None
     fuzz_start: Optional[float] = None  # when the first worker was ready
-    done = 0
     last_print = start
     try:
-        while done < workers and not (failures and workload.stops_at_first):
+        while not watch.all_stopped() and not (failures and workload.stops_at_first):
             try:
                 msg = messages.get(timeout=0.2)
             except queue_mod.Empty:
                 msg = None
-                if not any(p.is_alive() for p in procs) and messages.empty():
-                    break  # a worker died without a word (killed); stop
+                failures += watch.deaths(messages.empty())
+                if failures and found_at is None:
+                    found_at = time.monotonic() - (fuzz_start or start)
             if isinstance(msg, Progress):
                 tally.add(msg)
             elif isinstance(msg, Ready):
                 fuzz_start = fuzz_start or time.monotonic()
-            elif isinstance(msg, Done):
-                done += 1
+            elif isinstance(msg, (CaseStarted, Done)):
+                watch.heard(msg)
             elif isinstance(msg, WorkerFailure):
                 failures.append(msg)
                 found_at = found_at or time.monotonic() - (fuzz_start or start)
@@ -319,7 +431,8 @@ def fuzz(
                 last_print = now
     finally:
         stop.set()
-        _drain_and_join(procs, messages, tally, failures if not workload.stops_at_first else None)
+        _drain_and_join(procs, messages, tally, failures if not workload.stops_at_first else None, watch)
+        shutil.rmtree(records, ignore_errors=True)
     elapsed = time.monotonic() - (fuzz_start or start)
     result = FuzzResult(
         tally.ops,
@@ -335,6 +448,8 @@ def fuzz(
         target=target.name,
         expected=expected,
         hint=workload.replay_hint(),
+        stops=watch.stops(),
+        first_found=(failures[0].worker, failures[0].case_no) if failures else None,
     )
     kept: Dict[str, WorkerFailure] = {}
     for msg in sorted(failures, key=lambda m: (m.worker, m.case_no)):  # the same choice on any machine
@@ -364,14 +479,18 @@ class _Tally:
             self.events[name] = self.events.get(name, 0) + n
 
 
-def _drain_and_join(procs: List[Any], messages: Any, tally: _Tally, failures: Optional[List[WorkerFailure]]) -> None:
+def _drain_and_join(
+    procs: List[Any], messages: Any, tally: _Tally, failures: Optional[List[WorkerFailure]], watch: _Workers
+) -> None:
     # A process that has queued messages exits only once they are read: drain while joining.
     end = time.monotonic() + 10.0
-    while any(p.is_alive() for p in procs) and time.monotonic() < end:
+    while (any(p.is_alive() for p in procs) or not messages.empty()) and time.monotonic() < end:
         try:
             msg = messages.get(timeout=0.1)
             if isinstance(msg, Progress):
                 tally.add(msg)
+            elif isinstance(msg, (CaseStarted, Done)):
+                watch.heard(msg)
             elif isinstance(msg, WorkerFailure) and failures is not None:
                 failures.append(msg)
         except queue_mod.Empty:
@@ -380,6 +499,70 @@ def _drain_and_join(procs: List[Any], messages: Any, tally: _Tally, failures: Op
         if p.is_alive():
             p.terminate()
         p.join(timeout=5.0)
+    watch.deaths(True, after_stop=True)
+
+
+@dataclass
+class WorkerStop:
+    """How one worker ended: the cases it started and why it stopped; `early`: before its budget,
+    its cases or the run's end asked it to (its process died, say)."""
+
+    worker: int
+    cases: int
+    reason: str
+    early: bool = False
+
+
+class _Workers:
+    """The parent's watch over its worker processes: the case each one is running, how each ended,
+    and a worker that died without a word turned into its finding (from its record, when it ran
+    its cases itself) and its stop."""
+
+    def __init__(self, procs: List[Any], records: Path, isolation: Isolation) -> None:
+        self.procs, self.records, self.isolation = procs, records, isolation
+        self.in_flight: Dict[int, CaseStarted] = {}
+        self.ended: Dict[int, WorkerStop] = {}
+
+    def heard(self, msg: Any) -> None:
+        if isinstance(msg, CaseStarted):
+            self.in_flight[msg.worker] = msg
+        elif isinstance(msg, Done):
+            self.ended[msg.worker] = WorkerStop(msg.worker, msg.cases, msg.reason)
+
+    def all_stopped(self) -> bool:
+        return len(self.ended) == len(self.procs)
+
+    def deaths(self, queue_empty: bool, after_stop: bool = False) -> List[WorkerFailure]:
+        """The workers found dead since the last look, as findings (only once their messages are
+        all read: a worker that said Done and exited is not dead)."""
+        from kvledger.checker import sandbox
+
+        found: List[WorkerFailure] = []
+        if not queue_empty:
+            return found
+        for i, p in enumerate(self.procs):
+            if i in self.ended or p.is_alive():
+                continue
+            case = self.in_flight.get(i)
+            started = case.case + 1 if case is not None else 0
+            code = p.exitcode if p.exitcode is not None else -1
+            if after_stop and code == -signal.SIGTERM:
+                self.ended[i] = WorkerStop(i, started, "stopped by the parent after the run", early=False)
+                continue
+            died = sandbox.death(code, self.records / f"worker-{i}.jsonl", "", self.isolation)
+            reason = f"its process died ({died.kind.partition(':')[2] or died.kind}) in case {started - 1}"
+            self.ended[i] = WorkerStop(i, started, reason, early=True)
+            if case is not None and died.ops:
+                found.append(
+                    WorkerFailure(
+                        i, case.case, case.seed, asdict(died.header) if died.header else {}, died.ops,
+                        died.kind, died.message, len(died.ops), died.detail,
+                    )
+                )  # fmt: skip
+        return found
+
+    def stops(self) -> List[WorkerStop]:
+        return [self.ended.get(i, WorkerStop(i, 0, "never reported", early=True)) for i in range(len(self.procs))]
 
 
 def handle_failure(
@@ -401,7 +584,10 @@ def handle_failure(
     header = Header(**msg.header)
     path, min_path = paths or workload.trace_paths(out_dir, seed, msg.worker, msg.case_no, msg.case_seed, msg.kind)
     trace.write(path, target.trace_header(header, workload.producer), msg.ops)
-    failure = FuzzFailure(msg.kind, msg.step or len(msg.ops), msg.detail, msg.worker, msg.case_no, path, msg.case_seed)
+    failure = FuzzFailure(
+        msg.kind, msg.step or len(msg.ops), msg.detail, msg.worker, msg.case_no, path, msg.case_seed,
+        traceback=msg.traceback,
+    )  # fmt: skip
     if progress:
         log.info(
             "%s in worker %s, case %s, step %s: %s\n  trace: %s (%d ops)",
@@ -413,8 +599,6 @@ def handle_failure(
             path,
             len(msg.ops),
         )
-        if msg.traceback and msg.kind not in ("crash", "hang"):
-            log.info("the subject's traceback:\n%s", msg.traceback)
     if not workload.minimizes(msg.kind):
         if msg.kind not in ("crash", "hang"):
             failure.detail += " (a property of the run, not of the trace's replay: not minimized)"
@@ -429,6 +613,9 @@ def handle_failure(
         return failure
     trace.write(min_path, m_header, m_ops)
     failure.minimized_path, failure.minimized_ops, failure.minimized_kind = min_path, len(m_ops), m_kind
+    with target.active():
+        again, _ = replay_isolated(target, m_header, m_ops)
+    failure.minimized_traceback = again.detail if again is not None else ""
     return failure
 
 
@@ -449,8 +636,17 @@ def format_summary(result: FuzzResult) -> str:
     others = sorted(reached - expected)
     if others:
         lines.append(("other events: " if expected else "events reached: ") + ", ".join(others))
+    lines += [
+        f"worker {w.worker}: {w.cases:,} case(s), {'ENDED EARLY: ' if w.early else ''}{w.reason}" for w in result.stops
+    ]
     if not result.failures:
-        lines.append("no finding")
+        if result.incomplete:
+            lines.append("INCOMPLETE: no finding in the cases that ran, but a worker ended early (above)")
+        else:
+            lines.append("no finding")
+    elif result.first_found is not None and result.seconds_to_find is not None:
+        worker, case = result.first_found
+        lines.append(f"first finding after {result.seconds_to_find:.1f}s: worker {worker}, case {case}")
     for f in result.failures:
         if f.kind == "crash":
             lines.append(f"CRASH in worker {f.worker}, case {f.case} (not a finding):\n{f.detail}")
@@ -466,4 +662,8 @@ def format_summary(result: FuzzResult) -> str:
             lines.append(f"replay it: kvledger replay {f.minimized_path or f.trace_path}")
             if result.hint:
                 lines.append(result.hint)
+            shown = f.minimized_traceback if f.minimized_path is not None else f.traceback
+            if shown.strip():
+                whose = "the minimized trace's" if f.minimized_path is not None else "the failing run's"
+                lines.append(f"{whose} traceback:\n{shown.rstrip()}")
     return "\n".join(lines)

@@ -26,6 +26,7 @@ single operation can be removed, repaired or not.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -34,6 +35,8 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
+from kvledger.checker import sandbox
+from kvledger.checker.isolated_runs import replay_isolated
 from kvledger.engine.ledger import trace
 from kvledger.engine.ledger.cache_scheduler import InvalidOp
 from kvledger.engine.ledger.finding import Finding
@@ -51,6 +54,7 @@ from kvledger.engine.ledger.ops import (
     as_record,
 )
 from kvledger.engine.ledger.trace import Header, dumps
+from kvledger.properties.isolation import IN_PROCESS
 from kvledger.properties.subject import Subject, SubjectConfig
 from kvledger.properties.target import (
     LockstepTarget,
@@ -59,7 +63,6 @@ from kvledger.properties.target import (
     Target,
     config_of,
     header_of,
-    replay,
 )
 
 _log = logging.getLogger(__name__)  # `log` is the minimizer's callback
@@ -88,7 +91,7 @@ def fingerprint_of(header: Header, ops: Sequence[TraceLine], target: Optional[Ta
 def _fingerprint(target: Target, header: Header, ops: Sequence[TraceLine]) -> Tuple[str, int, Ops]:
     """(kind, step, the operations applied up to the failing one)."""
     try:
-        finding, run = replay(target, header, ops)
+        finding, applied = replay_isolated(target, header, ops)
     except InvalidOp as e:
         raise MinimizeError(f"the trace is invalid at operation {getattr(e, 'step', '?')}: {e}") from None
     if finding is None:
@@ -96,8 +99,14 @@ def _fingerprint(target: Target, header: Header, ops: Sequence[TraceLine]) -> Tu
             f"the trace does not fail: its {len(ops)} operations replay with no divergence "
             "(nothing to minimize; a bug-zoo trace needs its bug patched in, e.g. --bug NAME)"
         )
-    applied = [] if run is None else list(run.ops)
-    return finding.kind, finding.step if finding.step is not None else 0, applied
+    return finding.kind, finding.step if finding.step is not None else 0, list(applied or [])
+
+
+def _in_process(target: Target) -> Target:
+    """`target` as its sandbox's child runs it: in that process."""
+    inner = copy.copy(target)
+    inner.isolation = IN_PROCESS
+    return inner
 
 
 def _key(header: Header, ops: Ops) -> str:
@@ -109,7 +118,14 @@ def _replay_repairing(
 ) -> Tuple[Optional[str], Ops]:
     """Replay, skipping operations the model rejects before changing anything. Returns the
     divergence kind (None if none) and the operations applied, up to and including the one
-    that diverged. `on_step` sees the run after each operation that applied cleanly."""
+    that diverged. `on_step` sees the run after each operation that applied cleanly. An isolated
+    target replays in a child (`on_step` is then not called: the run stays in the child), where
+    a death is a divergence of its kind like any other."""
+    if target.isolation.enabled:
+        try:
+            return sandbox.call(target.isolation, _replay_repairing, _in_process(target), header, ops)
+        except sandbox.SubjectDied as died:
+            return died.kind, list(died.ops)
     try:
         lock = target.start(header)
     except Exception:  # a header the managers refuse (or a subject that fails as it is built)
@@ -233,7 +249,8 @@ class _Minimizer:
         """Checkpoints along the (new) current trace, from a replay from the start that must
         fail the same way: no candidate is accepted on the word of a resumed copy alone."""
         self.checkpoints = _Checkpoints(len(self.ops))
-        short = len(self.ops) < _Checkpoints.MIN_OPS  # short traces replay from the start anyway
+        # short traces replay from the start anyway; an isolated target's runs live in its children
+        short = len(self.ops) < _Checkpoints.MIN_OPS or self.target.isolation.enabled
         if short and not verify:
             return True
         kind, applied = _replay_repairing(
@@ -651,25 +668,16 @@ def main_minimize(
 # refuses at its new point skipped. `shortest_failure` also tries short random cases of the same
 # kind, since a trace can only lose operations. Stops after `budget` seconds or `max_replays`
 # candidates (the second gives the same result on any machine).
-CaseRunner = Callable[[Callable[[SubjectConfig], Subject], int, Sequence[int], int], Any]
+CaseRunner = Callable[..., Any]  # subject_walk.run_case(factory, seed, page_sizes, max_ops, isolation=...)
 
 
 def _subject_replay(
     target: SubjectTarget, config: SubjectConfig, ops: Sequence[TraceLine]
 ) -> Tuple[Optional[Finding], Ops]:
-    """The first finding on a fresh subject (None if none) and the operations that applied."""
-    try:
-        run = target.start_config(config)
-    except Finding as f:
-        return f, []
-    for op in ops:
-        try:
-            run.apply(op)
-        except InvalidOp:
-            continue
-        except Finding as f:
-            return f, list(run.ops)
-    return None, list(run.ops)
+    """The first finding on a fresh subject (None if none) and the operations that applied; in
+    the target's sandbox, where a death is the finding."""
+    finding, applied = replay_isolated(target, header_of(config, None, "minimize", target.name, ""), ops)
+    return finding, list(applied or [])
 
 
 def minimize_ops(
@@ -708,7 +716,7 @@ def minimize_ops(
         ok, applied, f = fails(renumbered)
         if ok and len(applied) == len(renumbered):
             current, finding = applied, f
-    _log.info("minimized %d ops to %d in %d replays", len(ops), len(current), replays[0])
+    _log.debug("minimized %d ops to %d in %d replays", len(ops), len(current), replays[0])
     return current, finding
 
 
@@ -827,7 +835,7 @@ def shortest_failure(
     for k in range(cases):
         if time.monotonic() > deadline or len(best[0]) <= 2:
             break
-        result = run_case(target.factory, 10**9 + k, page_sizes, max_ops)
+        result = run_case(target.factory, 10**9 + k, page_sizes, max_ops, isolation=target.isolation)
         if result.finding is None or result.finding.kind != kind or len(result.ops) >= 4 * len(best[0]):
             continue
         small, f = minimize_ops(

@@ -2,15 +2,18 @@
 judge mode: `--subject`, or the subject the trace's header names) and report.
 
 Lockstep replays strictly: an operation invalid at its point is a bad trace. A subject's replay
-skips such an operation, as its fuzzer never records one (a minimized trace may leave one behind).
+skips such an operation, as its fuzzer never records one (a minimized trace may leave one behind),
+and runs in a child process (`sandbox.py`): a trace whose subject dies (`subject-crashed:SIGSEGV`)
+replays to that finding, with the stack the process died with.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from typing import List, Optional
+from typing import Any, List, Optional
 
+from kvledger.checker.isolated_runs import replay_isolated
 from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.ops import InvalidOp, OpRecord
 from kvledger.engine.ledger.trace import Header, TraceError, read
@@ -36,9 +39,14 @@ def replay_trace(path: str, target: Target) -> int:
     except (OSError, TraceError) as e:
         print(f"kvledger replay: {e}", file=sys.stderr)
         return 2
+    run: Any = None
     try:
         with target.active():
-            finding, run = replay(target, header, ops)
+            if target.isolation.enabled:  # in a child: a trace that kills its process is reported, not obeyed
+                finding, ran = replay_isolated(target, header, ops)
+            else:
+                finding, run = replay(target, header, ops)
+                ran = None if run is None else list(run.ops)
     except KeyError as e:
         print(f"kvledger replay: {e.args[0]}", file=sys.stderr)
         return 2
@@ -52,7 +60,7 @@ def replay_trace(path: str, target: Target) -> int:
         print(f"kvledger replay: {e}", file=sys.stderr)
         return 2
     _warn_on_another_version(path, header, target)
-    applied: List[OpRecord] = [] if run is None else list(run.ops)
+    applied: List[OpRecord] = ran or []
     if finding is not None:
         print("\n".join(_finding_lines(target, finding)))
         return 1

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 
 from kvledger.engine.ledger.ops import InvalidOp, OpRecord, OpResult
 from kvledger.engine.ledger.trace import Header
+from kvledger.properties.isolation import IN_PROCESS, Isolation
 from kvledger.properties.subject import Subject, SubjectConfig
 from kvledger.properties.subject_workload import DRAIN_LIMIT, drain_steps, draw_shape, next_op, stalled_after
 from kvledger.properties.target import SubjectRun, SubjectTarget, config_of, header_of
@@ -139,10 +140,12 @@ def run_case(
     seed: int,
     page_sizes: Sequence[int] = (1, 2, 4),
     max_ops: int = MAX_OPS,
+    isolation: Isolation = IN_PROCESS,
 ) -> Any:
     """Case `seed` on a subject built by `factory` (the fuzzer's case, for tests and the
-    minimizer's search of short cases): a `CaseOutcome` with its config, operations and finding."""
-    from kvledger.checker.fuzz_case import play_case
+    minimizer's search of short cases): a `CaseOutcome` with its config, operations and finding;
+    under `isolation` in a child, whose death is the case's finding."""
+    from kvledger.checker.isolated_runs import play_case_isolated
 
-    workload = SubjectWorkload(SubjectTarget(factory, "subject", page_sizes=page_sizes), max_ops)
-    return play_case(workload, 0, seed)
+    target = SubjectTarget(factory, "subject", page_sizes=page_sizes, isolation=isolation)
+    return play_case_isolated(SubjectWorkload(target, max_ops), isolation, 0, seed)

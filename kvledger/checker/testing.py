@@ -104,7 +104,7 @@ def _fuzz(target: SubjectTarget, cases: int, seed: int, out: Path, budget: float
     from dataclasses import asdict
 
     from kvledger.checker.fuzz import WorkerFailure, handle_failure
-    from kvledger.checker.fuzz_case import play_case
+    from kvledger.checker.isolated_runs import play_case_isolated
     from kvledger.checker.workloads import workload_for
     from kvledger.engine.ledger import trace
     from kvledger.engine.ledger.ops import as_record
@@ -113,11 +113,14 @@ def _fuzz(target: SubjectTarget, cases: int, seed: int, out: Path, budget: float
     workload.prepare()
     with target.active():
         for k in range(cases):
-            outcome = play_case(workload, k, workload.case_seed(seed, 0, 1, k))
+            # in the target's sandbox: a subject that kills its process fails this test, not pytest
+            outcome = play_case_isolated(workload, target.isolation, k, workload.case_seed(seed, 0, 1, k))
             f = outcome.finding
             if f is None:
                 continue
-            failure = WorkerFailure(0, k, outcome.seed, asdict(outcome.header), outcome.ops, f.kind, f.message, f.step)
+            failure = WorkerFailure(
+                0, k, outcome.seed, asdict(outcome.header), outcome.ops, f.kind, f.message, f.step, f.detail
+            )
             # the zoo's cap on replays, so a count, not the clock, ends the minimizer's search
             found = handle_failure(failure, target, workload, out, seed, budget, False, workload.zoo_minimize[1])
             path = found.minimized_path or found.trace_path

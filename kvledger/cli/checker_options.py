@@ -35,9 +35,30 @@ def target_of(args: argparse.Namespace, command: str, named: str | None = None) 
             device=getattr(args, "device", "cpu"),
             named=named,
             speculate=getattr(args, "speculate", False),
+            isolation=isolation_of(args),
+            isolate=isolate_of(args),
         )
-    except (SpecError, SubjectUnavailable, KeyError) as e:
+    except (SpecError, SubjectUnavailable, KeyError, ValueError) as e:
         return command_error(command, e)
+
+
+def isolation_of(args: argparse.Namespace) -> Any:
+    """The `Isolation` --isolation, --memory-cap and --hang-limit ask for; under auto (the
+    default) `enabled` is left to the target's kind (`targets.target_for`)."""
+    from kvledger.properties.isolation import Isolation
+
+    default = Isolation()
+    cap, hang = getattr(args, "memory_cap", None), getattr(args, "hang_limit", None)
+    return Isolation(
+        enabled=getattr(args, "isolation", "auto") != "off",
+        memory_cap_mb=default.memory_cap_mb if cap is None else cap,
+        hang_limit_s=default.hang_limit_s if hang is None else hang,
+    )
+
+
+def isolate_of(args: argparse.Namespace) -> bool | None:
+    """--isolation on/off as a decision, auto as None (the kind's default)."""
+    return {"on": True, "off": False}.get(getattr(args, "isolation", "auto"))
 
 
 def is_subject(target: Any) -> bool:
@@ -50,6 +71,38 @@ def add_subject(p: argparse.ArgumentParser) -> None:
     """--subject SPEC and --fix NAME: judge mode on another cache manager, optionally fixed first."""
     p.add_argument("--subject", default=None, metavar="SPEC", help=SUBJECT_HELP)
     p.add_argument("--fix", default=None, help="with --subject: apply this upstream-style fix to a copy first")
+    add_isolation(p)
+
+
+def add_isolation(p: argparse.ArgumentParser) -> None:
+    """--isolation, --memory-cap, --hang-limit: how a subject's death is kept from the checker."""
+    from kvledger.properties.isolation import DEFAULT_MEMORY_CAP_MB, HANG_LIMIT_S
+
+    g = p.add_argument_group(
+        "isolation",
+        "a subject runs in a child process, so that a segfault, an exit or a runaway allocation of its "
+        "own is a finding with its trace (subject-crashed:SIGSEGV, subject-oom, ...), not a dead checker",
+    )
+    g.add_argument(
+        "--isolation",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="auto (default): subjects isolated, reference vs fast (kvledger's own code) in process",
+    )
+    g.add_argument(
+        "--memory-cap",
+        type=int,
+        default=None,
+        metavar="MB",
+        help=f"what an isolated child may allocate beyond what it inherits (default {DEFAULT_MEMORY_CAP_MB}; 0: none)",
+    )
+    g.add_argument(
+        "--hang-limit",
+        type=float,
+        default=None,
+        metavar="S",
+        help=f"kill an isolated child that starts no operation for this long: subject-hung (default {HANG_LIMIT_S:g})",
+    )
 
 
 def add_speculate(p: argparse.ArgumentParser) -> None:

@@ -14,6 +14,8 @@ import signal
 import sys
 from types import FrameType
 
+from kvledger.cli.checker_options import add_isolation
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -48,6 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bug", default=None, help="patch this bug-zoo bug into fast (or, with --subject, the subject's)")
     p.add_argument("--subject", default=None, metavar="SPEC", help="explore this subject in judge mode instead")
     p.add_argument("--fix", default=None, help="with --subject: apply this upstream-style fix first")
+    add_isolation(p)
     p.add_argument(
         "--path",
         choices=["copy", "replay"],
@@ -121,12 +124,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvledger explore: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
     from kvledger.checker.targets import target_for
+    from kvledger.cli.checker_options import isolate_of, isolation_of
     from kvledger.properties.subject import SubjectUnavailable
     from kvledger.subjects import SpecError
 
     try:
-        target = target_for(args.subject, fix=args.fix, bug=args.bug)
-    except (SpecError, SubjectUnavailable, KeyError) as e:
+        target = target_for(
+            args.subject, fix=args.fix, bug=args.bug, isolation=isolation_of(args), isolate=isolate_of(args)
+        )
+    except (SpecError, SubjectUnavailable, KeyError, ValueError) as e:
         print(f"kvledger explore: {e}", file=sys.stderr)
         return 2
     previous = signal.signal(signal.SIGTERM, _interrupt)  # a timeout's SIGTERM reports as Ctrl-C does

@@ -1,0 +1,270 @@
+"""Checker work run where a subject's death cannot take the checker with it.
+
+`call(isolation, fn, *args)` runs `fn(*args)` in a child process forked from this one and returns
+what it returned (or raises what it raised). The child opens a write-ahead record first
+(`properties/write_ahead.py`), so every operation it applies is on disk before it runs. If the
+child dies instead of answering (a signal such as SIGSEGV, an exit of its own, the memory cap, or
+the hang watchdog's kill), `call` raises `SubjectDied`: a `Finding` of kind
+
+  subject-crashed:SIGSEGV   (or the signal's name) a signal ended it; SIGKILL not sent by kvledger
+                            is most often the kernel's out-of-memory killer
+  subject-crashed:exit-3    it exited (`os._exit(3)`) without answering
+  subject-oom               it went past the memory cap (`Isolation.memory_cap_mb`, enforced as an
+                            address-space limit: the allocation fails with MemoryError, which is
+                            reported as this kind wherever it surfaces)
+  subject-hung              it started no operation for `Isolation.hang_limit_s` (native code
+                            that never returns to Python, where no alarm reaches it)
+
+with the run's header and operations from the record (the last one in flight) and, as detail,
+the Python stack at the death (`faulthandler` for a signal, the traceback for MemoryError).
+
+Why fork, not spawn: the parent has imported the subject (vLLM takes seconds to import), so a
+forked child starts in about a millisecond, and a fresh one per candidate replay is affordable
+when a minimizer replays hundreds of them. The parent only forks: it applies no operation itself
+while isolation is on, so no thread pool of torch's is alive in it to be lost across the fork.
+`fn` and its arguments are not pickled (the child inherits them); its result and the messages it
+`send`s are.
+
+With isolation off, `call` runs `fn` here and `send` reaches `on_message` directly: one code path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import logging
+import os
+import resource
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from multiprocessing.connection import Connection, Pipe
+from pathlib import Path
+from typing import Any, Callable, List, Optional, TypeVar
+
+from kvledger.engine.ledger.finding import Finding
+from kvledger.engine.ledger.ops import OpRecord
+from kvledger.engine.ledger.trace import Header
+from kvledger.properties import write_ahead
+from kvledger.properties.isolation import Isolation
+
+__all__ = ["Isolation", "SubjectDied", "call", "death", "send"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+OnMessage = Callable[[Any], None]
+
+EXIT_OOM = 86  # the child's exit code when MemoryError reached its top (the cap was hit)
+POLL_S = 0.5  # how often the parent looks at the child's record while it waits
+ABORT_GRACE_S = 2.0  # how long a hung child has to write its stack before it is killed
+
+
+class SubjectDied(Finding):
+    """The child died: a Finding (kind, message, the Python stack at the death as detail, the
+    step and operation in flight) with the run it was applying, `header` (None: no run had
+    started) and `ops` (up to and including the one in flight)."""
+
+    def __init__(self, kind: str, message: str, detail: str, header: Optional[Header], ops: List[OpRecord]) -> None:
+        step = len(ops) if ops else None
+        super().__init__(kind, message, detail, step, ops[-1].to_json() if ops else None)
+        self.header, self.ops = header, ops
+
+    def __reduce__(self) -> Any:  # a campaign task returns it across processes
+        return (SubjectDied, (self.kind, self.message, self.detail, self.header, self.ops))
+
+
+# -- in the child ------------------------------------------------------------------------------------
+_sink: Optional[OnMessage] = None
+
+
+def send(message: Any) -> None:
+    """From inside `call`'s `fn`: hand `message` to the caller's `on_message` (dropped if none)."""
+    if _sink is not None:
+        _sink(message)
+
+
+def _child(conn: Connection, files: Path, isolation: Isolation, fn: Callable[..., Any], args: tuple) -> None:
+    """The forked child: cap, record, run, answer, and leave without running the parent's exit
+    handlers (pytest's, Ray's, atexit's)."""
+    global _sink
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it kills us
+    stack = open(files / "stack", "w")  # noqa: SIM115 (faulthandler writes to it at the death)
+    faulthandler.enable(file=stack, all_threads=False)
+    if isolation.memory_cap_mb:
+        inherited = _address_space()
+        cap = inherited + isolation.memory_cap_mb * 2**20
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
+    write_ahead.open_log(files / "record.jsonl")
+    _sink = lambda message: conn.send(("message", message))  # noqa: E731
+    code = 0
+    try:
+        value = fn(*args)
+        answer: Any = ("returned", value)
+    except MemoryError:
+        stack.write(traceback.format_exc())
+        stack.flush()
+        code = EXIT_OOM
+    except BaseException as e:  # noqa: BLE001 (handed to the parent, which raises it)
+        answer = ("raised", e, traceback.format_exc())
+    if code == 0:
+        try:
+            conn.send(answer)
+        except Exception:  # an answer that does not pickle: its text goes instead
+            conn.send(("raised", RuntimeError(f"{answer[0]} an unpicklable {type(answer[1]).__name__}"), ""))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _address_space() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * resource.getpagesize()
+
+
+# -- in the parent -----------------------------------------------------------------------------------
+def call(isolation: Isolation, fn: Callable[..., T], *args: Any, on_message: Optional[OnMessage] = None) -> T:
+    """`fn(*args)` in a child (see the module docstring); `SubjectDied` if the child dies."""
+    global _sink
+    if not isolation.enabled:
+        previous, _sink = _sink, on_message
+        try:
+            return fn(*args)
+        finally:
+            _sink = previous
+    files = Path(tempfile.mkdtemp(prefix="kvledger-sandbox-"))
+    reader, writer = Pipe(duplex=False)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child; it never returns)
+        reader.close()
+        try:
+            _child(writer, files, isolation, fn, args)
+        finally:
+            os._exit(70)
+    writer.close()
+    reaped = False
+    try:
+        answer, hung = _wait(pid, reader, files, isolation, on_message)
+        _, status = os.waitpid(pid, 0)
+        reaped = True
+        code = os.waitstatus_to_exitcode(status)
+        if answer is not None and code == 0:
+            if answer[0] == "returned":
+                value: T = answer[1]
+                return value
+            error = answer[1]
+            if answer[2]:
+                error.add_note(f"raised in the sandbox's child:\n{answer[2]}")
+            raise error
+        raise death(code, files / "record.jsonl", _read(files / "stack"), isolation, hung)
+    finally:
+        reader.close()
+        if not reaped:  # interrupted while waiting: the child goes too
+            _reap(pid)
+        _remove(files)
+
+
+def _wait(
+    pid: int, reader: Connection, files: Path, isolation: Isolation, on_message: Optional[OnMessage]
+) -> tuple[Any, bool]:
+    """Read the child's messages until its answer or its end; kill it when it stops making
+    progress (no message and no new operation recorded for the hang limit)."""
+    record = files / "record.jsonl"
+    last_seen: Any = None
+    progress_at = time.monotonic()
+    while True:
+        try:
+            ready = reader.poll(POLL_S)
+        except (EOFError, OSError):
+            return None, False
+        if ready:
+            try:
+                message = reader.recv()
+            except (EOFError, OSError):  # it died (or exited) without answering
+                return None, False
+            if message[0] != "message":
+                return message, False
+            progress_at = time.monotonic()
+            if on_message is not None:
+                on_message(message[1])
+            continue
+        seen = _stat(record)
+        now = time.monotonic()
+        if seen != last_seen:
+            last_seen, progress_at = seen, now
+        elif now - progress_at > isolation.hang_limit_s:
+            # SIGABRT first: faulthandler writes the stack it hangs in (the finding's detail)
+            os.kill(pid, signal.SIGABRT)
+            with contextlib.suppress(EOFError, OSError):
+                reader.poll(ABORT_GRACE_S)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            return None, True
+
+
+def _stat(path: Path) -> Any:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_size, st.st_mtime_ns)
+
+
+def death(code: int, record: Path, stack: str, isolation: Isolation, hung: bool = False) -> SubjectDied:
+    """The finding a process's death is (see the module docstring): `code` its exit code as
+    `multiprocessing` gives it (negative: the signal), `record` its write-ahead record, `stack` the
+    Python stack it left, `hung` whether the hang watchdog killed it."""
+    sequence = write_ahead.last_sequence(record)
+    header, ops = sequence if sequence is not None else (None, [])
+    if hung:
+        kind, how = "subject-hung", f"was killed after starting no operation for {isolation.hang_limit_s:g} s"
+    elif code == EXIT_OOM:
+        kind, how = "subject-oom", f"ran out of memory (its cap: {isolation.memory_cap_mb} MB beyond what it inherited)"
+    elif code < 0:
+        name = _signal_name(-code)
+        kind, how = f"subject-crashed:{name}", f"was killed by {name}"
+        if -code == signal.SIGKILL:
+            how += " (not by kvledger: most often the kernel's out-of-memory killer)"
+    else:
+        kind, how = f"subject-crashed:exit-{code}", f"exited with code {code} without answering"
+    if ops:
+        where = f"at operation {len(ops)} ({ops[-1].name})"
+    elif header is not None:
+        where = "while its subject was being built"
+    else:
+        where = "before applying any operation"
+    stack = stack.split("\n\nExtension modules:")[0].strip()  # faulthandler's list of loaded extensions: noise
+    return SubjectDied(kind, f"the checked process {how} {where}", stack, header, ops)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal-{number}"
+
+
+def _reap(pid: int) -> None:
+    """Kill and reap a child the parent stopped waiting for."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+
+
+def _remove(files: Path) -> None:
+    for path in files.iterdir():
+        path.unlink(missing_ok=True)
+    files.rmdir()
