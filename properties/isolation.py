@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_MEMORY_CAP_MB", "HANG_LIMIT_S", "IN_PROCESS", "ISOLATED", "Isolation"]
+__all__ = ["DEATH_KINDS", "DEFAULT_MEMORY_CAP_MB", "HANG_LIMIT_S", "IN_PROCESS", "ISOLATED", "Isolation", "is_death"]
 
 # What a child may allocate beyond the address space it inherits. A cache manager on kvledger's
 # pools (at most a few thousand pages) needs megabytes: a gigabytes-sized cap only stops a runaway.
@@ -45,3 +45,11 @@ class Isolation:
 
 ISOLATED = Isolation()  # the default of a subject
 IN_PROCESS = Isolation(enabled=False)  # the default of lockstep
+
+# The kinds of finding a process's death is (`kvledger/checker/sandbox.py`): a trace of one of them
+# is only ever replayed in a child, whatever its target's isolation says, or it would kill the replayer.
+DEATH_KINDS = ("subject-crashed:", "subject-oom", "subject-hung")
+
+
+def is_death(kind: str) -> bool:
+    return kind.startswith(DEATH_KINDS)

@@ -173,12 +173,12 @@ def _minimized_subject(target: SubjectTarget, failure: Failure, budget: float) -
     """A subject's failing trace minimized by kvledger's minimizer (a fresh subject per replay):
     half the budget on its operations, half on short cases of the same kind."""
     from kvledger.checker.minimize import minimize_ops, shortest_failure
-    from kvledger.checker.subject_walk import run_case
+    from kvledger.checker.subject_walk import case_runner
 
     config = config_of(failure.header)
     small, found = minimize_ops(target, config, failure.ops, failure.kind, budget=budget / 2)
     small, config, found = shortest_failure(
-        target, failure.kind, small, config, found, target.page_sizes, budget=budget / 2, run_case=run_case
+        target, failure.kind, small, config, found, target.page_sizes, budget=budget / 2, case_runner=case_runner
     )
     header = header_of(config, None, "hypothesis", target.name, target.version)
     if found is None:  # not reached: every accepted candidate fails as the first failure did

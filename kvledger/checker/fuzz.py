@@ -20,6 +20,7 @@ seed the workload derives from (s, w, k) alone, so the same seed and workers giv
 
 from __future__ import annotations
 
+import copy
 import logging
 import multiprocessing as mp
 import queue as queue_mod
@@ -27,7 +28,7 @@ import shutil
 import signal
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
@@ -44,7 +45,7 @@ from kvledger.engine.ledger import trace
 from kvledger.engine.ledger.ops import OpRecord
 from kvledger.engine.ledger.trace import Header
 from kvledger.properties import write_ahead
-from kvledger.properties.isolation import IN_PROCESS, ISOLATED, Isolation
+from kvledger.properties.isolation import IN_PROCESS, ISOLATED, Isolation, is_death
 from kvledger.properties.target import Target
 
 log = logging.getLogger(__name__)
@@ -581,6 +582,10 @@ def handle_failure(
     replaces the workload's."""
     from kvledger.checker.minimize import MinimizeError
 
+    if is_death(msg.kind) and not target.isolation.enabled:  # its replays must not kill this process
+        target = copy.copy(target)
+        target.isolation = replace(target.isolation, enabled=True)
+        workload = workload_for(target)
     header = Header(**msg.header)
     path, min_path = paths or workload.trace_paths(out_dir, seed, msg.worker, msg.case_no, msg.case_seed, msg.kind)
     trace.write(path, target.trace_header(header, workload.producer), msg.ops)

@@ -2,8 +2,9 @@
 run them one at a time: the minimizers' candidates, `kvledger replay`, the pytest entry point's
 cases. A target whose `isolation` is off runs them in this process, as before.
 
-Each call is one child: a candidate that kills its process ends only that child, and the death
-comes back as the finding it is (`subject-crashed:SIGSEGV`, ...), so a minimizer keeps a
+A `Replayer` (and a `Cases`) keeps one child for all its replays and forks a fresh one only after a
+death, so a minimizer pays a fork per candidate that kills its process, not per candidate. The
+death comes back as the finding it is (`subject-crashed:SIGSEGV`, ...), so a minimizer keeps a
 candidate that dies the same way as the trace it shrinks.
 """
 
@@ -19,42 +20,89 @@ from kvledger.engine.ledger.trace import Header
 from kvledger.properties.isolation import Isolation
 from kvledger.properties.target import Target, applied, replay
 
-__all__ = ["died_outcome", "play_case_isolated", "replay_isolated"]
+__all__ = ["Cases", "Replayer", "died_outcome", "play_case_isolated", "replay_isolated"]
+
+Replayed = Tuple[Optional[Finding], Optional[List[OpRecord]]]
 
 
-def replay_isolated(
-    target: Target, header: Header, ops: Sequence[TraceLine]
-) -> Tuple[Optional[Finding], Optional[List[OpRecord]]]:
-    """`properties.target.replay` in the target's sandbox: the first finding (a death included) and
-    the operations applied (None: the run was never built). InvalidOp of a strict target and
-    SubjectUnavailable propagate as they do in process."""
-    try:
-        finding, ops_applied, version = sandbox.call(target.isolation, _replay_here, target, header, ops)
-    except sandbox.SubjectDied as died:
-        return died, list(died.ops)
-    if version is not None:  # a subject target learns its version from the subject it built
-        target.version = version  # type: ignore[attr-defined]
-    return finding, ops_applied
+class Replayer:
+    """`properties.target.replay` on `target`, in its sandbox: each call returns the first finding
+    (a death included) and the operations applied (None: the run was never built). InvalidOp of
+    a strict target and SubjectUnavailable propagate as they do in process."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.server = sandbox.Server(target.isolation, self._here)
+        self.replays = 0
+
+    def __call__(self, header: Header, ops: Sequence[TraceLine]) -> Replayed:
+        self.replays += 1
+        try:
+            finding, ops_applied, version = self.server(header, list(ops))
+        except sandbox.SubjectDied as died:
+            return died, list(died.ops)
+        if version is not None:  # a subject target learns its version from the subject it built
+            self.target.version = version  # type: ignore[attr-defined]
+        return finding, ops_applied
+
+    def _here(self, header: Header, ops: Sequence[TraceLine]) -> Tuple[Optional[Finding], Any, Any]:
+        finding, run = replay(self.target, header, ops)
+        return finding, None if run is None else applied(run), getattr(self.target, "version", None)
+
+    def close(self) -> None:
+        self.server.close()
+
+    def __enter__(self) -> Replayer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
-def _replay_here(target: Target, header: Header, ops: Sequence[TraceLine]) -> Tuple[Optional[Finding], Any, Any]:
-    finding, run = replay(target, header, ops)
-    return finding, None if run is None else applied(run), getattr(target, "version", None)
+def replay_isolated(target: Target, header: Header, ops: Sequence[TraceLine]) -> Replayed:
+    """One replay in a child of its own (see `Replayer`)."""
+    with Replayer(target) as replayer:
+        return replayer(header, ops)
+
+
+class Cases:
+    """Fuzz cases of `workload` under `isolation`, one child for all of them until one dies: each
+    call plays case `number` of seed `cseed` and returns its outcome, a death as its finding."""
+
+    def __init__(self, workload: Workload, isolation: Isolation, op_limit: float = OP_LIMIT_S) -> None:
+        self.workload, self.op_limit = workload, op_limit
+        self.server = sandbox.Server(isolation, self._here)
+
+    def __call__(self, number: int, cseed: int) -> CaseOutcome:
+        try:
+            outcome: CaseOutcome = self.server(number, cseed)
+            return outcome
+        except sandbox.SubjectDied as died:
+            return died_outcome(self.workload, number, cseed, died)
+
+    def _here(self, number: int, cseed: int) -> CaseOutcome:
+        return play_case(self.workload, number, cseed, lambda: True, self.op_limit)
+
+    def close(self) -> None:
+        self.server.close()
+
+    def __enter__(self) -> Cases:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def play_case_isolated(
     workload: Workload, isolation: Isolation, number: int, cseed: int, op_limit: float = OP_LIMIT_S
 ) -> CaseOutcome:
-    """`fuzz_case.play_case` in a child under `isolation`; a death is the case's finding."""
-    try:
-        return sandbox.call(isolation, play_case, workload, number, cseed, lambda: True, op_limit)
-    except sandbox.SubjectDied as died:
-        return died_outcome(workload, number, cseed, died)
+    """One case in a child of its own (see `Cases`)."""
+    with Cases(workload, isolation, op_limit) as cases:
+        return cases(number, cseed)
 
 
 def died_outcome(workload: Workload, number: int, cseed: int, died: sandbox.SubjectDied) -> CaseOutcome:
     """The case whose child died: its pool, the operations up to the one in flight, the death as
     its finding."""
-    return CaseOutcome(
-        number, cseed, workload.header(cseed), list(died.ops), finding=died, steps=max(len(died.ops) - 1, 0)
-    )
+    ops = list(died.ops)
+    return CaseOutcome(number, cseed, workload.header(cseed), ops, finding=died, steps=max(len(ops) - 1, 0))

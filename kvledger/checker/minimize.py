@@ -36,7 +36,7 @@ from dataclasses import replace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 from kvledger.checker import sandbox
-from kvledger.checker.isolated_runs import replay_isolated
+from kvledger.checker.isolated_runs import Replayer, replay_isolated
 from kvledger.engine.ledger import trace
 from kvledger.engine.ledger.cache_scheduler import InvalidOp
 from kvledger.engine.ledger.finding import Finding
@@ -668,15 +668,18 @@ def main_minimize(
 # refuses at its new point skipped. `shortest_failure` also tries short random cases of the same
 # kind, since a trace can only lose operations. Stops after `budget` seconds or `max_replays`
 # candidates (the second gives the same result on any machine).
-CaseRunner = Callable[..., Any]  # subject_walk.run_case(factory, seed, page_sizes, max_ops, isolation=...)
+# subject_walk.case_runner(factory, page_sizes, max_ops, isolation): a context manager whose value
+# plays case (number, seed) of the subject fuzzer (injected: subject_walk imports this module)
+CaseRunner = Callable[..., Any]
 
 
 def _subject_replay(
-    target: SubjectTarget, config: SubjectConfig, ops: Sequence[TraceLine]
+    replayer: Replayer, config: SubjectConfig, ops: Sequence[TraceLine]
 ) -> Tuple[Optional[Finding], Ops]:
     """The first finding on a fresh subject (None if none) and the operations that applied; in
     the target's sandbox, where a death is the finding."""
-    finding, applied = replay_isolated(target, header_of(config, None, "minimize", target.name, ""), ops)
+    target = replayer.target
+    finding, applied = replayer(header_of(config, None, "minimize", target.name, ""), ops)
     return finding, list(applied or [])
 
 
@@ -690,12 +693,23 @@ def minimize_ops(
 ) -> Tuple[Ops, Finding | None]:
     """A subject's failing `ops` on `config` shrunk keeping the finding's `kind`: (ops, finding)."""
     target = factory if isinstance(factory, SubjectTarget) else SubjectTarget(factory, "subject")
-    deadline = time.monotonic() + budget
+    with Replayer(target) as replayer:
+        return _minimize_ops(replayer, config, ops, kind, time.monotonic() + budget, max_replays)
+
+
+def _minimize_ops(
+    replayer: Replayer,
+    config: SubjectConfig,
+    ops: Sequence[TraceLine],
+    kind: str,
+    deadline: float,
+    max_replays: int | None,
+) -> Tuple[Ops, Finding | None]:
     replays = [0]
 
     def fails(candidate: Ops) -> Tuple[bool, Ops, Finding | None]:
         replays[0] += 1
-        finding, applied = _subject_replay(target, config, candidate)
+        finding, applied = _subject_replay(replayer, config, candidate)
         return (finding is not None and finding.kind == kind), applied, finding
 
     def out_of_budget() -> bool:
@@ -797,7 +811,8 @@ def _main_minimize_subject(
     path: str, output: str, budget: float, max_replays: int | None, target: SubjectTarget, header: Header, ops: Ops
 ) -> int:
     config = config_of(header)
-    finding, _ = _subject_replay(target, config, ops)
+    with Replayer(target) as replayer:
+        finding, _ = _subject_replay(replayer, config, ops)
     if finding is None:
         print(f"{path}: replays clean on {target.name}; nothing to minimize")
         return 1
@@ -822,25 +837,29 @@ def shortest_failure(
     cases: int = 200,
     max_ops: int = 6,
     *,
-    run_case: CaseRunner,
+    case_runner: CaseRunner,
+    max_replays: Optional[int] = None,
 ) -> Tuple[Ops, SubjectConfig, Finding | None]:
     """A minimized trace can only lose operations, so a failure reached the long way (a pool
-    filled by many decodes) stays long. This also searches short random cases (`run_case`, the
+    filled by many decodes) stays long. This also searches short random cases (`case_runner`, the
     subject fuzzer's: `max_ops` before the drain, case seeds from 10**9) for the same kind of
     finding, minimizes each one found, and returns the shortest of all (its ops, config, finding);
-    deterministic for a number of cases."""
+    deterministic for a number of cases, and for `max_replays` (cases and replays together) as a
+    bound instead of the seconds. Cases and replays run in the target's sandbox, each in one child
+    until a death."""
     target = factory if isinstance(factory, SubjectTarget) else SubjectTarget(factory, "subject")
     deadline = time.monotonic() + budget
     best = ([as_record(op) for op in ops], config, finding)
-    for k in range(cases):
-        if time.monotonic() > deadline or len(best[0]) <= 2:
-            break
-        result = run_case(target.factory, 10**9 + k, page_sizes, max_ops, isolation=target.isolation)
-        if result.finding is None or result.finding.kind != kind or len(result.ops) >= 4 * len(best[0]):
-            continue
-        small, f = minimize_ops(
-            target, result.config, result.ops, kind, budget=max(deadline - time.monotonic(), 1), max_replays=2000
-        )
-        if len(small) < len(best[0]):
-            best = (small, result.config, f)
+    with case_runner(target.factory, page_sizes, max_ops, target.isolation) as run, Replayer(target) as replayer:
+        for k in range(cases):
+            left = 2000 if max_replays is None else max_replays - k - replayer.replays
+            if time.monotonic() > deadline or len(best[0]) <= 2 or left <= 0:
+                break
+            result = run(0, 10**9 + k)
+            if result.finding is None or result.finding.kind != kind or len(result.ops) >= 4 * len(best[0]):
+                continue
+            budget_left = max(deadline - time.monotonic(), 1)
+            small, f = _minimize_ops(replayer, result.config, result.ops, kind, time.monotonic() + budget_left, left)
+            if len(small) < len(best[0]):
+                best = (small, result.config, f)
     return best

@@ -1,10 +1,11 @@
 """Checker work run where a subject's death cannot take the checker with it.
 
 `call(isolation, fn, *args)` runs `fn(*args)` in a child process forked from this one and returns
-what it returned (or raises what it raised). The child opens a write-ahead record first
-(`properties/write_ahead.py`), so every operation it applies is on disk before it runs. If the
-child dies instead of answering (a signal such as SIGSEGV, an exit of its own, the memory cap, or
-the hang watchdog's kill), `call` raises `SubjectDied`: a `Finding` of kind
+what it returned (or raises what it raised); a `Server(isolation, handler)` answers many requests,
+`server(*request)`, in one child, and forks a fresh one only after a death. A child opens a
+write-ahead record first (`properties/write_ahead.py`), so every operation it applies is on disk
+before it runs. If the child dies instead of answering (a signal such as SIGSEGV, an exit of its
+own, the memory cap, or the hang watchdog's kill), the call raises `SubjectDied`: a `Finding` of kind
 
   subject-crashed:SIGSEGV   (or the signal's name) a signal ended it; SIGKILL not sent by kvledger
                             is most often the kernel's out-of-memory killer
@@ -16,16 +17,16 @@ the hang watchdog's kill), `call` raises `SubjectDied`: a `Finding` of kind
                             that never returns to Python, where no alarm reaches it)
 
 with the run's header and operations from the record (the last one in flight) and, as detail,
-the Python stack at the death (`faulthandler` for a signal, the traceback for MemoryError).
+the Python stack at the death (`faulthandler` for a signal or the hang watchdog's SIGABRT, the
+traceback for MemoryError).
 
 Why fork, not spawn: the parent has imported the subject (vLLM takes seconds to import), so a
-forked child starts in about a millisecond, and a fresh one per candidate replay is affordable
-when a minimizer replays hundreds of them. The parent only forks: it applies no operation itself
-while isolation is on, so no thread pool of torch's is alive in it to be lost across the fork.
-`fn` and its arguments are not pickled (the child inherits them); its result and the messages it
-`send`s are.
+forked child starts in tens of milliseconds (the page tables of a 400 MB process), not seconds.
+The parent only forks: it applies no operation itself while isolation is on, so no thread pool of
+torch's is alive in it to be lost across the fork. A handler and `call`'s arguments are not pickled
+(the child inherits them); a `Server`'s requests, the answers and the messages a child `send`s are.
 
-With isolation off, `call` runs `fn` here and `send` reaches `on_message` directly: one code path.
+With isolation off, both run here and `send` reaches `on_message` directly: one code path.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import faulthandler
 import logging
 import os
 import resource
+import shutil
 import signal
 import sys
 import tempfile
@@ -50,11 +52,12 @@ from kvledger.engine.ledger.trace import Header
 from kvledger.properties import write_ahead
 from kvledger.properties.isolation import Isolation
 
-__all__ = ["Isolation", "SubjectDied", "call", "death", "send"]
+__all__ = ["Isolation", "Server", "SubjectDied", "call", "death", "send"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 OnMessage = Callable[[Any], None]
+Handler = Callable[..., Any]
 
 EXIT_OOM = 86  # the child's exit code when MemoryError reached its top (the cap was hit)
 POLL_S = 0.5  # how often the parent looks at the child's record while it waits
@@ -80,43 +83,44 @@ _sink: Optional[OnMessage] = None
 
 
 def send(message: Any) -> None:
-    """From inside `call`'s `fn`: hand `message` to the caller's `on_message` (dropped if none)."""
+    """From inside a handler: hand `message` to the caller's `on_message` (dropped if none)."""
     if _sink is not None:
         _sink(message)
 
 
-def _child(conn: Connection, files: Path, isolation: Isolation, fn: Callable[..., Any], args: tuple) -> None:
-    """The forked child: cap, record, run, answer, and leave without running the parent's exit
-    handlers (pytest's, Ray's, atexit's)."""
+def _serve(requests: Connection, answers: Connection, files: Path, isolation: Isolation, handler: Handler) -> None:
+    """The forked child: cap, record, answer requests until the parent closes the pipe, and leave
+    without running the parent's exit handlers (pytest's, Ray's, atexit's)."""
     global _sink
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it kills us
     stack = open(files / "stack", "w")  # noqa: SIM115 (faulthandler writes to it at the death)
     faulthandler.enable(file=stack, all_threads=False)
     if isolation.memory_cap_mb:
-        inherited = _address_space()
-        cap = inherited + isolation.memory_cap_mb * 2**20
+        cap = _address_space() + isolation.memory_cap_mb * 2**20
         _, hard = resource.getrlimit(resource.RLIMIT_AS)
         resource.setrlimit(resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
     write_ahead.open_log(files / "record.jsonl")
-    _sink = lambda message: conn.send(("message", message))  # noqa: E731
-    code = 0
-    try:
-        value = fn(*args)
-        answer: Any = ("returned", value)
-    except MemoryError:
-        stack.write(traceback.format_exc())
-        stack.flush()
-        code = EXIT_OOM
-    except BaseException as e:  # noqa: BLE001 (handed to the parent, which raises it)
-        answer = ("raised", e, traceback.format_exc())
-    if code == 0:
+    _sink = lambda message: answers.send(("message", message))  # noqa: E731
+    while True:
         try:
-            conn.send(answer)
+            request = requests.recv()
+        except (EOFError, OSError):
+            break
+        try:
+            answer: Any = ("returned", handler(*request))
+        except MemoryError:
+            stack.write(traceback.format_exc())
+            stack.flush()
+            os._exit(EXIT_OOM)
+        except BaseException as e:  # noqa: BLE001 (handed to the parent, which raises it)
+            answer = ("raised", e, traceback.format_exc())
+        try:
+            answers.send(answer)
         except Exception:  # an answer that does not pickle: its text goes instead
-            conn.send(("raised", RuntimeError(f"{answer[0]} an unpicklable {type(answer[1]).__name__}"), ""))
+            answers.send(("raised", RuntimeError(f"{answer[0]} an unpicklable {type(answer[1]).__name__}"), ""))
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(0)
 
 
 def _address_space() -> int:
@@ -125,85 +129,142 @@ def _address_space() -> int:
 
 
 # -- in the parent -----------------------------------------------------------------------------------
-def call(isolation: Isolation, fn: Callable[..., T], *args: Any, on_message: Optional[OnMessage] = None) -> T:
-    """`fn(*args)` in a child (see the module docstring); `SubjectDied` if the child dies."""
-    global _sink
-    if not isolation.enabled:
-        previous, _sink = _sink, on_message
-        try:
-            return fn(*args)
-        finally:
-            _sink = previous
-    files = Path(tempfile.mkdtemp(prefix="kvledger-sandbox-"))
-    reader, writer = Pipe(duplex=False)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover (the child; it never returns)
-        reader.close()
-        try:
-            _child(writer, files, isolation, fn, args)
-        finally:
-            os._exit(70)
-    writer.close()
-    reaped = False
-    try:
-        answer, hung = _wait(pid, reader, files, isolation, on_message)
-        _, status = os.waitpid(pid, 0)
-        reaped = True
-        code = os.waitstatus_to_exitcode(status)
-        if answer is not None and code == 0:
-            if answer[0] == "returned":
-                value: T = answer[1]
-                return value
-            error = answer[1]
-            if answer[2]:
-                error.add_note(f"raised in the sandbox's child:\n{answer[2]}")
-            raise error
-        raise death(code, files / "record.jsonl", _read(files / "stack"), isolation, hung)
-    finally:
-        reader.close()
-        if not reaped:  # interrupted while waiting: the child goes too
-            _reap(pid)
-        _remove(files)
+class _Child:
+    """One forked child serving `handler` (see `_serve`)."""
 
-
-def _wait(
-    pid: int, reader: Connection, files: Path, isolation: Isolation, on_message: Optional[OnMessage]
-) -> tuple[Any, bool]:
-    """Read the child's messages until its answer or its end; kill it when it stops making
-    progress (no message and no new operation recorded for the hang limit)."""
-    record = files / "record.jsonl"
-    last_seen: Any = None
-    progress_at = time.monotonic()
-    while True:
-        try:
-            ready = reader.poll(POLL_S)
-        except (EOFError, OSError):
-            return None, False
-        if ready:
+    def __init__(self, isolation: Isolation, handler: Handler) -> None:
+        self.isolation = isolation
+        self.files = Path(tempfile.mkdtemp(prefix="kvledger-sandbox-"))
+        self.answers, answers = Pipe(duplex=False)
+        requests, self.requests = Pipe(duplex=False)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:  # pragma: no cover (the child; it never returns)
+            self.answers.close()
+            self.requests.close()
             try:
-                message = reader.recv()
+                _serve(requests, answers, self.files, isolation, handler)
+            finally:
+                os._exit(70)
+        answers.close()
+        requests.close()
+        self.alive = True
+
+    def ask(self, request: tuple, on_message: Optional[OnMessage]) -> Any:
+        try:
+            self.requests.send(request)
+        except (BrokenPipeError, OSError):
+            pass  # it died before it could read it: _wait sees the end
+        answer, hung = self._wait(on_message)
+        if answer is None:  # it died: reap it and say how
+            self.alive = False
+            code = self._reap()
+            raise death(code, self.files / "record.jsonl", _read(self.files / "stack"), self.isolation, hung)
+        if answer[0] == "returned":
+            return answer[1]
+        error = answer[1]
+        if answer[2]:
+            error.add_note(f"raised in the sandbox's child:\n{answer[2]}")
+        raise error
+
+    def _wait(self, on_message: Optional[OnMessage]) -> tuple[Any, bool]:
+        """Read the child's messages until its answer or its end; kill it when it stops making
+        progress (no message and no new operation recorded for the hang limit)."""
+        record = self.files / "record.jsonl"
+        last_seen: Any = _stat(record)
+        progress_at = time.monotonic()
+        while True:
+            try:
+                ready = self.answers.poll(POLL_S)
+                message = self.answers.recv() if ready else None
             except (EOFError, OSError):  # it died (or exited) without answering
                 return None, False
-            if message[0] != "message":
-                return message, False
-            progress_at = time.monotonic()
-            if on_message is not None:
-                on_message(message[1])
-            continue
-        seen = _stat(record)
-        now = time.monotonic()
-        if seen != last_seen:
-            last_seen, progress_at = seen, now
-        elif now - progress_at > isolation.hang_limit_s:
-            # SIGABRT first: faulthandler writes the stack it hangs in (the finding's detail)
-            os.kill(pid, signal.SIGABRT)
-            with contextlib.suppress(EOFError, OSError):
-                reader.poll(ABORT_GRACE_S)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            return None, True
+            if message is not None:
+                if message[0] != "message":
+                    return message, False
+                progress_at = time.monotonic()
+                if on_message is not None:
+                    on_message(message[1])
+                continue
+            seen, now = _stat(record), time.monotonic()
+            if seen != last_seen:
+                last_seen, progress_at = seen, now
+            elif now - progress_at > self.isolation.hang_limit_s:
+                # SIGABRT first: faulthandler writes the stack it hangs in (the finding's detail)
+                os.kill(self.pid, signal.SIGABRT)
+                with contextlib.suppress(EOFError, OSError):
+                    self.answers.poll(ABORT_GRACE_S)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGKILL)
+                return None, True
+
+    def _reap(self) -> int:
+        _, status = os.waitpid(self.pid, 0)
+        return os.waitstatus_to_exitcode(status)
+
+    def close(self) -> None:
+        """Let an idle child leave (its pipe closes), or kill one still working; reap it."""
+        self.requests.close()
+        self.answers.close()
+        if self.alive:
+            self.alive = False
+            deadline = time.monotonic() + ABORT_GRACE_S
+            while os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+                if time.monotonic() > deadline:
+                    os.kill(self.pid, signal.SIGKILL)
+                    os.waitpid(self.pid, 0)
+                    break
+                time.sleep(0.001)
+        shutil.rmtree(self.files, ignore_errors=True)
+
+
+class Server:
+    """`handler(*request)` answered in a child under `isolation` (here, when it is off), the same
+    child for every request until one kills it; the next request forks a fresh one. Use it as a
+    context manager, or `close` it."""
+
+    def __init__(self, isolation: Isolation, handler: Handler) -> None:
+        self.isolation, self.handler = isolation, handler
+        self._child: Optional[_Child] = None
+        self.forks = 0  # children started: 1 plus one per death
+
+    def __call__(self, *request: Any, on_message: Optional[OnMessage] = None) -> Any:
+        global _sink
+        if not self.isolation.enabled:
+            previous, _sink = _sink, on_message
+            try:
+                return self.handler(*request)
+            finally:
+                _sink = previous
+        if self._child is None or not self._child.alive:
+            if self._child is not None:
+                self._child.close()
+            self._child = _Child(self.isolation, self.handler)
+            self.forks += 1
+        try:
+            return self._child.ask(request, on_message)
+        except (KeyboardInterrupt, SystemExit):  # the parent is stopping: its child goes too
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._child is not None:
+            self._child.close()
+            self._child = None
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def call(isolation: Isolation, fn: Callable[..., T], *args: Any, on_message: Optional[OnMessage] = None) -> T:
+    """`fn(*args)` in a child of its own (see the module docstring); `SubjectDied` if it dies."""
+    with Server(isolation, lambda: fn(*args)) as server:
+        value: T = server(on_message=on_message)
+        return value
 
 
 def _stat(path: Path) -> Any:
@@ -253,18 +314,3 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal-{number}"
-
-
-def _reap(pid: int) -> None:
-    """Kill and reap a child the parent stopped waiting for."""
-    try:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    except (ProcessLookupError, ChildProcessError):
-        pass
-
-
-def _remove(files: Path) -> None:
-    for path in files.iterdir():
-        path.unlink(missing_ok=True)
-    files.rmdir()

@@ -125,7 +125,15 @@ class SubjectWorkload:
         config = config_of(header)
         small, finding = minimize_ops(self.target, config, ops, kind, budget=budget / 2, max_replays=replays)
         small, small_config, _ = shortest_failure(
-            self.target, kind, small, config, finding, self.target.page_sizes, budget=budget / 2, run_case=run_case
+            self.target,
+            kind,
+            small,
+            config,
+            finding,
+            self.target.page_sizes,
+            budget=budget / 2,
+            case_runner=case_runner,
+            max_replays=replays,
         )
         small_header = header_of(small_config, None, self.producer, self.target.name, self.target.version)
         return small_header, small, kind
@@ -142,10 +150,22 @@ def run_case(
     max_ops: int = MAX_OPS,
     isolation: Isolation = IN_PROCESS,
 ) -> Any:
-    """Case `seed` on a subject built by `factory` (the fuzzer's case, for tests and the
-    minimizer's search of short cases): a `CaseOutcome` with its config, operations and finding;
-    under `isolation` in a child, whose death is the case's finding."""
-    from kvledger.checker.isolated_runs import play_case_isolated
+    """Case `seed` on a subject built by `factory` (the fuzzer's case, for tests): a `CaseOutcome`
+    with its config, operations and finding; under `isolation` in a child, whose death is the
+    case's finding."""
+    with case_runner(factory, page_sizes, max_ops, isolation) as cases:
+        return cases(0, seed)
+
+
+def case_runner(
+    factory: Callable[[SubjectConfig], Subject],
+    page_sizes: Sequence[int] = (1, 2, 4),
+    max_ops: int = MAX_OPS,
+    isolation: Isolation = IN_PROCESS,
+) -> Any:
+    """The fuzzer's cases on a subject built by `factory` (the minimizer's search of short cases):
+    a context manager whose value plays case (number, seed), all in one child under `isolation`."""
+    from kvledger.checker.isolated_runs import Cases
 
     target = SubjectTarget(factory, "subject", page_sizes=page_sizes, isolation=isolation)
-    return play_case_isolated(SubjectWorkload(target, max_ops), isolation, 0, seed)
+    return Cases(SubjectWorkload(target, max_ops), isolation)

@@ -104,17 +104,17 @@ def _fuzz(target: SubjectTarget, cases: int, seed: int, out: Path, budget: float
     from dataclasses import asdict
 
     from kvledger.checker.fuzz import WorkerFailure, handle_failure
-    from kvledger.checker.isolated_runs import play_case_isolated
+    from kvledger.checker.isolated_runs import Cases
     from kvledger.checker.workloads import workload_for
     from kvledger.engine.ledger import trace
     from kvledger.engine.ledger.ops import as_record
 
     workload = workload_for(target)
     workload.prepare()
-    with target.active():
+    # in the target's sandbox: a subject that kills its process fails this test, not pytest
+    with target.active(), Cases(workload, target.isolation) as play:
         for k in range(cases):
-            # in the target's sandbox: a subject that kills its process fails this test, not pytest
-            outcome = play_case_isolated(workload, target.isolation, k, workload.case_seed(seed, 0, 1, k))
+            outcome = play(k, workload.case_seed(seed, 0, 1, k))
             f = outcome.finding
             if f is None:
                 continue

@@ -20,7 +20,6 @@ import time
 from typing import List
 
 from kvledger.properties.subject import SubjectConfig
-
 from tests.support.toy_block_subject import ToyBlockCache
 
 
