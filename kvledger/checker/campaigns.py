@@ -86,6 +86,7 @@ def fuzz_shard(
                 "case_seed": outcome.seed,
                 "header": asdict(outcome.header),
                 "ops": [as_json(line) for line in outcome.ops],
+                "seconds": time.perf_counter() - started,
             }
             return
         out["cases"] += 1
@@ -228,12 +229,19 @@ def _close(
     lines: List[str], run: CampaignRun, tasks: Sequence[Task], directory: CampaignDir, found: bool, clean: str
 ) -> Tuple[str, int]:
     """The summary's end, and the exit status: 1 if something was found, 2 if a task did not finish."""
-    if not found:
+    outcomes = _done(run, tasks)
+    unfinished = [task for task, o in outcomes if o.status != "done"]
+    missing = len(tasks) - len(outcomes)
+    if not found and (unfinished or missing):
+        lines.append(
+            f"INCOMPLETE: no finding in the {len(outcomes) - len(unfinished)} task(s) that finished; "
+            f"{len(unfinished)} ended early (below), {missing} never ran"
+        )
+    elif not found:
         lines.append(clean)
     lines += _task_problems(run, tasks)
     if run.interrupted:
         lines.append(f"interrupted: resume with the same options and --campaign {directory.path}")
-    unfinished = any(o.status != "done" for _, o in _done(run, tasks))
     return "\n".join(lines), 1 if found else (2 if unfinished else 0)
 
 
@@ -287,8 +295,9 @@ def merge_fuzz(
     for kind, (task, f) in sorted(findings.items()):
         name = f"{task.key.replace('/', '-').replace(':', '-')}-c{f['case']}"
         failure = WorkerFailure(
-            task.args["shard"], f["case"], f.get("case_seed", 0), f["header"], f["ops"], kind, f["detail"]
-        )
+            task.args["shard"], f["case"], f.get("case_seed", 0), f["header"], f["ops"], kind, f["detail"],
+            traceback=f.get("traceback", ""),
+        )  # fmt: skip
         paths = (directory.findings / f"{name}.jsonl", directory.findings / f"{name}-min.jsonl")
         found = handle_failure(
             failure,
@@ -301,13 +310,20 @@ def merge_fuzz(
             minimize_replays,
             paths=paths,
         )
-        lines.append(f"FINDING {kind} in task {task.key}, case {f['case']}: {f['detail'].strip().splitlines()[-1]}")
+        after = f", {f['seconds']:.1f}s into its task" if "seconds" in f else ""
+        lines.append(
+            f"FINDING {kind} in task {task.key}, case {f['case']}{after}: {f['detail'].strip().splitlines()[-1]}"
+        )
         lines.append(f"  trace: {found.trace_path} ({len(f['ops'])} ops)")
         if found.minimized_path is not None:
             lines.append(f"  minimized ({found.minimized_ops} ops, {found.minimized_kind}): {found.minimized_path}")
         extra = "".join(f" --{k} {task.args[k]}" for k in ("fix", "bug") if task.args.get(k))
         lines.append(f"  replay it: kvledger replay {found.minimized_path or found.trace_path}{extra}")
         lines.append(f"  or its task alone: {replay_task_command(task)}")
+        shown = found.minimized_traceback if found.minimized_path is not None else f.get("traceback", "")
+        if shown.strip():
+            whose = "the minimized trace's" if found.minimized_path is not None else "the failing run's"
+            lines.append(f"  {whose} traceback:\n" + "\n".join("    " + t for t in shown.rstrip().splitlines()))
     return _close(lines, run, tasks, directory, bool(findings), "no finding")
 
 

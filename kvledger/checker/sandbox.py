@@ -44,7 +44,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
-from typing import Any, Callable, List, Optional, TypeVar
+from typing import Any, Callable, List, Optional, Tuple, TypeVar
 
 from kvledger.engine.ledger.finding import Finding
 from kvledger.engine.ledger.ops import OpRecord
@@ -151,7 +151,7 @@ class _Child:
         requests.close()
         self.alive = True
 
-    def ask(self, request: tuple, on_message: Optional[OnMessage]) -> Any:
+    def ask(self, request: Tuple[Any, ...], on_message: Optional[OnMessage]) -> Any:
         try:
             self.requests.send(request)
         except (BrokenPipeError, OSError):

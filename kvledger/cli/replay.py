@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvledger.cli.checker_options import add_subject, command_error, target_of
+from kvledger.cli.checker_options import add_isolation, add_subject, command_error, target_of
 
 
 def add_replay(sub: argparse._SubParsersAction) -> None:
@@ -61,6 +61,7 @@ def add_minimize(sub: argparse._SubParsersAction) -> None:
         metavar="SPEC",
         help="minimize on this subject (default: the one the trace's header names, if any)",
     )
+    add_isolation(p)
     p.set_defaults(func=_minimize)
 
 

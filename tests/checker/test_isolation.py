@@ -15,7 +15,7 @@ from kvledger.checker.fuzz import format_summary, fuzz
 from kvledger.checker.replay import replay_trace
 from kvledger.checker.targets import subject_target
 from kvledger.cli import main
-from kvledger.engine.ledger.ops import Prefill, Submit, written
+from kvledger.engine.ledger.ops import InvalidOp, Prefill, Submit, written
 from kvledger.engine.ledger.trace import read
 from kvledger.properties import write_ahead
 from kvledger.properties.isolation import Isolation
@@ -112,7 +112,7 @@ def test_the_record_holds_the_run_in_flight_and_its_copies_prior_operations(tmp_
         twin.apply(DEADLY[1])
         header, ops = write_ahead.last_sequence(log.path)
         assert ops == DEADLY[:2] and header.num_pages == CONFIG.num_pages
-        with pytest.raises(Exception):
+        with pytest.raises(InvalidOp):
             driver.apply(written(Submit(0, (1,), 1)))  # uid 0 again: refused as invalid, never applied
         _, ops = write_ahead.last_sequence(log.path)
         assert ops == DEADLY[:1]
