@@ -44,15 +44,16 @@ def fuzz_shard(
     admission: Optional[str] = None,
     subject: Optional[str] = None,
     fix: Optional[str] = None,
+    isolation: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     """Cases 0..cases-1 of fuzz task `shard` under `seed` on the target (`subject` with `fix` and
     `bug`, else reference against fast with fast's zoo bug `bug`); stops at the first finding. The
-    cases run in the target's sandbox: a subject that kills its process ends the task with that
-    finding (its case's trace from the write-ahead record), not with a lost worker."""
+    cases run in the target's sandbox (`isolation`: an `Isolation`'s fields, None: the kind's
+    default): a subject that kills its process ends the task with that finding (its case's trace
+    from the write-ahead record), not with a lost worker."""
     import torch
 
     from kvledger.checker import sandbox
-    from kvledger.checker.fuzz import TargetRecipe
     from kvledger.checker.fuzz_case import as_json
     from kvledger.checker.isolated_runs import died_outcome
     from kvledger.checker.workloads import workload_for
@@ -60,7 +61,7 @@ def fuzz_shard(
 
     torch.set_num_threads(1)
     logging.getLogger().setLevel(logging.WARNING)
-    target = TargetRecipe(subject, fix, bug).build()
+    target = _recipe(subject, fix, bug, isolation).build()
     workload = workload_for(target, admission)
     counts: Dict[str, int] = {}  # rare event -> the cases that reached it
     first: Dict[str, int] = {}  # rare event -> the case that first reached it
@@ -109,6 +110,13 @@ def fuzz_shard(
     out["first_case"] = first
     out["seconds"] = time.perf_counter() - started
     return out
+
+
+def _recipe(subject: Optional[str], fix: Optional[str], bug: Optional[str], isolation: Optional[Dict[str, Any]]) -> Any:
+    from kvledger.checker.fuzz import TargetRecipe
+    from kvledger.properties.isolation import Isolation
+
+    return TargetRecipe(subject, fix, bug, isolation=Isolation(**isolation) if isolation else None)
 
 
 def _shard_cases(workload: Any, seed: int, shard: int, cases: int) -> None:
@@ -171,12 +179,17 @@ def fuzz_tasks(
     time_limit: float = TASK_LIMIT_S,
     subject: Optional[str] = None,
     fix: Optional[str] = None,
+    isolation: Optional[Dict[str, Any]] = None,
 ) -> List[Task]:
+    """The tasks of a fuzz campaign; `isolation` (an `Isolation`'s fields) only when it is not the
+    target's default, so a campaign directory of before it resumes."""
     args: Dict[str, Any] = {"seed": seed, "cases": cases, "bug": bug, "admission": admission}
     prefix = "fuzz"
     if subject is not None:
         args.update(subject=subject, fix=fix)
         prefix = f"fuzz/{subject}"
+    if isolation is not None:
+        args.update(isolation=isolation)
     return [
         Task(f"{prefix}/seed{seed}/shard{i}", f"{__name__}:fuzz_shard", {**args, "shard": i}, time_limit)
         for i in range(tasks)
@@ -261,7 +274,7 @@ def merge_fuzz(
     minimize_replays: Optional[int],
 ) -> Tuple[str, int]:
     """The merged result and the exit status (1: a finding, 2: a task that did not finish)."""
-    from kvledger.checker.fuzz import TargetRecipe, WorkerFailure, handle_failure
+    from kvledger.checker.fuzz import WorkerFailure, handle_failure
     from kvledger.checker.workloads import workload_for
 
     totals = {"ops": 0, "cases": 0, "preemptions": 0, "optimistic_cases": 0}
@@ -280,7 +293,9 @@ def merge_fuzz(
         f"{totals['ops'] / run.seconds if run.seconds else 0:,.0f} ops/s"
     ]
     first_args = tasks[0].args if tasks else {}
-    target = TargetRecipe(first_args.get("subject"), first_args.get("fix"), first_args.get("bug")).build()
+    target = _recipe(
+        first_args.get("subject"), first_args.get("fix"), first_args.get("bug"), first_args.get("isolation")
+    ).build()
     workload = workload_for(target, first_args.get("admission"))
     expected = workload.expected_events()
     if expected:

@@ -183,6 +183,9 @@ def _worker(
     def relay(message: Any) -> None:
         if isinstance(message, CaseStarted):
             in_flight[:] = [message]
+            if record is not None and not target.isolation.enabled:
+                # the queue's writes are asynchronous: a death here would lose the message
+                Path(record + ".case").write_text(f"{message.case} {message.seed}")
         elif isinstance(message, WorkerFailure):
             kinds.add(message.kind)
         out.put(message)
@@ -514,6 +517,15 @@ class WorkerStop:
     early: bool = False
 
 
+def _case_on_disk(worker: int, path: Path) -> Optional[CaseStarted]:
+    """The case a worker that ran its cases in its own process wrote down before starting it."""
+    try:
+        case, seed = path.read_text().split()
+    except (OSError, ValueError):
+        return None
+    return CaseStarted(worker, int(case), int(seed))
+
+
 class _Workers:
     """The parent's watch over its worker processes: the case each one is running, how each ended,
     and a worker that died without a word turned into its finding (from its record, when it ran
@@ -544,7 +556,7 @@ class _Workers:
         for i, p in enumerate(self.procs):
             if i in self.ended or p.is_alive():
                 continue
-            case = self.in_flight.get(i)
+            case = self.in_flight.get(i) or _case_on_disk(i, self.records / f"worker-{i}.jsonl.case")
             started = case.case + 1 if case is not None else 0
             code = p.exitcode if p.exitcode is not None else -1
             if after_stop and code == -signal.SIGTERM:

@@ -96,12 +96,25 @@ def _fuzz_campaign(args: argparse.Namespace) -> int:
     target = target_of(args, "fuzz")
     if isinstance(target, int):
         return target
+    from dataclasses import asdict
+
     from kvledger.checker.fuzz import TargetRecipe
+    from kvledger.properties.isolation import IN_PROCESS, ISOLATED
 
     recipe = TargetRecipe.of(target)  # a task rebuilds the target from it
     n = args.first_task + args.tasks
+    default = ISOLATED if recipe.subject is not None else IN_PROCESS  # the kind's own
+    isolation = None if target.isolation == default else asdict(target.isolation)
     tasks = campaigns.fuzz_tasks(
-        args.seed, n, args.cases, recipe.bug, args.admission, args.task_limit, subject=recipe.subject, fix=recipe.fix
+        args.seed,
+        n,
+        args.cases,
+        recipe.bug,
+        args.admission,
+        args.task_limit,
+        subject=recipe.subject,
+        fix=recipe.fix,
+        isolation=isolation,
     )
     merge = lambda run: campaigns.merge_fuzz(  # noqa: E731
         run, tasks, directory, args.minimize_budget, args.minimize_replays

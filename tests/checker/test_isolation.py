@@ -120,23 +120,41 @@ def test_the_record_holds_the_run_in_flight_and_its_copies_prior_operations(tmp_
         write_ahead.close()
 
 
-# -- the commands ------------------------------------------------------------------------------------
+# -- the commands: each death in each of them ------------------------------------------------------
+DEATHS = [
+    ("segv", "subject-crashed:SIGSEGV"),
+    ("exits", "subject-crashed:exit-3"),
+    ("oom", "subject-oom"),
+    ("hang", "subject-hung"),
+]
+QUICK = Isolation(memory_cap_mb=300, hang_limit_s=1.0)
+LIMITS = ["--memory-cap", "300", "--hang-limit", "1"]
+
+
+def _replays(death):
+    """The minimizer's replay bound: a hanging candidate costs the hang limit, so few of them."""
+    return 6 if death == "hang" else 150
+
+
 @pytest.mark.parametrize("workers", [1, 2])
-def test_fuzz_reports_a_segfault_with_a_minimized_trace_and_goes_on(tmp_path, workers):
-    target = subject_target(SEGV, isolation=FAST)
-    result = fuzz(600, workers=workers, seed=0, out_dir=tmp_path, progress=False, max_cases=4, target=target,
-                  minimize_replays=150)  # fmt: skip
+@pytest.mark.parametrize("death, kind", DEATHS)
+def test_fuzz_reports_each_death_with_a_minimized_trace_and_goes_on(tmp_path, workers, death, kind):
+    spec = f"tests.support.dying_subject:{death}"
+    result = fuzz(600, workers=workers, seed=0, out_dir=tmp_path, progress=False, max_cases=3,
+                  target=subject_target(spec, isolation=QUICK), minimize_replays=_replays(death))  # fmt: skip
     (found,) = result.failures
-    assert found.kind == "subject-crashed:SIGSEGV" and found.minimized_ops is not None
-    assert found.minimized_ops <= 4 and "die" in found.minimized_traceback
+    assert found.kind == kind and found.minimized_ops is not None and found.minimized_kind == kind
     # every worker went on after its child died and ran all its cases
-    assert [s.cases for s in result.stops] == [4] * workers and not result.incomplete
+    assert [s.cases for s in result.stops] == [3] * workers and not result.incomplete
     summary = format_summary(result)
-    assert "FOUND subject-crashed:SIGSEGV" in summary and "no finding" not in summary
-    assert "first finding after" in summary and "the minimized trace's traceback" in summary
-    assert replay_trace(str(found.minimized_path), subject_target(SEGV)) == 1
+    assert f"FOUND {kind}" in summary and "no finding" not in summary and "first finding after" in summary
+    if death != "exits":  # os._exit leaves no stack behind
+        assert "the minimized trace's traceback" in summary and "in die" in found.minimized_traceback
+    assert replay_trace(str(found.minimized_path), subject_target(spec, isolation=QUICK)) == 1
     header, ops = read(found.minimized_path)
-    assert header.subject == SEGV and len(ops) == found.minimized_ops
+    assert header.subject == spec and len(ops) == found.minimized_ops
+    if death == "segv":  # a deterministic death minimizes to its 3 operations
+        assert found.minimized_ops == 3
 
 
 def test_a_worker_that_dies_in_process_is_a_finding_and_never_no_finding(tmp_path):
@@ -150,29 +168,45 @@ def test_a_worker_that_dies_in_process_is_a_finding_and_never_no_finding(tmp_pat
     assert "ENDED EARLY" in summary and "no finding" not in summary
 
 
-@pytest.mark.parametrize("death, kind", [("exits", "subject-crashed:exit-3"), ("oom", "subject-oom")])
-def test_check_reports_a_death_and_its_trace_replays_to_it(tmp_path, capsys, death, kind):
+@pytest.mark.parametrize("death, kind", DEATHS)
+def test_check_reports_each_death_and_its_trace_replays_to_it(tmp_path, capsys, death, kind):
     from kvledger.checker.check import run_check
 
     spec = f"tests.support.dying_subject:{death}"
     # the minimizer's seconds only cut its search short: the kind is the verdict
-    assert run_check(subject_target(spec, isolation=FAST), out_dir=tmp_path, minimize_budget=2) == 1
+    assert run_check(subject_target(spec, isolation=QUICK), out_dir=tmp_path, minimize_budget=2) == 1
     out = capsys.readouterr().out
     assert f"[{kind}]" in out
-    # an exit takes the process (the Hypothesis run's counts with it); a MemoryError under the cap is
-    # caught where the subject raised it, and the run goes on to report its sequences
-    assert ("its process died" in out) == (death == "exits")
+    # a MemoryError under the cap is caught where the subject raised it, and the run goes on to
+    # report its sequences; the others take the process, and the Hypothesis run's counts with it
+    assert ("its process died" in out) == (death != "oom")
     (path,) = tmp_path.glob("*.jsonl")
-    assert main(["replay", str(path), "--memory-cap", "300"]) == 1
+    assert main(["replay", str(path), *LIMITS]) == 1
     assert kind in capsys.readouterr().out
 
 
-def test_explore_reports_a_segfault_as_its_counterexample(tmp_path, capsys):
-    code = main(["explore", "--scope", "ci", "--subject", SEGV, "--out-dir", str(tmp_path), "-q"])
+@pytest.mark.parametrize("death, kind", DEATHS)
+def test_explore_reports_each_death_as_its_counterexample(tmp_path, capsys, death, kind):
+    spec = f"tests.support.dying_subject:{death}"
+    code = main(["explore", "--scope", "ci", "--subject", spec, "--out-dir", str(tmp_path), "-q", *LIMITS])
     out = capsys.readouterr().out
-    assert code == 1 and "subject-crashed:SIGSEGV" in out
+    assert code == 1 and kind in out
     (path,) = tmp_path.glob("*.jsonl")
-    assert replay_trace(str(path), subject_target(SEGV)) == 1
+    assert main(["replay", str(path), *LIMITS]) == 1
+    assert kind in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("death, kind", DEATHS)
+def test_a_campaign_task_whose_subject_dies_is_a_finding_not_a_lost_worker(tmp_path, capsys, death, kind):
+    spec = f"tests.support.dying_subject:{death}"
+    args = ["fuzz", "--subject", spec, "--tasks", "2", "--cases", "3", "--workers", "2", "-q", *LIMITS]
+    assert main([*args, "--minimize-replays", str(_replays(death)), "--campaign", str(tmp_path / "c")]) == 1
+    text = (tmp_path / "c" / "summary.txt").read_text()
+    assert f"FINDING {kind} in task" in text and "minimized (" in text and "s into its task" in text
+    (minimized,) = sorted((tmp_path / "c").glob("findings/*-min.jsonl"))
+    capsys.readouterr()
+    assert main(["replay", str(minimized), *LIMITS]) == 1
+    assert kind in capsys.readouterr().out
 
 
 def test_minimize_shrinks_a_hang_without_hanging(tmp_path, capsys):
@@ -182,15 +216,6 @@ def test_minimize_shrinks_a_hang_without_hanging(tmp_path, capsys):
     padded = [DEADLY[0], written(Submit(2, (9, 9, 9), 1)), *DEADLY[1:]]
     small, finding = minimize_ops(target, CONFIG, padded, "subject-hung", budget=600, max_replays=8)
     assert finding is not None and finding.kind == "subject-hung" and len(small) == 3
-
-
-def test_a_campaign_task_whose_subject_dies_is_a_finding_not_a_lost_worker(tmp_path):
-    args = ["fuzz", "--subject", SEGV, "--tasks", "2", "--cases", "3", "--workers", "2", "-q"]
-    assert main([*args, "--minimize-replays", "100", "--campaign", str(tmp_path / "c")]) == 1
-    text = (tmp_path / "c" / "summary.txt").read_text()
-    assert "FINDING subject-crashed:SIGSEGV in task" in text and "minimized (" in text
-    (minimized,) = sorted((tmp_path / "c").glob("findings/*-min.jsonl"))
-    assert main(["replay", str(minimized)]) == 1
 
 
 def test_the_pytest_entry_point_fails_the_test_with_the_trace_and_survives(tmp_path):
