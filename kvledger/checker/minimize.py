@@ -823,6 +823,8 @@ def _main_minimize_subject(
     print(f"minimized {len(ops)} operations to {len(small)}: {output}")
     for op in small:
         print("  " + json.dumps(op.to_json()))
+    if finding.detail.strip():  # from the replay of the minimized trace, not of the input
+        print(f"the minimized trace's traceback:\n{finding.detail.rstrip()}")
     return 0
 
 

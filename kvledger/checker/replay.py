@@ -75,7 +75,9 @@ def replay_trace(path: str, target: Target) -> int:
 
 
 def _warn_on_another_version(path: str, header: Header, target: Target) -> None:
-    version = getattr(target, "version", None)
+    version = getattr(target, "version", None)  # "unknown": no subject answered (its process died first)
+    if version in (None, "unknown"):
+        return
     if header.subject_version and target.name == header.subject and version != header.subject_version:
         log.warning("%s was recorded on %s %s; replaying on %s", path, target.name, header.subject_version, version)
 

@@ -94,6 +94,9 @@ def _serve(requests: Connection, answers: Connection, files: Path, isolation: Is
     global _sink
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it kills us
     stack = open(files / "stack", "w")  # noqa: SIM115 (faulthandler writes to it at the death)
+    # disabled first: enabling an enabled faulthandler only swaps its file, and a library that set
+    # its own handler since (Ray's driver does) would keep the signal
+    faulthandler.disable()
     faulthandler.enable(file=stack, all_threads=False)
     if isolation.memory_cap_mb:
         cap = _address_space() + isolation.memory_cap_mb * 2**20

@@ -43,6 +43,21 @@ def test_a_fuzz_campaign_finds_the_same_on_ray_as_here_and_its_finding_replays_a
     assert "FINDING invariant:1-2-partition in task fuzz/seed0/shard0, case 1" in alone
 
 
+def test_a_ray_task_whose_subject_segfaults_is_a_finding_with_its_stack(tmp_path, ray_cluster, capsys):
+    spec = "tests.support.dying_subject:segv"
+    args = ["fuzz", "--subject", spec, "--tasks", "2", "--cases", "3", "--cluster", "auto", "-q"]
+    assert main([*args, "--minimize-replays", "100", "--campaign", str(tmp_path / "c")]) == 1
+    text = (tmp_path / "c" / "summary.txt").read_text()
+    assert "FINDING subject-crashed:SIGSEGV in task" in text and "minimized (3 ops" in text
+    assert "in die" in text  # the minimized trace's stack, though Ray's driver has a SIGSEGV handler of its own
+    outcomes = [json.loads(line) for line in (tmp_path / "c" / "outcomes.jsonl").read_text().splitlines()]
+    assert [o["status"] for o in outcomes] == ["done", "done"]  # no task lost its worker
+    (minimized,) = sorted((tmp_path / "c").glob("findings/*-min.jsonl"))
+    capsys.readouterr()
+    assert main(["replay", str(minimized)]) == 1
+    assert "subject-crashed:SIGSEGV" in capsys.readouterr().out
+
+
 def test_a_second_fuzz_campaign_over_the_directory_resumes(tmp_path, capsys):
     directory = tmp_path / "c"
     args = ["fuzz", "--tasks", "2", "--cases", "2", "-q", "--campaign", str(directory)]
