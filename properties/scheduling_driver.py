@@ -164,13 +164,7 @@ class SchedulingDriver:
     # -- operations ------------------------------------------------------------------------------
     def apply(self, line: TraceLine) -> OpResult:
         record = as_record(line)
-        write_ahead.before(self, self._pool_header, self.history, record)
-        try:
-            result = dispatch(record.op, self)
-        except InvalidOp:
-            write_ahead.undo(self)
-            raise
-        self.history.append(record)
+        result = write_ahead.recorded(self, self._pool_header, self.history, record, lambda: dispatch(record.op, self))
         self.ops += 1
         return result
 

@@ -98,13 +98,7 @@ class SubjectDriver:
         """Apply one operation (its `expect`, if any, is the lockstep driver's to check: a subject
         is judged, not compared with a recorded result)."""
         record = as_record(line)
-        write_ahead.before(self, self._pool_header, self.history, record)
-        try:
-            result = dispatch(record.op, self)
-        except InvalidOp:
-            write_ahead.undo(self)
-            raise
-        self.history.append(record)
+        result = write_ahead.recorded(self, self._pool_header, self.history, record, lambda: dispatch(record.op, self))
         self.ops += 1
         reached = getattr(self.subject, "reached", None)  # rare states a subject reports (its `rare_events`)
         while reached:

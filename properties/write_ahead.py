@@ -19,12 +19,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
 
-from kvledger.engine.ledger.ops import OpRecord
+from kvledger.engine.ledger.ops import InvalidOp, OpRecord
 from kvledger.engine.ledger.trace import Header, dumps, loads
 
-__all__ = ["WriteAheadLog", "before", "close", "current", "last_sequence", "open_log", "starting", "undo"]
+__all__ = ["WriteAheadLog", "before", "close", "current", "last_sequence", "open_log", "recorded", "starting", "undo"]
 
 
 class WriteAheadLog:
@@ -87,6 +87,24 @@ def before(owner: object, header: Callable[[], Header], prior: Sequence[OpRecord
     """`op` is about to be applied to `owner`'s run, which has applied `prior` on `header()`'s pool."""
     if _log is not None:
         _log.write(owner, header, prior, op)
+
+
+T = TypeVar("T")
+
+
+def recorded(
+    owner: object, header: Callable[[], Header], history: List[OpRecord], op: OpRecord, apply: Callable[[], T]
+) -> T:
+    """`apply()` of `op` to `owner`'s run, written down first: taken back if the run refuses it as
+    invalid, added to the run's `history` (what a copy of the run begins its record with) if not."""
+    before(owner, header, history, op)
+    try:
+        result = apply()
+    except InvalidOp:
+        undo(owner)
+        raise
+    history.append(op)
+    return result
 
 
 def undo(owner: object) -> None:
