@@ -222,8 +222,11 @@ def _worker(
                 if workload.stops_at_first:
                     reason = "stopped at its first finding (its subject died)"
                     break
-                if not keep_going() or (max_cases is not None and number >= max_cases):
-                    reason = "time budget spent" if not stop.is_set() else "stopped by the parent"
+                if max_cases is not None and number >= max_cases:
+                    reason = f"ran its {max_cases} cases"
+                    break
+                if not keep_going():
+                    reason = "stopped by the parent (the run ended)" if stop.is_set() else "time budget spent"
                     break
     out.put(Done(index, number, reason))
 
@@ -663,7 +666,7 @@ def format_summary(result: FuzzResult) -> str:
             lines.append("no finding")
     elif result.first_found is not None and result.seconds_to_find is not None:
         worker, case = result.first_found
-        lines.append(f"first finding after {result.seconds_to_find:.1f}s: worker {worker}, case {case}")
+        lines.append(f"first finding to arrive: after {result.seconds_to_find:.1f}s, worker {worker}, case {case}")
     for f in result.failures:
         if f.kind == "crash":
             lines.append(f"CRASH in worker {f.worker}, case {f.case} (not a finding):\n{f.detail}")
