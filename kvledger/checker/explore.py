@@ -540,7 +540,7 @@ def explore(
             result.cut = "finding"
             result.findings.append(Counterexample(died.kind, died.message, len(died.ops), list(died.ops)))
             result.warnings.append(
-                f"the search's process died ({died.kind}); the counts above are of nothing (they died with it), "
+                f"the search's process died ({died.kind}) and its counts with it (they read 0); "
                 "the counterexample is the path the search took to the dying state"
             )
     if out_dir is not None:
