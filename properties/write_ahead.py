@@ -24,7 +24,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
 from kvledger.engine.ledger.ops import InvalidOp, OpRecord
 from kvledger.engine.ledger.trace import Header, dumps, loads
 
-__all__ = ["WriteAheadLog", "before", "close", "current", "last_sequence", "open_log", "recorded", "starting", "undo"]
+__all__ = ["WriteAheadLog", "before", "close", "last_sequence", "open_log", "recorded", "starting", "undo"]
 
 
 class WriteAheadLog:
@@ -77,10 +77,6 @@ def close() -> None:
     if _log is not None:
         _log.close()
         _log = None
-
-
-def current() -> Optional[WriteAheadLog]:
-    return _log
 
 
 def before(owner: object, header: Callable[[], Header], prior: Sequence[OpRecord], op: OpRecord) -> None:

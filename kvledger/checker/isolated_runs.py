@@ -20,7 +20,7 @@ from kvledger.engine.ledger.trace import Header
 from kvledger.properties.isolation import Isolation
 from kvledger.properties.target import Target, applied, replay
 
-__all__ = ["Cases", "Replayer", "died_outcome", "play_case_isolated", "replay_isolated"]
+__all__ = ["Cases", "Replayer", "died_outcome", "replay_isolated"]
 
 Replayed = Tuple[Optional[Finding], Optional[List[OpRecord]]]
 
@@ -91,14 +91,6 @@ class Cases:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def play_case_isolated(
-    workload: Workload, isolation: Isolation, number: int, cseed: int, op_limit: float = OP_LIMIT_S
-) -> CaseOutcome:
-    """One case in a child of its own (see `Cases`)."""
-    with Cases(workload, isolation, op_limit) as cases:
-        return cases(number, cseed)
 
 
 def died_outcome(workload: Workload, number: int, cseed: int, died: sandbox.SubjectDied) -> CaseOutcome:
